@@ -1,0 +1,18 @@
+"""Sampling dynamics: one file per idea, all behind ``Dynamics.mean_and_std``."""
+
+from .base import Dynamics, StepResult
+from .cps import CPS
+from .dance_sde import DanceSDE
+from .flow_sde import FlowSDE
+from .ode import ODE
+
+DYNAMICS = {cls.name: cls for cls in (FlowSDE, DanceSDE, CPS, ODE)}
+
+
+def make_dynamics(name: str, noise_level: float = 0.0) -> Dynamics:
+    if name not in DYNAMICS:
+        raise ValueError(f"scheduler.dynamics_type: unknown {name!r}; valid: {sorted(DYNAMICS)}")
+    return DYNAMICS[name](noise_level)
+
+
+__all__ = ["CPS", "DYNAMICS", "DanceSDE", "Dynamics", "FlowSDE", "ODE", "StepResult", "make_dynamics"]

@@ -1,0 +1,91 @@
+"""The contract between a diffusers pipeline and the rest of Flow-Factory.
+
+An adapter knows one model family: how to load it, encode prompts, shape and
+draw noise, call the transformer once (with CFG or a guidance embedding), and
+decode. It never runs a denoising loop (that is ``rollout.py``) and never
+computes a loss. Latents are always in the VAE's natural layout,
+(B, C, H/8, W/8) for images and (B, C, F', H/8, W/8) for video; an adapter that
+packs tokens (FLUX) packs inside ``velocity``.
+
+Conditioning is a dict of batch-first tensors, so it can be sliced per sample
+(``index_cond``), cached, and moved between devices.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+Conditioning = dict[str, Tensor]
+
+
+def index_cond(cond: Conditioning, idx) -> Conditioning:
+    return {k: v[idx] for k, v in cond.items()}
+
+
+def cat_cond(conds: list[Conditioning]) -> Conditioning:
+    return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
+
+
+class FlowAdapter:
+    """Base class; subclasses register under ``model_type`` in models/registry.py."""
+
+    model_type: ClassVar[str]
+    pipeline_class: ClassVar[type]
+    # module names LoRA targets when ``target_modules: default``
+    default_lora_targets: ClassVar[list[str]]
+    # True: video model, decode returns (B, F, 3, H, W)
+    is_video: ClassVar[bool] = False
+
+    def __init__(self, pipeline, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.pipeline = pipeline
+        self.device = torch.device(device)
+        self.dtype = dtype
+        pipeline.to(self.device)
+        for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+            module = getattr(pipeline, name, None)
+            if module is not None:
+                module.requires_grad_(False)
+        self.transformer.requires_grad_(False)
+
+    @classmethod
+    def from_pretrained(cls, path: str, device="cpu", dtype: torch.dtype = torch.float32) -> "FlowAdapter":
+        pipe = cls.pipeline_class.from_pretrained(path, torch_dtype=dtype)
+        return cls(pipe, device, dtype)
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipeline.transformer
+
+    @transformer.setter
+    def transformer(self, module: torch.nn.Module) -> None:
+        self.pipeline.transformer = module
+
+    # --- what each model defines -------------------------------------------------
+    def encode(self, prompts: list[str], negative_prompts: list[str] | None, guidance_scale: float) -> Conditioning:
+        """Text conditioning for ``prompts``; includes the negative branch when CFG is used."""
+        raise NotImplementedError  # abstract
+
+    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+        """Shape of one sample's latents (no batch dim)."""
+        raise NotImplementedError  # abstract
+
+    def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> Tensor:
+        """(num_steps + 1,) float32 from 1-ish down to 0, as the pipeline's scheduler sets them."""
+        raise NotImplementedError  # abstract
+
+    def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
+        """One transformer call (CFG inside); returns float32 v with ``latents``' shape."""
+        raise NotImplementedError  # abstract
+
+    def decode(self, latents: Tensor) -> Tensor:
+        """Images (B, 3, H, W) or videos (B, F, 3, H, W), float32 in [0, 1]."""
+        raise NotImplementedError  # abstract
+
+    # --- shared -----------------------------------------------------------------
+    def initial_noise(self, n: int, height: int, width: int, generator: torch.Generator | None = None,
+                      num_frames: int | None = None) -> Tensor:
+        shape = (n, *self.latent_shape(height, width, num_frames))
+        return torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
