@@ -1,0 +1,5 @@
+"""Prompt datasets and the per-epoch, group-aware prompt draw."""
+
+from .prompts import EpochDraw, EpochSampler, PromptItem, load_prompts
+
+__all__ = ["EpochDraw", "EpochSampler", "PromptItem", "load_prompts"]

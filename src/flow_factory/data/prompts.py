@@ -1,0 +1,140 @@
+"""Prompt datasets and the per-epoch prompt draw.
+
+A dataset is a directory holding ``{split}.jsonl`` or ``{split}.txt`` (the layout
+of flow_grpo's and Flow-Factory's prompt datasets; ``.jsonl`` wins when both are
+there):
+
+* ``.jsonl``: one JSON object a line, ``{"prompt": ..., "negative_prompt": ...}``
+  (``negative_prompt`` optional; other keys are ignored);
+* ``.txt``: one prompt a line.
+
+Blank lines at the end of a file are fine; a blank line before the last prompt
+is an error, since it usually means a broken export. Every error names the file
+and the 1-based line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    prompt: str
+    negative_prompt: str | None = None
+
+
+def _content_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, stripped text) up to the last non-blank line; blank ones before it are errors."""
+    # utf-8-sig: files saved by Windows editors start with a BOM that is not part of the prompt
+    lines = path.read_text(encoding="utf-8-sig").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    out = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            raise ValueError(f"{path}:{number}: empty prompt (blank line before the end of the file)")
+        out.append((number, line.strip()))
+    return out
+
+
+def _parse_jsonl(path: Path) -> list[PromptItem]:
+    items = []
+    for number, line in _content_lines(path):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object with a 'prompt' key, "
+                             f"got {type(row).__name__}")
+        if "prompt" not in row:
+            raise ValueError(f"{path}:{number}: missing 'prompt' key (keys: {sorted(row)})")
+        prompt, negative = row["prompt"], row.get("negative_prompt")
+        if not isinstance(prompt, str):
+            raise ValueError(f"{path}:{number}: 'prompt' must be a string, got {type(prompt).__name__}")
+        if not prompt.strip():
+            raise ValueError(f"{path}:{number}: empty prompt")
+        if negative is not None and not isinstance(negative, str):
+            raise ValueError(f"{path}:{number}: 'negative_prompt' must be a string or null, "
+                             f"got {type(negative).__name__}")
+        items.append(PromptItem(prompt.strip(), negative))
+    return items
+
+
+def _parse_txt(path: Path) -> list[PromptItem]:
+    return [PromptItem(text) for _, text in _content_lines(path)]
+
+
+def load_prompts(dataset_dir: str | Path, split: str = "train", max_size: int | None = None) -> list[PromptItem]:
+    """The prompts of ``split`` in ``dataset_dir``, in file order; the first ``max_size`` if given."""
+    if max_size is not None and max_size < 1:
+        raise ValueError(f"max_size must be a positive number of prompts or None, got {max_size}")
+    directory = Path(dataset_dir).expanduser()
+    candidates = [directory / f"{split}.jsonl", directory / f"{split}.txt"]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"no {split} prompts in {directory}: looked for "
+                                f"{' and '.join(p.name for p in candidates)}")
+    items = _parse_jsonl(path) if path.suffix == ".jsonl" else _parse_txt(path)
+    if not items:
+        raise ValueError(f"{path}: no prompts in the file")
+    return items[:max_size] if max_size is not None else items
+
+
+class EpochDraw(NamedTuple):
+    """Unpacks as ``indices, group_ids = sampler.draw(epoch)``."""
+
+    prompt_indices: Tensor  # (unique_per_epoch * group_size,) long, each prompt's group contiguous
+    group_ids: Tensor  # (same,) long, 0 .. unique_per_epoch - 1, one per group
+
+
+class EpochSampler:
+    """Which prompts an epoch samples: ``unique_per_epoch`` distinct prompts, each
+    repeated ``group_size`` times in a contiguous block (one GRPO group).
+
+    The draw depends only on ``(seed, epoch)``, so a run resumed at epoch e draws
+    what the uninterrupted run drew, on any number of processes. Epochs draw
+    independently (as flow_grpo's sampler does): a prompt may come back in the
+    next epoch before every other prompt was seen.
+    """
+
+    def __init__(self, num_prompts: int, unique_per_epoch: int, group_size: int, seed: int = 0):
+        if num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if not 1 <= unique_per_epoch <= num_prompts:
+            raise ValueError(f"unique_per_epoch must be between 1 and the number of prompts "
+                             f"({num_prompts}), got {unique_per_epoch}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.num_prompts = int(num_prompts)
+        self.unique_per_epoch = int(unique_per_epoch)
+        self.group_size = int(group_size)
+        self.seed = int(seed)
+
+    def _generator(self, epoch: int) -> torch.Generator:
+        # SeedSequence mixes (seed, epoch) into well-separated streams; seed + epoch would
+        # make (seed=0, epoch=1) and (seed=1, epoch=0) draw the same prompts
+        state = np.random.SeedSequence([self.seed, int(epoch)]).generate_state(1, dtype=np.uint64)[0]
+        return torch.Generator().manual_seed(int(state) & 0x7FFF_FFFF_FFFF_FFFF)
+
+    def draw(self, epoch: int) -> EpochDraw:
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        chosen = torch.randperm(self.num_prompts, generator=self._generator(epoch))[: self.unique_per_epoch]
+        indices = chosen.repeat_interleave(self.group_size)
+        groups = torch.arange(self.unique_per_epoch).repeat_interleave(self.group_size)
+        return EpochDraw(indices, groups)
+
+    def __len__(self) -> int:
+        """Samples per epoch."""
+        return self.unique_per_epoch * self.group_size

@@ -1,0 +1,33 @@
+"""Rewards: pointwise and groupwise reward models, their registry, and the RewardSet.
+
+Built-in reward modules are not imported here: ``resolve_reward_class`` imports
+only the module of the reward a config names, so a run never pays for (or needs)
+the dependencies of rewards it does not use.
+"""
+
+from .base import (
+    BaseRewardModel,
+    GroupwiseRewardModel,
+    PointwiseRewardModel,
+    RewardInputs,
+    RewardModelOutput,
+    images_to_pil,
+    videos_to_pil,
+)
+from .registry import register_reward, registered_rewards, resolve_reward_class
+from .reward_set import RewardSet, RewardSpec
+
+__all__ = [
+    "BaseRewardModel",
+    "GroupwiseRewardModel",
+    "PointwiseRewardModel",
+    "RewardInputs",
+    "RewardModelOutput",
+    "RewardSet",
+    "RewardSpec",
+    "images_to_pil",
+    "register_reward",
+    "registered_rewards",
+    "resolve_reward_class",
+    "videos_to_pil",
+]

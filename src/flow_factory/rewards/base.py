@@ -1,0 +1,243 @@
+"""The reward interface: pointwise and groupwise reward models.
+
+Follows Flow-Factory's documented contract so its reward classes port with few
+changes: a subclass declares ``required_fields`` (which inputs it wants) and
+``use_tensor_inputs`` (tensors or PIL), and implements
+``__call__(prompt, image, video, condition_images, condition_videos)`` returning a
+``RewardModelOutput`` with one score per sample it was given.
+
+What a subclass receives for each field (only the fields it names are passed):
+
+| field              | use_tensor_inputs=True             | use_tensor_inputs=False          |
+|--------------------|------------------------------------|----------------------------------|
+| prompt             | list[str]                          | list[str]                        |
+| image              | Tensor (n, 3, H, W) in [0, 1]      | list[PIL.Image]                  |
+| video              | Tensor (n, F, 3, H, W) in [0, 1]   | list[list[PIL.Image]] (frames)   |
+| condition_images   | list (per sample) of Tensor (k, 3, H, W) or list of (3, H, W) | list[list[PIL.Image]] |
+| condition_videos   | list (per sample) of Tensor (k, F, 3, H, W) or list of (F, 3, H, W) | list[list[list[PIL.Image]]] |
+
+A requested field that the caller did not provide arrives as ``None``.
+Unlike Flow-Factory, tensor media arrive as one stacked tensor rather than a list
+of per-sample tensors: iterating or indexing it behaves the same, and a model can
+use it as a batch without stacking.
+
+Pointwise models are called on chunks of at most ``batch_size`` samples;
+groupwise models once per group, with the whole group, whatever ``batch_size``.
+Rewards never see gradients: scoring runs under ``torch.no_grad``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+MEDIA_FIELDS = ("image", "video", "condition_images", "condition_videos")
+KNOWN_FIELDS = ("prompt", *MEDIA_FIELDS)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float64": torch.float64, "fp64": torch.float64,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """``"bf16"``, ``"bfloat16"``, ``"torch.float32"`` or a torch.dtype -> torch.dtype."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+@dataclass
+class RewardModelOutput:
+    rewards: Tensor | np.ndarray | Sequence[float]  # one score per input sample
+    extra_info: dict[str, Any] | None = None
+
+
+# --- media conversion ---------------------------------------------------------
+
+
+def to_uint8_hwc(images: Tensor) -> np.ndarray:
+    """(..., 3, H, W) floats in [0, 1] -> (..., H, W, 3) uint8, rounding as flow_grpo does."""
+    x = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
+    return x.movedim(-3, -1).numpy()
+
+
+def images_to_pil(images: Tensor) -> list[Image.Image]:
+    """(B, 3, H, W) in [0, 1] -> B RGB images."""
+    return [Image.fromarray(a) for a in to_uint8_hwc(images)]
+
+
+def videos_to_pil(videos: Tensor) -> list[list[Image.Image]]:
+    """(B, F, 3, H, W) in [0, 1] -> B lists of F RGB frames."""
+    return [[Image.fromarray(f) for f in clip] for clip in to_uint8_hwc(videos)]
+
+
+def _condition_images_to_pil(per_sample: list) -> list[list[Image.Image]]:
+    # each entry: a (k, 3, H, W) tensor, or a list of (3, H, W) tensors of varying sizes
+    return [[Image.fromarray(to_uint8_hwc(img)) for img in conds] for conds in per_sample]
+
+
+def _condition_videos_to_pil(per_sample: list) -> list[list[list[Image.Image]]]:
+    return [[[Image.fromarray(f) for f in to_uint8_hwc(clip)] for clip in conds] for conds in per_sample]
+
+
+# --- the inputs of one reward call ----------------------------------------------
+
+
+@dataclass
+class RewardInputs:
+    """A batch of samples to score; every present field has one entry per prompt."""
+
+    prompt: list[str]
+    image: Tensor | None = None  # (B, 3, H, W) in [0, 1]
+    video: Tensor | None = None  # (B, F, 3, H, W) in [0, 1]
+    condition_images: list | None = None  # per sample
+    condition_videos: list | None = None  # per sample
+    _pil_cache: dict[str, list] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        n = len(self.prompt)
+        if self.image is not None and (self.image.ndim != 4 or self.image.shape[1] != 3):
+            raise ValueError(f"images must be (B, 3, H, W), got shape {tuple(self.image.shape)}")
+        if self.video is not None and (self.video.ndim != 5 or self.video.shape[2] != 3):
+            raise ValueError(f"videos must be (B, F, 3, H, W), got shape {tuple(self.video.shape)}")
+        for name in MEDIA_FIELDS:
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"{len(value)} {name} for {n} prompts; need one per prompt")
+
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+    def select(self, index: Sequence[int] | slice) -> "RewardInputs":
+        idx = list(range(len(self)))[index] if isinstance(index, slice) else list(index)
+        take_t = lambda t: None if t is None else t[torch.as_tensor(idx, dtype=torch.long, device=t.device)]  # noqa: E731
+        take_l = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
+        sub = RewardInputs([self.prompt[i] for i in idx], take_t(self.image), take_t(self.video),
+                           take_l(self.condition_images), take_l(self.condition_videos))
+        # PIL conversion is done once per batch, not once per chunk or per reward
+        sub._pil_cache = {k: [v[i] for i in idx] for k, v in self._pil_cache.items()}
+        return sub
+
+    def pil(self, name: str) -> list | None:
+        if getattr(self, name) is None:
+            return None
+        if name not in self._pil_cache:
+            convert = {"image": images_to_pil, "video": videos_to_pil,
+                       "condition_images": _condition_images_to_pil,
+                       "condition_videos": _condition_videos_to_pil}[name]
+            self._pil_cache[name] = convert(getattr(self, name))
+        return self._pil_cache[name]
+
+
+# --- reward models --------------------------------------------------------------
+
+
+class BaseRewardModel:
+    """Shared constructor and call plumbing. Subclass ``PointwiseRewardModel`` or
+    ``GroupwiseRewardModel``, not this.
+
+    The constructor takes a reward config entry's fields; a subclass adds its own
+    keyword options (the entry's extra keys) to its ``__init__`` signature, so a
+    misspelt option fails loudly instead of being ignored.
+    """
+
+    required_fields: ClassVar[tuple[str, ...]] = ("prompt", "image")
+    use_tensor_inputs: ClassVar[bool] = False
+
+    def __init__(self, model_name_or_path: str | None = None, device: str | torch.device = "cpu",
+                 dtype: str | torch.dtype = torch.float32, batch_size: int = 16):
+        if int(batch_size) < 1:
+            raise ValueError(f"{type(self).__name__}: batch_size must be >= 1, got {batch_size}")
+        unknown = [f for f in self.required_fields if f not in KNOWN_FIELDS]
+        if unknown:
+            raise ValueError(f"{type(self).__name__}.required_fields has unknown {unknown}; "
+                             f"known fields: {list(KNOWN_FIELDS)}")
+        self.model_name_or_path = model_name_or_path
+        self.device = torch.device(device)
+        self.dtype = parse_dtype(dtype)
+        self.batch_size = int(batch_size)
+        self.model: torch.nn.Module | None = None  # set by subclasses that wrap a network
+
+    def __call__(self, prompt: list[str] | None = None, image=None, video=None,
+                 condition_images=None, condition_videos=None) -> RewardModelOutput:
+        raise NotImplementedError  # abstract: each reward defines its scoring
+
+    def to(self, device: str | torch.device) -> "BaseRewardModel":
+        if self.model is not None:
+            self.model.to(device)
+        self.device = torch.device(device)
+        return self
+
+    def _convert_media(self, inputs: RewardInputs) -> None:
+        """PIL-convert the whole batch before it is split, so chunks and other rewards reuse it."""
+        if not self.use_tensor_inputs:
+            for name in self.required_fields:
+                if name in MEDIA_FIELDS:
+                    inputs.pil(name)
+
+    def _score_once(self, inputs: RewardInputs) -> Tensor:
+        """One ``__call__`` on ``inputs`` with only the required fields; -> float32 (n,) on CPU."""
+        kwargs = {}
+        for name in self.required_fields:
+            if name == "prompt" or self.use_tensor_inputs:
+                kwargs[name] = getattr(inputs, name)
+            else:
+                kwargs[name] = inputs.pil(name)
+        with torch.no_grad():
+            out = self(**kwargs)
+        rewards = out.rewards if isinstance(out, RewardModelOutput) else out
+        if isinstance(rewards, Tensor):
+            scores = rewards.detach().float().cpu().reshape(-1)
+        else:
+            scores = torch.from_numpy(np.asarray(rewards, dtype=np.float32)).reshape(-1)
+        if scores.numel() != len(inputs):
+            raise ValueError(f"{type(self).__name__} returned {scores.numel()} rewards "
+                             f"for {len(inputs)} samples")
+        return scores
+
+
+class PointwiseRewardModel(BaseRewardModel):
+    """Scores each sample on its own; called on chunks of at most ``batch_size`` samples."""
+
+    def score(self, inputs: RewardInputs) -> Tensor:
+        """(B,) float32 scores, in input order."""
+        self._convert_media(inputs)
+        chunks = [self._score_once(inputs.select(slice(i, i + self.batch_size)))
+                  for i in range(0, len(inputs), self.batch_size)]
+        return torch.cat(chunks) if chunks else torch.zeros(0)
+
+
+class GroupwiseRewardModel(BaseRewardModel):
+    """Scores a group of samples of one prompt together (ranks, pairwise preferences).
+
+    Called once per group with every sample of that group, in batch order;
+    ``batch_size`` is a hint for the model's own internal batching.
+    """
+
+    def score(self, inputs: RewardInputs, group_ids: Tensor) -> Tensor:
+        """(B,) float32 scores; samples sharing a group id are scored in one call."""
+        group_ids = torch.as_tensor(group_ids).reshape(-1).cpu()
+        if group_ids.numel() != len(inputs):
+            raise ValueError(f"{group_ids.numel()} group ids for {len(inputs)} samples")
+        self._convert_media(inputs)
+        scores = torch.zeros(len(inputs), dtype=torch.float32)
+        # groups in order of first appearance, so calls follow the batch order
+        seen: dict[int, list[int]] = {}
+        for i, g in enumerate(group_ids.tolist()):
+            seen.setdefault(g, []).append(i)
+        for members in seen.values():
+            scores[torch.as_tensor(members)] = self._score_once(inputs.select(members))
+        return scores
