@@ -32,12 +32,17 @@ class TrainBatch:
     sigmas: Tensor  # (T + 1,)
     cond: Conditioning
     step: int  # which denoising step this loss is for
+    # (B, T, *latent): each step's Gaussian mean as the rollout computed it; recorded
+    # only for algorithms with ``records_step_means`` (GRPO-Guard), else None
+    old_means: Tensor | None = None
 
 
 class Algorithm:
     name: ClassVar[str]
     # coupled: trains the sampler's own SDE steps through their log-probs (needs SDE dynamics)
     coupled: ClassVar[bool] = True
+    # the rollout must also record each step's mean (TrainBatch.old_means)
+    records_step_means: ClassVar[bool] = False
 
     def __init__(self, train_cfg, dynamics: Dynamics):
         self.cfg = train_cfg

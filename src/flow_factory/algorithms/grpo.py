@@ -1,0 +1,138 @@
+"""GRPO for flow matching (Flow-GRPO, arXiv:2505.05470; DanceGRPO, arXiv:2505.07818).
+
+Each trained denoising step is one Gaussian action of the sampler's SDE. With the
+log-prob of the recorded next latent under the current weights, ``logp``, and the
+one the rollout recorded, ``logp_old``:
+
+    r = exp(logp - logp_old),   A <- clip(A, -adv_clip_range, adv_clip_range),
+    L = mean_b max(-A r, -A clip(r, 1 - clip_range, 1 + clip_range)),
+
+plus ``kl_beta * KL`` against the reference policy (``kl.py``). The log-probs are
+means over the latent's dimensions, so the ratio is very close to 1 and clip ranges
+are small (flow_grpo uses 1e-4).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import Algorithm, Policy, TrainBatch
+from .kl import KL_TYPES, v_based_kl, x_based_kl
+
+
+def clipped_surrogate(
+    log_ratio: Tensor, advantages: Tensor, clip_range: float, adv_clip_range: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's pessimistic clipped objective on a (B,) log importance ratio.
+
+    Metrics: ratio mean/min/max and ``clip_frac``, the fraction of samples whose
+    clipped term is the larger (active) one and differs from the unclipped term,
+    i.e. the samples that give no gradient.
+    """
+    if log_ratio.shape != advantages.shape:
+        # a (B, 1) advantage against a (B,) ratio would broadcast to (B, B) silently
+        raise ValueError(
+            f"advantages shape {tuple(advantages.shape)} does not match the log-ratio's {tuple(log_ratio.shape)}"
+        )
+    adv = advantages.to(log_ratio.dtype).clamp(-adv_clip_range, adv_clip_range)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    loss = torch.maximum(unclipped, clipped).mean()
+    r = ratio.detach()
+    metrics = {
+        "ratio_mean": r.mean(),
+        "ratio_min": r.min(),
+        "ratio_max": r.max(),
+        "clip_frac": (clipped.detach() > unclipped.detach()).float().mean(),
+    }
+    return loss, metrics
+
+
+def clipped_policy_loss(
+    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, clip_range: float, adv_clip_range: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO's policy loss for (B,) log-probs and advantages; see ``clipped_surrogate``."""
+    return clipped_surrogate(log_prob - old_log_prob, advantages, clip_range, adv_clip_range)
+
+
+class GRPO(Algorithm):
+    """Flow-GRPO's loss for one micro-batch at one SDE step.
+
+    Reads ``clip_range``, ``adv_clip_range``, ``kl_type`` and ``kl_beta`` from the
+    training config. Subclasses change the importance ratio (``log_ratio``) or the
+    weight of a step's policy loss (``policy_loss_weight``).
+    """
+
+    name = "grpo"
+
+    def __init__(self, train_cfg, dynamics):
+        super().__init__(train_cfg, dynamics)
+        if not dynamics.stochastic:
+            raise ValueError(
+                f"{self.name} trains the log-probs of stochastic steps, but dynamics "
+                f"{dynamics.name!r} is deterministic; set scheduler.dynamics_type to an SDE "
+                "(Flow-SDE, Dance-SDE or CPS)"
+            )
+        if train_cfg.kl_type not in KL_TYPES:
+            raise ValueError(f"train.kl_type: unknown {train_cfg.kl_type!r}; valid: {list(KL_TYPES)}")
+
+    # --- what subclasses change ------------------------------------------------
+    def log_ratio(self, log_prob: Tensor, mean: Tensor, std: Tensor, batch: TrainBatch) -> Tensor:
+        """(B,) log importance ratio of the recorded step under the current weights."""
+        return log_prob - batch.old_log_probs[:, batch.step].to(log_prob.dtype)
+
+    def policy_loss_weight(self, sigma: Tensor, sigma_next: Tensor) -> Tensor | float:
+        """Weight of this step's policy loss relative to the other steps'."""
+        return 1.0
+
+    # --- the loss ----------------------------------------------------------------
+    def loss(self, policy: Policy, batch: TrainBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        i = batch.step
+        x, x_next = batch.latents[:, i], batch.latents[:, i + 1]
+        sigma, sigma_next = batch.sigmas[i], batch.sigmas[i + 1]
+
+        # the same velocity() and mean_and_std() the rollout used: on-policy r == 1
+        v = policy.velocity(x, sigma, batch.cond)
+        mean, std = self.dynamics.mean_and_std(x, v, sigma, sigma_next)
+        log_prob = self.dynamics.log_prob(x_next, mean, std)
+
+        policy_loss, metrics = clipped_surrogate(
+            self.log_ratio(log_prob, mean, std, batch), batch.advantages, self.cfg.clip_range,
+            self.cfg.adv_clip_range,
+        )
+        policy_loss = policy_loss * self.policy_loss_weight(sigma, sigma_next)
+        loss = policy_loss
+
+        adv = batch.advantages.detach().float()
+        metrics.update(
+            policy_loss=policy_loss.detach(),
+            advantage_mean=adv.mean(),
+            advantage_min=adv.min(),
+            advantage_max=adv.max(),
+        )
+        if self.cfg.kl_beta > 0:
+            kl = self.kl_to_reference(policy, batch, v, mean, std)
+            loss = loss + self.cfg.kl_beta * kl
+            metrics["kl"] = kl.detach()
+        return loss, metrics
+
+    def kl_to_reference(self, policy: Policy, batch: TrainBatch, v: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+        """Batch-mean KL to the reference; gradients flow through the policy's side only."""
+        i = batch.step
+        x, sigma, sigma_next = batch.latents[:, i], batch.sigmas[i], batch.sigmas[i + 1]
+        with torch.no_grad():
+            v_ref = policy.reference_velocity(x, sigma, batch.cond)
+        if self.cfg.kl_type == "v-based":
+            return v_based_kl(v, v_ref).mean()
+        std = torch.as_tensor(std)
+        if not bool((std > 0).all()):
+            raise ValueError(
+                f"x-based KL divides by the step's std, which is 0 at step {i} (sigma_next = "
+                f"{float(sigma_next):g}) under {self.dynamics.name}; use train.kl_type: v-based, "
+                "or leave that step out of scheduler.sde_steps"
+            )
+        with torch.no_grad():
+            mean_ref, _ = self.dynamics.mean_and_std(x, v_ref, sigma, sigma_next)
+        return x_based_kl(mean, mean_ref, std).mean()
