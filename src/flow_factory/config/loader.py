@@ -1,0 +1,135 @@
+"""YAML file + ``section.key=value`` overrides -> validated ``Config``.
+
+Two PyYAML habits are corrected here because they silently change a run:
+``1e-5`` (no dot) is a float, not the string "1e-5", and a key written twice in one
+mapping is an error instead of the last one quietly winning.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from .errors import ConfigError
+from .schema import Config
+
+
+class ConfigYAMLLoader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 exponent floats and duplicate-key detection."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (lines {seen[key]} and {line})", key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+ConfigYAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=ConfigYAMLLoader)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = err.problem or err.context or "invalid YAML"
+        raise ConfigError(f"{source}{where}: invalid YAML: {what}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: invalid YAML: {err}") from None
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    if not path.is_file():
+        raise ConfigError(f"config path is not a file: {path}")
+    data = parse_yaml(path.read_text(encoding="utf-8"), str(path))
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings at the top level, got {type(data).__name__}")
+    return data
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Set ``a.b.c=value`` in ``data`` in place; list entries are addressed by index (``rewards.0.weight``)."""
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not sep or not key or not all(parts):
+        raise ConfigError(f"override {override!r}: expected section.key=value, e.g. train.learning_rate=1e-5")
+    value = parse_yaml(raw, f"override {override!r}") if raw.strip() else None
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        where = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            node = node[list_index(node, part, where, override)]
+        elif isinstance(node, dict):
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+        else:
+            raise ConfigError(f"override {override!r}: {'.'.join(parts[:depth])} is a value, not a section")
+    last = parts[-1]
+    if isinstance(node, list):
+        node[list_index(node, last, key, override)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ConfigError(f"override {override!r}: {'.'.join(parts[:-1])} is a value, not a section")
+
+
+def list_index(items: list, part: str, where: str, override: str) -> int:
+    if not part.lstrip("-").isdigit():
+        raise ConfigError(f"override {override!r}: {where.rpartition('.')[0]} is a list; "
+                          f"address an entry by its index, e.g. {where.rpartition('.')[0]}.0")
+    index = int(part)
+    if not -len(items) <= index < len(items):
+        raise ConfigError(f"override {override!r}: {where} is out of range; the list has {len(items)} entries")
+    return index
+
+
+def entries_as_lists(data: dict) -> dict:
+    """``rewards: {...}`` is a list of one entry, so ``rewards.0.weight=...`` can address it."""
+    for key in ("rewards", "eval_rewards"):
+        if isinstance(data.get(key), dict):
+            data[key] = [data[key]] if data[key] else []
+    return data
+
+
+def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
+    """Read ``path``, apply ``section.key=value`` overrides (values parsed as YAML), validate.
+
+    Raises ``ConfigError`` for every problem, naming the file and the key.
+    """
+    if isinstance(overrides, str):
+        overrides = [overrides]  # a lone string would otherwise be read character by character
+    data = entries_as_lists(read_yaml(path))
+    for override in overrides:
+        apply_override(data, override)
+    return Config.from_dict(data, source=str(path))
+
+
+def parse_config(data: dict, overrides: Iterable[str] = ()) -> Config:
+    """Like ``load_config`` for a mapping already in memory (tests, notebooks)."""
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    data = entries_as_lists(copy.deepcopy(dict(data)))
+    for override in overrides:
+        apply_override(data, override)
+    return Config.from_dict(data)

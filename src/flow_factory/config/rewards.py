@@ -1,0 +1,87 @@
+"""One entry of ``rewards`` / ``eval_rewards``.
+
+Keys this schema does not know are the reward class's own constructor options, so
+they are collected into ``kwargs`` rather than rejected: the reward's ``__init__``
+signature is what catches a misspelt option.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import PositiveInt, model_validator
+
+from .base import Section, canonical_choice, problem, setting, show
+
+DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+                 "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+# Flow-Factory's older spelling of the options mapping
+KWARGS_KEYS = ("kwargs", "reward_model_kwargs")
+
+
+class RewardConfig(Section):
+    name: str | None = setting(None, "unique name of this reward in logs and weights; null = reward_model")
+    reward_model: str = setting(description="registered reward name or a dotted class path (pkg.module.Class)")
+    weight: float = setting(1.0, "weight of this reward when rewards are combined")
+    batch_size: PositiveInt = setting(16, "samples per reward-model call")
+    device: str | None = setting(None, "device of the reward model; null = the training process's device")
+    dtype: Literal["float32", "float16", "bfloat16"] = setting("float32", "dtype of the reward model")
+    model_name_or_path: str | None = setting(None, "weights for the reward model; null = its default")
+    kwargs: dict[str, Any] = setting(default_factory=dict,
+                                     description="extra constructor options of the reward class")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _collect_kwargs(cls, data):
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields) - {"kwargs"}
+        entry = {k: v for k, v in data.items() if k in known}
+        options: dict[str, Any] = {}
+        for key in KWARGS_KEYS:
+            given = data.get(key)
+            if given is None:
+                continue
+            if not isinstance(given, dict):
+                raise problem(f"{key}: expected a mapping of constructor options, got {show(given)}")
+            options.update(given)
+        for key, value in data.items():
+            if key in known or key in KWARGS_KEYS:
+                continue
+            if key in options and options[key] != value:
+                raise problem(f"option {key!r} is given twice with different values "
+                              f"({show(value)} and {show(options[key])} in kwargs)")
+            options[key] = value
+        bad = [k for k in options if not isinstance(k, str)]
+        if bad:
+            raise problem(f"option names must be strings, got {show(bad)}")
+        entry["kwargs"] = options
+        if "dtype" in entry:
+            entry["dtype"] = canonical_choice(entry["dtype"], DTYPE_ALIASES)
+        return entry
+
+    @model_validator(mode="after")
+    def _default_name(self):
+        if self.name is None:
+            self.name = self.reward_model
+        return self
+
+
+def as_entry_list(value: Any) -> Any:
+    """One mapping is shorthand for a list of one entry; null or {} for none."""
+    if isinstance(value, dict):
+        return [value] if value else []
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def duplicate_names(entries: list[RewardConfig]) -> str | None:
+    """A problem message when two entries share a name, else None."""
+    first_seen: dict[str, int] = {}
+    for index, entry in enumerate(entries):
+        if entry.name in first_seen:
+            return (f"two entries are named {entry.name!r} (entries {first_seen[entry.name]} and {index}); "
+                    f"give each a distinct name")
+        first_seen[entry.name] = index
+    return None

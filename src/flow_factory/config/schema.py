@@ -1,0 +1,250 @@
+"""The whole run's config: top-level launcher keys, the sections, and what only the
+sections together can check (trainer vs dynamics, batch geometry, SDE window).
+
+The epoch arithmetic the trainer runs on is defined here once, as properties, so the
+checks and the training loop cannot disagree:
+
+  samples per epoch    = unique_sample_num_per_epoch * group_size
+  batches per process  = samples per epoch / (num_processes * per_device_batch_size)
+  trained steps        = num_sde_steps, else len(sde_steps), else num_inference_steps
+  micro-steps          = batches per process * trained steps   (one backward each)
+  accumulation         = micro-steps / gradient_step_per_epoch, or the explicit integer
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+import yaml
+from pydantic import PositiveInt, ValidationError, field_validator, model_validator
+
+from .base import Section, problem, setting
+from .errors import ConfigError
+from .explain import explain
+from .rewards import RewardConfig, as_entry_list, duplicate_names
+from .sections import (VIDEO_MODEL_TYPES, DataConfig, EvalConfig, LogConfig, ModelConfig,
+                       SchedulerConfig)
+from .train import TrainConfig
+
+STOCHASTIC = ("Flow-SDE", "Dance-SDE", "CPS")
+DEFAULT_LEARNING_RATE = {"lora": 1e-4, "full": 1e-5}
+ENTRIES = "a list of reward entries (mappings with a reward_model key) or one such mapping"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class Config(Section):
+    launcher: Literal["accelerate"] = setting("accelerate", "how processes are started (accelerate)")
+    config_file: str | None = setting(None, "accelerate / deepspeed config file for the launch; null = none")
+    num_processes: PositiveInt = setting(1, "number of training processes (GPUs)")
+    main_process_port: int = setting(29500, "port of the main process for distributed setup", ge=1, le=65535)
+    mixed_precision: Literal["no", "fp16", "bf16"] = setting("no", "autocast precision: no, fp16 or bf16")
+    seed: int = setting(42, "global seed; train.seed overrides it when set")
+
+    data: DataConfig = setting(description="prompt data")
+    model: ModelConfig = setting(description="the pipeline and what of it is trained")
+    scheduler: SchedulerConfig = setting(default_factory=SchedulerConfig, description="sampling dynamics")
+    train: TrainConfig = setting(default_factory=TrainConfig, description="rollouts and optimisation")
+    eval: EvalConfig = setting(default_factory=EvalConfig, description="periodic evaluation")
+    log: LogConfig = setting(default_factory=LogConfig, description="run naming, tracking, checkpoints")
+    rewards: list[RewardConfig] = setting(description="reward entries (a list, or one mapping)",
+                                          expects=ENTRIES)
+    eval_rewards: list[RewardConfig] | None = setting(None, "rewards at eval; null = the training rewards",
+                                                      expects=f"{ENTRIES}, or null")
+
+    def __init__(self, **data):
+        # pydantic routes model_validate through a custom __init__ too, wrapping this
+        # ConfigError in a ValidationError there; from_dict is the path that keeps it clean
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise ConfigError(explain(err, type(self), data)) from None
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str | None = None) -> "Config":
+        """Validate a plain mapping (as read from YAML); all its problems become one ConfigError."""
+        names = [k for k in data if not isinstance(k, str)]
+        if names:
+            raise ConfigError(f"top-level keys must be names, got {names}", source)
+        try:
+            return cls(**data)
+        except ConfigError as err:
+            raise ConfigError(err.problems, source) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections_may_be_empty(cls, data):
+        # `data:` with nothing under it is YAML null; treat it as an empty section so the
+        # error names the missing key inside it, not the section
+        if isinstance(data, dict):
+            data = dict(data)
+            for name in ("data", "model", "scheduler", "train", "eval", "log"):
+                if data.get(name) is None and (name in data or name in ("data", "model")):
+                    data[name] = {}
+        return data
+
+    @field_validator("rewards", "eval_rewards", mode="before")
+    @classmethod
+    def _one_mapping_is_a_list(cls, value):
+        return as_entry_list(value)
+
+    @field_validator("rewards", "eval_rewards")
+    @classmethod
+    def _named_entries(cls, value, info):
+        if info.field_name == "rewards" and not value:
+            raise problem("at least one reward is needed, e.g. [{reward_model: PickScore}]")
+        message = duplicate_names(value) if value else None
+        if message:
+            raise problem(message)
+        return value
+
+    @model_validator(mode="after")
+    def _resolve_and_check(self):
+        # checks first: they must see what the user wrote, not the filled-in defaults
+        problems = self._contradictions() + self._window_problems()
+        if not problems:
+            problems = self._geometry_problems()
+        if problems:
+            raise problem("\n".join(problems))
+        self._fill_defaults()
+        return self
+
+    # ------------------------------------------------------------------ resolution
+    def _fill_defaults(self) -> None:
+        train, ev = self.train, self.eval
+        if train.seed is None:
+            train.seed = self.seed
+        if train.learning_rate is None:
+            train.learning_rate = DEFAULT_LEARNING_RATE[self.model.finetune_type]
+        for key in ("resolution", "num_frames", "num_inference_steps", "guidance_scale",
+                    "per_device_batch_size", "seed"):
+            if getattr(ev, key) is None:
+                setattr(ev, key, getattr(train, key))
+        if self.log.run_name is None:
+            stamp = datetime.now().strftime("%Y%m%d_%H%M%S")
+            self.log.run_name = f"{self.model.model_type}_{self.model.finetune_type}_{train.trainer_type}_{stamp}"
+
+    # ------------------------------------------------------------------ checks
+    def _contradictions(self) -> list[str]:
+        train, sched, model = self.train, self.scheduler, self.model
+        out = []
+        if sched.dynamics_type not in STOCHASTIC:
+            out.append(f"train.trainer_type {train.trainer_type!r} needs a stochastic dynamics to have "
+                       f"log-probabilities to train, but scheduler.dynamics_type is {sched.dynamics_type!r}; "
+                       f"use one of {', '.join(STOCHASTIC)}")
+        elif train.trainer_type == "grpo-guard" and sched.dynamics_type != "Flow-SDE":
+            out.append(f"train.trainer_type 'grpo-guard' re-normalises Flow-SDE's log-ratios and works only with "
+                       f"scheduler.dynamics_type 'Flow-SDE', got {sched.dynamics_type!r}")
+        elif sched.noise_level == 0:
+            out.append(f"scheduler.noise_level: 0 makes {sched.dynamics_type} deterministic, so "
+                       f"{train.trainer_type} has no log-probabilities to train; use a value > 0 (e.g. 0.7)")
+        if train.group_size < 2:
+            out.append(f"train.group_size: {train.trainer_type} compares samples of the same prompt, so a group "
+                       f"needs at least 2, got {train.group_size}")
+        frames = (("train.num_frames", train.num_frames), ("eval.num_frames", self.eval.num_frames))
+        if model.model_type in VIDEO_MODEL_TYPES:
+            if train.num_frames is None:
+                out.append(f"train.num_frames: required for the video model {model.model_type} (e.g. 33 or 81)")
+            for path, n in frames:
+                if n is not None and (n - 1) % 4:
+                    out.append(f"{path}: {model.model_type} needs 4k + 1 frames (the VAE packs 4 frames "
+                               f"into one latent), got {n}; nearest: {4 * ((n - 1) // 4) + 1}")
+        else:
+            for path, n in frames:
+                if n is not None:
+                    out.append(f"{path}: {model.model_type} is an image model; remove num_frames")
+        return out
+
+    def _window_problems(self) -> list[str]:
+        sched, steps = self.scheduler, self.train.num_inference_steps
+        out = []
+        if sched.sde_steps is not None:
+            outside = [s for s in sched.sde_steps if s >= steps]
+            if outside:
+                out.append(f"scheduler.sde_steps: {outside} outside [0, {steps}) with "
+                           f"train.num_inference_steps = {steps}")
+        candidates = len(sched.sde_steps) if sched.sde_steps is not None else steps
+        if sched.num_sde_steps is not None and sched.num_sde_steps > candidates:
+            out.append(f"scheduler.num_sde_steps: {sched.num_sde_steps} is more than the {candidates} "
+                       f"candidate steps (scheduler.sde_steps, or every step when it is null)")
+        return out
+
+    def _geometry_problems(self) -> list[str]:
+        train = self.train
+        per_step = self.num_processes * train.per_device_batch_size
+        if self.samples_per_epoch % per_step:
+            return [f"train: unique_sample_num_per_epoch x group_size = {train.unique_sample_num_per_epoch} x "
+                    f"{train.group_size} = {self.samples_per_epoch} samples per epoch do not split evenly into "
+                    f"batches of num_processes x per_device_batch_size = {self.num_processes} x "
+                    f"{train.per_device_batch_size} = {per_step}"]
+        micro = self.micro_steps_per_epoch
+        how = (f"{self.batches_per_epoch} batches per process x {self.trained_steps_per_sample} trained "
+               f"steps per sample")
+        if train.gradient_accumulation_steps == "auto":
+            name, value = "gradient_step_per_epoch", train.gradient_step_per_epoch
+        else:
+            name, value = "gradient_accumulation_steps", train.gradient_accumulation_steps
+        if micro % value:
+            return [f"train.{name}: {value} does not divide the {micro} micro-steps per epoch ({how}); "
+                    f"choose one of {divisors(micro)}"]
+        return []
+
+    # ------------------------------------------------------------------ arithmetic
+    @property
+    def sde_step_candidates(self) -> list[int]:
+        """Step indices the window is drawn from, ascending."""
+        given = self.scheduler.sde_steps
+        return sorted(given) if given is not None else list(range(self.train.num_inference_steps))
+
+    @property
+    def trained_steps_per_sample(self) -> int:
+        """Denoising steps trained per rollout sample (one loss term and backward each)."""
+        n = self.scheduler.num_sde_steps
+        return n if n is not None else len(self.sde_step_candidates)
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.train.unique_sample_num_per_epoch * self.train.group_size
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Sampling (and training) micro-batches each process runs per epoch."""
+        return self.samples_per_epoch // (self.num_processes * self.train.per_device_batch_size)
+
+    @property
+    def micro_steps_per_epoch(self) -> int:
+        """Backward passes per process per inner epoch: batches x trained steps."""
+        return self.batches_per_epoch * self.trained_steps_per_sample
+
+    @property
+    def gradient_accumulation(self) -> int:
+        """Micro-steps per optimizer step."""
+        explicit = self.train.gradient_accumulation_steps
+        if explicit != "auto":
+            return explicit
+        return self.micro_steps_per_epoch // self.train.gradient_step_per_epoch
+
+    @property
+    def gradient_steps_per_epoch(self) -> int:
+        """Optimizer steps per inner epoch."""
+        return self.micro_steps_per_epoch // self.gradient_accumulation
+
+    # ------------------------------------------------------------------ output
+    def to_yaml(self) -> str:
+        """The resolved config, every default filled; ``load_config`` reads it back unchanged."""
+        return yaml.dump(self.model_dump(mode="json"), Dumper=ConfigDumper, sort_keys=False,
+                         allow_unicode=True, width=100)
+
+
+class ConfigDumper(yaml.SafeDumper):
+    """Block mappings, but short lists of plain values inline: ``resolution: [512, 768]``."""
+
+    def represent_list(self, data):
+        flat = all(not isinstance(item, (dict, list)) for item in data)
+        return self.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flat)
+
+
+ConfigDumper.add_representer(list, ConfigDumper.represent_list)

@@ -1,0 +1,105 @@
+"""The ``train`` section: sampling geometry, batch arithmetic inputs, GRPO and optimiser settings.
+
+Checks that need other sections (dynamics, number of processes, model type) live in
+``schema.Config``; this file checks only what ``train`` alone can know.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import PositiveInt, field_validator, model_validator
+
+from .base import Section, as_list, check_resolution, problem, resolution_pair, setting, show
+
+TRAINER_TYPES = ("grpo", "grpo-guard")
+
+
+class TrainConfig(Section):
+    trainer_type: Literal["grpo", "grpo-guard"] = setting("grpo", "algorithm: grpo or grpo-guard")
+    resolution: int | list[int] = setting(512, "image size, an int or [height, width]",
+                                          expects="an integer or [height, width]")
+    num_frames: PositiveInt | None = setting(None, "frames per video (video models only; Wan needs 4k + 1)")
+    num_inference_steps: PositiveInt = setting(10, "denoising steps per rollout")
+    guidance_scale: float = setting(4.5, "CFG scale (or FLUX's embedded guidance) during rollouts", ge=0)
+
+    per_device_batch_size: PositiveInt = setting(8, "samples per process in one sampling / training micro-batch")
+    group_size: PositiveInt = setting(16, "samples per prompt; advantages are normalised within a group")
+    unique_sample_num_per_epoch: PositiveInt = setting(48, "distinct prompts per epoch (all processes together)")
+    gradient_step_per_epoch: PositiveInt = setting(
+        1, "optimizer steps per epoch; ignored when gradient_accumulation_steps is an integer")
+    gradient_accumulation_steps: Literal["auto"] | PositiveInt = setting(
+        "auto", "micro-steps per optimizer step; auto = derived from gradient_step_per_epoch",
+        expects="'auto' or a positive integer")
+    num_inner_epochs: PositiveInt = setting(1, "passes over each epoch's rollouts")
+    max_epochs: PositiveInt = setting(100, "number of epochs (sample + optimise rounds) to run")
+    same_latent: bool = setting(False, "the samples of a group start from the same noise")
+
+    learning_rate: float | None = setting(None, "AdamW learning rate; null = 1e-4 for LoRA, 1e-5 for full",
+                                          gt=0)
+    adam_beta1: float = setting(0.9, "AdamW beta1", ge=0, lt=1)
+    adam_beta2: float = setting(0.999, "AdamW beta2", ge=0, lt=1)
+    adam_betas: list[float] | None = setting(
+        None, "Flow-Factory spelling of [adam_beta1, adam_beta2]; read into them", exclude=True,
+        expects="[beta1, beta2]")
+    adam_weight_decay: float = setting(1e-4, "AdamW decoupled weight decay", ge=0)
+    adam_epsilon: float = setting(1e-8, "AdamW epsilon", gt=0)
+    max_grad_norm: float = setting(1.0, "clip the gradient's global norm to this", gt=0)
+
+    clip_range: float = setting(1e-4, "PPO clip range of the likelihood ratio", gt=0)
+    adv_clip_range: float = setting(5.0, "advantages are clipped to [-adv_clip_range, adv_clip_range]", gt=0)
+    kl_type: Literal["x-based", "v-based"] = setting(
+        "x-based", "KL to the reference on step means (x-based) or on velocities (v-based)")
+    kl_beta: float = setting(0.0, "KL coefficient; 0 = no KL and no reference model", ge=0)
+    ref_param_device: Literal["cpu", "cuda", "same"] = setting(
+        "same", "where the frozen reference weights live (full fine-tuning with kl_beta > 0)")
+    global_std: bool = setting(False, "normalise advantages by the std of the whole batch, not each group's")
+    advantage_aggregation: Literal["sum", "gdpo"] = setting(
+        "sum", "several rewards: advantage of the weighted sum (sum) or weighted per-reward advantages (gdpo)")
+
+    ema_decay: float = setting(0.0, "EMA decay of the trained weights; 0 = no EMA", ge=0, lt=1)
+    ema_update_interval: PositiveInt = setting(1, "update the EMA every this many epochs")
+    ema_device: Literal["cpu", "cuda", "same"] = setting("same", "where the EMA weights live")
+    enable_gradient_checkpointing: bool = setting(False, "trade compute for memory in the transformer")
+    seed: int | None = setting(None, "training seed; null = the top-level seed")
+
+    @field_validator("resolution", mode="before")
+    @classmethod
+    def _resolution(cls, value):
+        return check_resolution(value)
+
+    @field_validator("adam_betas", mode="before")
+    @classmethod
+    def _betas_list(cls, value):
+        value = as_list(value)
+        if isinstance(value, list) and len(value) != 2:
+            raise problem(f"expected [beta1, beta2], got {show(value)}")
+        return value
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas_range(cls, value):
+        if value is not None and not all(0 <= b < 1 for b in value):
+            raise problem(f"each beta must be in [0, 1), got {show(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _read_adam_betas(self):
+        if self.adam_betas is None:
+            return self
+        b1, b2 = self.adam_betas
+        for name, given in (("adam_beta1", b1), ("adam_beta2", b2)):
+            if name in self.model_fields_set and getattr(self, name) != given:
+                raise problem(f"adam_betas {show(self.adam_betas)} contradicts {name}: "
+                              f"{getattr(self, name)}; keep one of the two spellings")
+        self.adam_beta1, self.adam_beta2 = b1, b2
+        self.adam_betas = None
+        return self
+
+    @property
+    def height_width(self) -> tuple[int, int]:
+        return resolution_pair(self.resolution)
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        return (self.adam_beta1, self.adam_beta2)
