@@ -1,0 +1,16 @@
+"""Model adapters: one short file per model family, all behind ``FlowAdapter``."""
+
+from .base import Conditioning, FlowAdapter, cat_cond, index_cond
+from .flux import FluxAdapter
+from .lora import (
+    apply_lora, block_linear_names, load_lora_state, lora_disabled, lora_state_dict, lora_target_names, save_lora,
+)
+from .registry import ADAPTERS, get_adapter_class, load_adapter
+from .sd3 import SD3Adapter
+from .wan import WanT2VAdapter
+
+__all__ = [
+    "ADAPTERS", "Conditioning", "FlowAdapter", "FluxAdapter", "SD3Adapter", "WanT2VAdapter",
+    "apply_lora", "block_linear_names", "cat_cond", "get_adapter_class", "index_cond", "load_adapter", "load_lora_state",
+    "lora_disabled", "lora_state_dict", "lora_target_names", "save_lora",
+]

@@ -1,0 +1,98 @@
+"""FLUX.1 (``FluxPipeline``), model_type ``flux1``.
+
+FLUX.1-dev is guidance-distilled: ``guidance_scale`` is fed to the transformer
+as an embedding, with one forward pass and no negative branch. Latents stay in
+the VAE layout (B, 16, H/8, W/8) everywhere outside this file; ``velocity``
+packs them into 2x2 tokens and unpacks the prediction with the pipeline's own
+static helpers, so the packing can never drift from diffusers'.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers import FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from torch import Tensor
+
+from .base import Conditioning, FlowAdapter
+
+
+class FluxAdapter(FlowAdapter):
+    model_type = "flux1"
+    pipeline_class = FluxPipeline
+    # attention projections of the double-stream blocks; the single-stream blocks'
+    # to_q/k/v match the same names
+    default_lora_targets = [
+        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+    ]
+    max_sequence_length = 512  # T5 tokens, the pipeline's default
+
+    @property
+    def _pixels_per_token(self) -> int:
+        return self.pipeline.vae_scale_factor * 2  # VAE x8, then 2x2 packing
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], negative_prompts: list[str] | None = None,
+               guidance_scale: float = 3.5) -> Conditioning:
+        # negative prompts have no effect: the guidance is distilled into the embedding
+        embeds, pooled, _text_ids = self.pipeline.encode_prompt(
+            prompt=list(prompts), prompt_2=None, device=self.device, num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+        f = self._pixels_per_token
+        if height % f or width % f:
+            raise ValueError(f"flux1: height and width must be multiples of {f}, got {height}x{width}")
+        s = self.pipeline.vae_scale_factor
+        return (self.transformer.config.in_channels // 4, height // s, width // s)
+
+    def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> Tensor:
+        scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)
+        config = scheduler.config
+        # as FluxPipeline: a linear grid ending at 1/n, shifted by mu, which grows with the
+        # number of image tokens (resolution-dependent shift)
+        grid = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
+        image_seq_len = (height // self._pixels_per_token) * (width // self._pixels_per_token)
+        mu = calculate_shift(
+            image_seq_len,
+            config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+        )
+        scheduler.set_timesteps(num_steps, device="cpu", sigmas=grid, mu=mu)
+        return scheduler.sigmas.float().to(self.device)
+
+    def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
+        pipe = type(self.pipeline)
+        n, c, h, w = latents.shape
+        packed = pipe._pack_latents(latents.to(self.device, self.dtype), n, c, h, w)
+        image_ids = pipe._prepare_latent_image_ids(n, h // 2, w // 2, self.device, self.dtype)
+        embeds = cond["prompt_embeds"].to(self.device, self.dtype)
+        text_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
+        t = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((n,), float(guidance_scale), device=self.device, dtype=torch.float32)
+        out = self.transformer(
+            hidden_states=packed,
+            # the pipeline's round trip 1000 sigma / 1000, kept so the result is bit-identical
+            timestep=t.to(self.dtype) / 1000,
+            guidance=guidance,
+            pooled_projections=cond["pooled_prompt_embeds"].to(self.device, self.dtype),
+            encoder_hidden_states=embeds,
+            txt_ids=text_ids,
+            img_ids=image_ids,
+            return_dict=False,
+        )[0]
+        s = self.pipeline.vae_scale_factor
+        return pipe._unpack_latents(out, h * s, w * s, s).float()
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        vae = self.pipeline.vae
+        z = latents.to(self.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z, return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)

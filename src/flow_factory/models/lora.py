@@ -1,0 +1,175 @@
+"""LoRA on a diffusers transformer through peft: add, save, restore, disable.
+
+Saved adapters use diffusers' own LoRA format (``Pipeline.save_lora_weights``),
+so a user loads a trained adapter with ``pipe.load_lora_weights(dir)`` and
+nothing from Flow-Factory. The peft config (rank, alpha, targets) is stored as
+metadata beside the weights: without it diffusers assumes alpha = rank and a
+LoRA trained with another alpha would load at the wrong scale.
+
+Traps this file handles:
+- peft's ``disable_adapters`` also sets ``requires_grad=False`` on the LoRA
+  weights and ``enable_adapters`` sets it back to True, whatever it was;
+  ``lora_disabled`` restores the flags it found.
+- once LoRA is injected, a base weight ``x.weight`` lives at
+  ``x.base_layer.weight``; a ``strict=False`` load of a plain state dict
+  silently skips it. ``load_lora_state`` loads only LoRA tensors and fails
+  loudly on any key that does not land.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # the file name diffusers writes and reads
+ADAPTER_NAME = "default"
+
+
+def _linear_names(transformer: nn.Module) -> list[str]:
+    return [name for name, m in transformer.named_modules() if isinstance(m, nn.Linear) and name]
+
+
+def _matches(module_name: str, target: str) -> bool:
+    # peft's rule for a list of targets: the whole name, or a suffix starting at a dot
+    return module_name == target or module_name.endswith("." + target)
+
+
+def block_linear_names(transformer: nn.Module) -> list[str]:
+    """Full names of every nn.Linear inside the transformer's block lists (``target_modules: all``).
+
+    The blocks are the ModuleLists named ``*blocks`` (``transformer_blocks``,
+    ``single_transformer_blocks``, Wan's ``blocks``); embedders and the output
+    head stay frozen, as in the reference trainers.
+    """
+    names = []
+    for child_name, child in transformer.named_children():
+        if isinstance(child, nn.ModuleList) and child_name.endswith("blocks"):
+            names += [f"{child_name}.{n}" for n, m in child.named_modules() if isinstance(m, nn.Linear)]
+    if not names:
+        raise ValueError(f"{type(transformer).__name__} has no ModuleList named '*blocks'; list target_modules explicitly")
+    return names
+
+
+def lora_target_names(transformer: nn.Module, target_modules, default_targets: list[str]) -> list[str]:
+    """Resolve ``target_modules`` ("default", "all", a name or a list of names) to peft targets."""
+    if target_modules == "all":
+        return block_linear_names(transformer)
+    linears = _linear_names(transformer)
+    if target_modules == "default":
+        # a model family's defaults may name modules some checkpoints lack (SD3's last block
+        # has no to_add_out, a 1-layer test model has only that block): keep those present
+        targets = [t for t in default_targets if any(_matches(n, t) for n in linears)]
+    elif isinstance(target_modules, str):
+        targets = [target_modules]
+    else:
+        targets = list(target_modules)
+    if not targets:
+        raise ValueError(f"lora target_modules {target_modules!r} selects nothing in {type(transformer).__name__}; "
+                         "use 'default', 'all' or a list of module names")
+    unknown = [t for t in targets if not any(_matches(n, t) for n in linears)]
+    if unknown:
+        # names inside a block without the block's index ("attn.to_q", "ff.net.2") are what users write
+        examples = sorted({re.sub(r"^\w*blocks\.\d+\.", "", n) for n in linears})
+        raise ValueError(
+            f"lora target_modules: no nn.Linear in {type(transformer).__name__} is named {unknown}; "
+            f"examples of valid names: {examples[:24]} (or 'default' / 'all')"
+        )
+    return targets
+
+
+def apply_lora(transformer: nn.Module, rank: int, alpha: float, target_modules="default",
+               default_targets: list[str] | None = None) -> list[str]:
+    """Add a LoRA adapter in place; only its weights are trainable afterwards.
+
+    peft's default init sets ``lora_B = 0``, so the output is unchanged until the
+    first update (the on-policy ratio is exactly 1). Returns the resolved targets.
+    """
+    targets = lora_target_names(transformer, target_modules, default_targets or [])
+    config = LoraConfig(r=int(rank), lora_alpha=float(alpha), target_modules=targets, lora_dropout=0.0)
+    transformer.requires_grad_(False)
+    transformer.add_adapter(config, adapter_name=ADAPTER_NAME)
+    return targets
+
+
+def lora_state_dict(transformer: nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA tensors under diffusers' key names (no adapter name), detached on CPU."""
+    state = get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME)
+    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+
+def save_lora(pipeline_class, transformer: nn.Module, out_dir) -> Path:
+    """Write ``out_dir/pytorch_lora_weights.safetensors`` loadable by ``pipe.load_lora_weights(out_dir)``."""
+    out_dir = Path(out_dir)
+    config = transformer.peft_config[ADAPTER_NAME].to_dict()
+    pipeline_class.save_lora_weights(
+        out_dir, transformer_lora_layers=lora_state_dict(transformer),
+        transformer_lora_adapter_metadata=config, weight_name=LORA_WEIGHT_NAME,
+    )
+    return out_dir
+
+
+def load_lora_state(transformer: nn.Module, lora_dir) -> None:
+    """Restore weights saved by ``save_lora`` into a transformer that already has the same LoRA (resume)."""
+    path = Path(lora_dir) / LORA_WEIGHT_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no LoRA weights at {path}")
+    prefix = "transformer."
+    state = {k[len(prefix):]: v for k, v in load_file(str(path)).items() if k.startswith(prefix)}
+    if not state:
+        raise ValueError(f"{path} holds no transformer LoRA weights (keys must start with {prefix!r})")
+    _check_same_config(transformer, path)
+    result = set_peft_model_state_dict(transformer, state, adapter_name=ADAPTER_NAME)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if result.unexpected_keys or missing:
+        raise ValueError(f"LoRA in {path} does not fit this transformer: "
+                         f"unexpected {result.unexpected_keys[:5]}, missing {missing[:5]}")
+
+
+def _check_same_config(transformer: nn.Module, path: Path) -> None:
+    # a different alpha would load without error and silently change the output scale
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    raw = metadata.get("lora_adapter_metadata")  # diffusers' key; entries are "transformer.<field>"
+    if raw is None:
+        return
+    saved, current = json.loads(raw), transformer.peft_config[ADAPTER_NAME]
+    rank, alpha = saved.get("transformer.r"), saved.get("transformer.lora_alpha")
+    if rank is None or alpha is None:
+        return
+    if int(rank) != current.r or float(alpha) != float(current.lora_alpha):
+        raise ValueError(f"LoRA in {path} has rank {rank}, alpha {alpha}; "
+                         f"this transformer has rank {current.r}, alpha {current.lora_alpha}")
+
+
+def _lora_layers(transformer: nn.Module) -> list[BaseTunerLayer]:
+    return [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextmanager
+def lora_disabled(transformer: nn.Module):
+    """Run the base model (the reference policy): LoRA off inside, restored exactly on exit."""
+    layers = _lora_layers(transformer)
+    if not layers:
+        raise ValueError("lora_disabled: the transformer has no LoRA adapter")
+    if all(layer.disable_adapters for layer in layers):
+        yield  # already disabled by an outer context
+        return
+    lora_params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+    flags = [p.requires_grad for p in lora_params]
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+        for p, flag in zip(lora_params, flags):
+            p.requires_grad_(flag)

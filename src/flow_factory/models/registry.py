@@ -1,0 +1,24 @@
+"""Adapters by ``model.model_type``: the one place a new model is registered."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import FlowAdapter
+from .flux import FluxAdapter
+from .sd3 import SD3Adapter
+from .wan import WanT2VAdapter
+
+ADAPTERS: dict[str, type[FlowAdapter]] = {cls.model_type: cls for cls in (SD3Adapter, FluxAdapter, WanT2VAdapter)}
+
+
+def get_adapter_class(model_type: str) -> type[FlowAdapter]:
+    if model_type not in ADAPTERS:
+        raise ValueError(f"model.model_type: unknown {model_type!r}; valid: {sorted(ADAPTERS)}")
+    return ADAPTERS[model_type]
+
+
+def load_adapter(model_type: str, path, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> FlowAdapter:
+    """Load the diffusers pipeline at ``path`` (a local folder or hub id) behind its adapter."""
+    return get_adapter_class(model_type).from_pretrained(str(path), device=device, dtype=dtype)

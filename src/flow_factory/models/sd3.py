@@ -1,0 +1,101 @@
+"""Stable Diffusion 3 / 3.5 (``StableDiffusion3Pipeline``), model_type ``sd3-5``.
+
+Everything model-specific is delegated to the pipeline itself (its
+``encode_prompt``, its scheduler's ``set_timesteps``, its VAE factors), so an
+ODE rollout through this adapter reproduces ``pipeline(...)`` step for step.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import StableDiffusion3Pipeline
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+from torch import Tensor
+
+from .base import Conditioning, FlowAdapter
+
+
+class SD3Adapter(FlowAdapter):
+    model_type = "sd3-5"
+    pipeline_class = StableDiffusion3Pipeline
+    # flow_grpo's SD3 targets: the joint attention's image and text projections
+    default_lora_targets = [
+        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+        "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
+    ]
+    max_sequence_length = 256  # T5 tokens, the pipeline's default
+
+    @property
+    def _spatial_factor(self) -> int:
+        # latents are patchified by the transformer, so pixels must divide by both
+        return self.pipeline.vae_scale_factor * self.transformer.config.patch_size
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], negative_prompts: list[str] | None = None,
+               guidance_scale: float = 1.0) -> Conditioning:
+        cfg = guidance_scale > 1
+        if negative_prompts is None:
+            negative_prompts = [""] * len(prompts)
+        pos, neg, pooled, neg_pooled = self.pipeline.encode_prompt(
+            prompt=list(prompts), prompt_2=None, prompt_3=None, device=self.device,
+            num_images_per_prompt=1, do_classifier_free_guidance=cfg,
+            negative_prompt=list(negative_prompts) if cfg else None,
+            max_sequence_length=self.max_sequence_length,
+        )
+        cond = {"prompt_embeds": pos, "pooled_prompt_embeds": pooled}
+        if cfg:
+            cond.update(negative_prompt_embeds=neg, negative_pooled_prompt_embeds=neg_pooled)
+        return cond
+
+    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+        f = self._spatial_factor
+        if height % f or width % f:
+            raise ValueError(f"sd3-5: height and width must be multiples of {f}, got {height}x{width}")
+        s = self.pipeline.vae_scale_factor
+        return (self.transformer.config.in_channels, height // s, width // s)
+
+    def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> Tensor:
+        # a fresh scheduler from the same config: the pipeline's own keeps its state untouched
+        scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)
+        config = scheduler.config
+        kwargs = {}
+        if config.get("use_dynamic_shifting", False):
+            _, h, w = self.latent_shape(height, width)
+            patch = self.transformer.config.patch_size
+            kwargs["mu"] = calculate_shift(
+                (h // patch) * (w // patch),
+                config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5), config.get("max_shift", 1.16),
+            )
+        scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
+        return scheduler.sigmas.float().to(self.device)
+
+    def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
+        n = latents.shape[0]
+        x = latents.to(self.device, self.dtype)
+        # a scalar sigma or one per sample; the model is trained on t = 1000 sigma
+        t = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000
+        emb, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
+        cfg = guidance_scale > 1
+        if cfg:
+            if "negative_prompt_embeds" not in cond:
+                raise ValueError("guidance_scale > 1 needs the negative branch: encode() with the same guidance_scale")
+            # one call on [uncond, cond], the order the pipeline uses
+            x, t = torch.cat([x, x]), torch.cat([t, t])
+            emb = torch.cat([cond["negative_prompt_embeds"], emb])
+            pooled = torch.cat([cond["negative_pooled_prompt_embeds"], pooled])
+        out = self.transformer(
+            hidden_states=x, timestep=t, encoder_hidden_states=emb.to(self.device, self.dtype),
+            pooled_projections=pooled.to(self.device, self.dtype), return_dict=False,
+        )[0].float()
+        if cfg:
+            uncond, text = out.chunk(2)
+            return uncond + guidance_scale * (text - uncond)
+        return out
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        vae = self.pipeline.vae
+        z = latents.to(self.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z, return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)

@@ -1,0 +1,103 @@
+"""Wan2.1 text-to-video (``WanPipeline``), model_type ``wan2_t2v``.
+
+Latents are (B, 16, F', H/8, W/8) with F' = (F - 1) / 4 + 1 (the VAE is causal
+in time: the first frame alone, then groups of four). Classifier-free guidance
+uses the negative prompt, "" when none is given. ``decode`` returns videos
+(B, F, 3, H, W) in [0, 1].
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+from torch import Tensor
+
+from .base import Conditioning, FlowAdapter
+
+
+class WanT2VAdapter(FlowAdapter):
+    model_type = "wan2_t2v"
+    pipeline_class = WanPipeline
+    is_video = True
+    # self-attention (attn1) and text cross-attention (attn2) projections of every block
+    default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    # UMT5 tokens: WanPipeline.__call__ pads to 512 (encode_prompt alone to 226); the zero padding
+    # is attended to (no mask), so the length changes the output
+    max_sequence_length = 512
+
+    def __init__(self, pipeline, device="cpu", dtype: torch.dtype = torch.float32):
+        if getattr(pipeline, "transformer_2", None) is not None or pipeline.config.get("expand_timesteps", False):
+            raise ValueError("wan2_t2v supports Wan2.1 (one transformer, one timestep per sample); "
+                             "this checkpoint is a Wan2.2 two-expert or TI2V model")
+        super().__init__(pipeline, device, dtype)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], negative_prompts: list[str] | None = None,
+               guidance_scale: float = 5.0) -> Conditioning:
+        cfg = guidance_scale > 1
+        if negative_prompts is None:
+            negative_prompts = [""] * len(prompts)
+        pos, neg = self.pipeline.encode_prompt(
+            prompt=list(prompts), negative_prompt=list(negative_prompts) if cfg else None,
+            do_classifier_free_guidance=cfg, num_videos_per_prompt=1,
+            max_sequence_length=self.max_sequence_length, device=self.device,
+        )
+        cond = {"prompt_embeds": pos}
+        if cfg:
+            cond["negative_prompt_embeds"] = neg
+        return cond
+
+    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+        temporal = self.pipeline.vae_scale_factor_temporal
+        spatial = self.pipeline.vae_scale_factor_spatial
+        f = spatial * self.transformer.config.patch_size[1]
+        if num_frames is None or (num_frames - 1) % temporal:
+            raise ValueError(f"wan2_t2v is a video model: num_frames must be 1 + a multiple of {temporal} "
+                             f"(e.g. 5, 33, 81), got {num_frames}")
+        if height % f or width % f:
+            raise ValueError(f"wan2_t2v: height and width must be multiples of {f}, got {height}x{width}")
+        return (self.transformer.config.in_channels, (num_frames - 1) // temporal + 1,
+                height // spatial, width // spatial)
+
+    def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> Tensor:
+        scheduler = self.pipeline.scheduler
+        if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+            scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler.config)
+        else:
+            # released Wan2.1 checkpoints ship UniPC with the shift stored as flow_shift; the rollout
+            # integrates with its own dynamics, so it needs only the Euler grid of that shift
+            scheduler = FlowMatchEulerDiscreteScheduler(shift=scheduler.config.get("flow_shift", 5.0))
+        scheduler.set_timesteps(num_steps, device="cpu")  # WanPipeline passes no custom sigmas
+        return scheduler.sigmas.float().to(self.device)
+
+    def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
+        n = latents.shape[0]
+        x = latents.to(self.device, self.dtype)
+        t = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000
+        embeds = cond["prompt_embeds"]
+        cfg = guidance_scale > 1
+        if cfg:
+            if "negative_prompt_embeds" not in cond:
+                raise ValueError("guidance_scale > 1 needs the negative branch: encode() with the same guidance_scale")
+            # one batched call on [uncond, cond]; the pipeline makes two calls with the same inputs
+            x, t = torch.cat([x, x]), torch.cat([t, t])
+            embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
+        out = self.transformer(
+            hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(self.device, self.dtype),
+            return_dict=False,
+        )[0].float()
+        if cfg:
+            uncond, text = out.chunk(2)
+            return uncond + guidance_scale * (text - uncond)
+        return out
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        vae = self.pipeline.vae
+        z = latents.to(self.device, vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(shape)
+        # the pipeline divides by 1/std rather than multiplying by std; same rounding here
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(shape)
+        video = vae.decode(z / inv_std + mean, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
+        return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)

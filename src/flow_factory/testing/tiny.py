@@ -1,0 +1,182 @@
+"""Tiny, randomly initialised diffusers pipelines built from config, offline.
+
+They have the real pipelines' structure (same classes, same text encoders and
+tokenizers, same VAE layout and scheduler) at a few hundred kilobytes, so the
+tests, the demo and the benchmarks exercise the real code paths without
+downloading weights. Every build is seeded: the same call gives the same
+weights, byte for byte, without touching the caller's global RNG.
+
+Sizes that matter to callers: images 64x64 (latents 16x8x8); Wan videos of
+``1 + 4k`` frames at multiples of 16 pixels (e.g. 5 frames at 32x32 -> latents
+16x2x4x4).
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v")
+
+# CLIP's special tokens sit after the 2 x 256 byte symbols
+_CLIP_BOS, _CLIP_EOS = 512, 513
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's reversible byte -> printable unicode table, which CLIP's BPE expects."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols, shifted = [], 0
+    for b in range(256):
+        if b in printable:
+            symbols.append(chr(b))
+        else:  # control and blank bytes are moved above 255 so every byte has a visible symbol
+            symbols.append(chr(256 + shifted))
+            shifted += 1
+    return symbols
+
+
+def tiny_clip_tokenizer():
+    from transformers import CLIPTokenizer
+
+    symbols = _byte_symbols()
+    vocab = {s: i for i, s in enumerate(symbols)}
+    vocab.update({s + "</w>": 256 + i for i, s in enumerate(symbols)})
+    vocab["<|startoftext|>"], vocab["<|endoftext|>"] = _CLIP_BOS, _CLIP_EOS
+    # no merges: every character is one token, which is all a random model needs
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def tiny_t5_tokenizer():
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)]
+    pieces += [(c, -2.0) for c in string.ascii_letters + string.digits + string.punctuation]
+    return T5Tokenizer(vocab=pieces, extra_ids=0)
+
+
+def _clip_config():
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=_CLIP_EOS + 1, hidden_size=32, intermediate_size=37, projection_dim=32,
+        num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=77,
+        bos_token_id=_CLIP_BOS, eos_token_id=_CLIP_EOS, pad_token_id=_CLIP_EOS,
+    )
+
+
+def _t5_kwargs(vocab_size: int) -> dict:
+    return dict(
+        vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=37, num_layers=1, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=32,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )
+
+
+def _image_vae():
+    """x8 spatial, 16 latent channels, with SD3/FLUX's scaling and shift factors."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=16, norm_num_groups=4,
+        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159,
+    )
+
+
+def _build_sd3():
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection, T5EncoderModel, T5Config
+
+    t5_tokenizer = tiny_t5_tokenizer()
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=16, num_layers=1, attention_head_dim=8,
+        num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32,
+        pooled_projection_dim=64, out_channels=16, pos_embed_max_size=96,
+    )
+    torch.manual_seed(1)
+    text_encoder = CLIPTextModelWithProjection(_clip_config())
+    torch.manual_seed(2)
+    text_encoder_2 = CLIPTextModelWithProjection(_clip_config())
+    torch.manual_seed(3)
+    text_encoder_3 = T5EncoderModel(T5Config(**_t5_kwargs(len(t5_tokenizer))))
+    torch.manual_seed(4)
+    vae = _image_vae()
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(),
+        text_encoder_2=text_encoder_2, tokenizer_2=tiny_clip_tokenizer(),
+        text_encoder_3=text_encoder_3, tokenizer_3=t5_tokenizer,
+    )
+
+
+def _build_flux():
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5EncoderModel, T5Config
+
+    t5_tokenizer = tiny_t5_tokenizer()
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+    )
+    torch.manual_seed(1)
+    text_encoder = CLIPTextModel(_clip_config())
+    torch.manual_seed(2)
+    text_encoder_2 = T5EncoderModel(T5Config(**_t5_kwargs(len(t5_tokenizer))))
+    torch.manual_seed(3)
+    vae = _image_vae()
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
+        base_shift=0.5, max_shift=1.15,
+    )
+    return FluxPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(),
+        text_encoder_2=text_encoder_2, tokenizer_2=t5_tokenizer, transformer=transformer,
+    )
+
+
+def _build_wan():
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = tiny_t5_tokenizer()
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+        out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=1,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    )
+    torch.manual_seed(1)
+    text_encoder = UMT5EncoderModel(UMT5Config(**_t5_kwargs(len(tokenizer))))
+    torch.manual_seed(2)
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+    )
+    return WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), transformer=transformer,
+    )
+
+
+_BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan}
+
+
+def tiny_pipeline(model_type: str):
+    """The tiny pipeline for ``model_type``, in memory, float32."""
+    if model_type not in _BUILDERS:
+        raise ValueError(f"no tiny pipeline for model_type {model_type!r}; available: {sorted(_BUILDERS)}")
+    # fork so that seeding the weights does not reset the caller's random stream
+    with torch.random.fork_rng(devices=[]):
+        return _BUILDERS[model_type]()
+
+
+def build_tiny_pipeline(model_type: str, path) -> Path:
+    """Build the tiny ``model_type`` pipeline and save it to ``path`` (a diffusers folder)."""
+    path = Path(path)
+    tiny_pipeline(model_type).save_pretrained(path)
+    return path

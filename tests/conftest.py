@@ -1,0 +1,38 @@
+"""Shared fixtures: each tiny pipeline is built once per test session, offline.
+
+Tests load them with ``Pipeline.from_pretrained(path)`` or
+``flow_factory.models.load_adapter(model_type, path)``; every load gives fresh
+modules, so a test may add LoRA or change weights without affecting others.
+"""
+
+import os
+
+# set before diffusers / transformers are imported anywhere: no test touches the network
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+def _build(tmp_path_factory, model_type: str):
+    from flow_factory.testing import build_tiny_pipeline
+
+    return build_tiny_pipeline(model_type, tmp_path_factory.mktemp("tiny") / model_type)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_path(tmp_path_factory):
+    """Folder of a tiny StableDiffusion3Pipeline (model_type "sd3-5"); 64x64 images."""
+    return _build(tmp_path_factory, "sd3-5")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_path(tmp_path_factory):
+    """Folder of a tiny FluxPipeline (model_type "flux1"); 64x64 images."""
+    return _build(tmp_path_factory, "flux1")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_path(tmp_path_factory):
+    """Folder of a tiny WanPipeline (model_type "wan2_t2v"); 5 frames at 32x32."""
+    return _build(tmp_path_factory, "wan2_t2v")

@@ -1,0 +1,176 @@
+"""The adapters reproduce their diffusers pipelines (invariant 2) and keep their contract."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from flow_factory.dynamics.ode import ODE
+from flow_factory.models import FluxAdapter, SD3Adapter, WanT2VAdapter, get_adapter_class, index_cond, load_adapter
+from flow_factory.rollout import sample_trajectory
+
+PROMPTS = ["a red cube on a table", "two cats"]
+NEGATIVES = ["blurry", ""]
+STEPS = 3
+
+# model_type, fixture, adapter class, pipeline kwargs for the size, guidance used
+CASES = {
+    "sd3-5": ("tiny_sd3_path", SD3Adapter, dict(height=64, width=64), 4.5),
+    "flux1": ("tiny_flux_path", FluxAdapter, dict(height=64, width=64), 3.5),
+    "wan2_t2v": ("tiny_wan_path", WanT2VAdapter, dict(height=32, width=32, num_frames=5), 5.0),
+}
+
+
+def _load(request, model_type):
+    fixture, cls, size, guidance = CASES[model_type]
+    adapter = load_adapter(model_type, request.getfixturevalue(fixture))
+    assert type(adapter) is cls
+    return adapter, size, guidance
+
+
+def _pipeline_output(adapter, noise, size, guidance, output_type):
+    """The pipeline's own result for the same noise, in the adapter's latent layout."""
+    pipe = adapter.pipeline
+    kwargs = dict(prompt=PROMPTS, num_inference_steps=STEPS, guidance_scale=guidance,
+                  output_type=output_type, **size)
+    if adapter.model_type == "flux1":
+        n, c, h, w = noise.shape
+        kwargs["latents"] = type(pipe)._pack_latents(noise, n, c, h, w)
+    else:
+        kwargs.update(latents=noise, negative_prompt=NEGATIVES)
+    out = pipe(**kwargs)
+    result = out.frames if adapter.is_video else out.images
+    if output_type == "latent" and adapter.model_type == "flux1":
+        result = type(pipe)._unpack_latents(result, size["height"], size["width"], pipe.vae_scale_factor)
+    return result
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_ode_rollout_reproduces_the_pipeline(request, model_type):
+    adapter, size, guidance = _load(request, model_type)
+    h, w, frames = size["height"], size["width"], size.get("num_frames")
+    noise = adapter.initial_noise(len(PROMPTS), h, w, torch.Generator().manual_seed(0), num_frames=frames)
+    cond = adapter.encode(PROMPTS, NEGATIVES, guidance)
+    sigmas = adapter.sigmas(STEPS, h, w, frames)
+    traj = sample_trajectory(adapter, ODE(), cond, noise, sigmas, guidance)
+
+    expected = _pipeline_output(adapter, noise.clone(), size, guidance, "latent")
+    # the pipeline's scheduler keeps the sigmas of its last call
+    torch.testing.assert_close(sigmas, adapter.pipeline.scheduler.sigmas.float(), rtol=0, atol=0)
+    assert expected.shape == traj.final.shape
+    assert traj.final.abs().max() > 0.1  # a meaningful comparison, not zeros against zeros
+    torch.testing.assert_close(traj.final, expected.float(), rtol=0, atol=1e-5)
+
+    images = adapter.decode(traj.final)
+    expected_images = _pipeline_output(adapter, noise.clone(), size, guidance, "pt")
+    torch.testing.assert_close(images, expected_images.float(), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_decode_shape_and_range(request, model_type):
+    adapter, size, _ = _load(request, model_type)
+    h, w, frames = size["height"], size["width"], size.get("num_frames")
+    latents = 3 * adapter.initial_noise(2, h, w, torch.Generator().manual_seed(1), num_frames=frames)
+    out = adapter.decode(latents)
+    expected = (2, frames, 3, h, w) if adapter.is_video else (2, 3, h, w)
+    assert out.shape == expected and out.dtype == torch.float32
+    assert out.min() >= 0 and out.max() <= 1
+    assert out.std() > 0  # not a constant image
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_velocity_is_per_sample(request, model_type):
+    """A (B,) sigma and a batch give what each sample gives alone (cond slices by index)."""
+    adapter, size, guidance = _load(request, model_type)
+    h, w, frames = size["height"], size["width"], size.get("num_frames")
+    cond = adapter.encode(PROMPTS, None, guidance)
+    assert all(v.shape[0] == len(PROMPTS) for v in cond.values())
+    x = adapter.initial_noise(2, h, w, torch.Generator().manual_seed(2), num_frames=frames)
+    sigma = torch.tensor([0.9, 0.4])
+    with torch.no_grad():
+        batched = adapter.velocity(x, sigma, cond, guidance)
+        singles = [adapter.velocity(x[i : i + 1], sigma[i], index_cond(cond, [i]), guidance) for i in range(2)]
+    assert batched.shape == x.shape and batched.dtype == torch.float32
+    torch.testing.assert_close(batched, torch.cat(singles), rtol=0, atol=1e-5)
+    assert not torch.allclose(singles[0], adapter.velocity(x[:1], sigma[1], index_cond(cond, [0]), guidance))
+
+
+def test_cfg_mixes_the_two_branches_with_the_guidance_weight(request):
+    """v = v_uncond + g (v_text - v_uncond), the uncond branch encoded from the negative prompt."""
+    adapter, size, _ = _load(request, "sd3-5")
+    cond = adapter.encode(PROMPTS[:1], ["ugly"], 4.0)
+    x = adapter.initial_noise(1, 64, 64, torch.Generator().manual_seed(3))
+    text = {"prompt_embeds": cond["prompt_embeds"], "pooled_prompt_embeds": cond["pooled_prompt_embeds"]}
+    uncond = {"prompt_embeds": cond["negative_prompt_embeds"],
+              "pooled_prompt_embeds": cond["negative_pooled_prompt_embeds"]}
+    with torch.no_grad():
+        v_text = adapter.velocity(x, torch.tensor(0.7), text, 1.0)
+        v_uncond = adapter.velocity(x, torch.tensor(0.7), uncond, 1.0)
+        v = adapter.velocity(x, torch.tensor(0.7), cond, 4.0)
+    torch.testing.assert_close(v, v_uncond + 4.0 * (v_text - v_uncond), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="negative branch"):
+        adapter.velocity(x, torch.tensor(0.7), text, 4.0)
+
+
+def test_flux_sigmas_follow_the_resolution_dependent_shift(tiny_flux_path):
+    adapter = load_adapter("flux1", tiny_flux_path)
+    n = 4
+    for size in (64, 128):
+        seq_len = (size // 16) ** 2
+        mu = 0.5 + (seq_len - 256) * (1.15 - 0.5) / (4096 - 256)  # FLUX's linear interpolation of the shift
+        grid = np.linspace(1.0, 1.0 / n, n)
+        expected = [math.exp(mu) / (math.exp(mu) + (1 / s - 1)) for s in grid] + [0.0]
+        torch.testing.assert_close(adapter.sigmas(n, size, size), torch.tensor(expected, dtype=torch.float32))
+    assert (adapter.sigmas(n, 128, 128)[1:-1] > adapter.sigmas(n, 64, 64)[1:-1]).all()
+
+
+def test_sd3_sigmas_are_the_shifted_grid(tiny_sd3_path):
+    adapter = load_adapter("sd3-5", tiny_sd3_path)
+    sigmas = adapter.sigmas(4, 64, 64).double()
+    # shift 3: sigma = 3 s / (1 + 2 s); invert to recover the unshifted grid, which must be linear
+    s = sigmas[:-1] / (3 - 2 * sigmas[:-1])
+    assert sigmas[0] == 1 and sigmas[-1] == 0
+    torch.testing.assert_close(s.diff(), torch.full((3,), float(s.diff()[0]), dtype=torch.float64))
+
+
+def test_latent_shapes_and_size_errors(request):
+    sd3, _, _ = _load(request, "sd3-5")
+    flux, _, _ = _load(request, "flux1")
+    wan, _, _ = _load(request, "wan2_t2v")
+    assert sd3.latent_shape(64, 128) == (16, 8, 16)
+    assert flux.latent_shape(64, 128) == (16, 8, 16)
+    assert wan.latent_shape(32, 48, num_frames=9) == (16, 3, 4, 6)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        sd3.latent_shape(72, 64)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        flux.latent_shape(64, 40)
+    with pytest.raises(ValueError, match="num_frames"):
+        wan.latent_shape(32, 32)
+    with pytest.raises(ValueError, match="num_frames"):
+        wan.latent_shape(32, 32, num_frames=6)
+
+
+def test_registry():
+    assert get_adapter_class("flux1") is FluxAdapter
+    assert get_adapter_class("wan2_t2v").is_video and not get_adapter_class("sd3-5").is_video
+    with pytest.raises(ValueError, match=r"unknown 'sd3'.*'flux1', 'sd3-5', 'wan2_t2v'"):
+        get_adapter_class("sd3")
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_tiny_builds_are_seeded_and_leave_the_global_rng_alone(request, model_type, tmp_path):
+    from flow_factory.testing import build_tiny_pipeline
+
+    cls = get_adapter_class(model_type).pipeline_class
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    path = build_tiny_pipeline(model_type, tmp_path / "again")
+    assert torch.equal(torch.rand(3), before)  # the build forked the RNG instead of reseeding it
+    again = cls.from_pretrained(path)
+    first = cls.from_pretrained(request.getfixturevalue(CASES[model_type][0]))
+    for name in ("transformer", "vae", "text_encoder"):
+        a, b = getattr(first, name).state_dict(), getattr(again, name).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert first.tokenizer("a cat").input_ids == again.tokenizer("a cat").input_ids
