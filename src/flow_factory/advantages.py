@@ -18,9 +18,10 @@ Several rewards (weights ``w_k``) combine in one of two ways:
 
       B = sum_k w_k group_adv(R_k),   A = (B - mean(B)) / (std(B) + eps)
 
-  so a reward with a large scale cannot drown the others. GDPO's reference code
-  and Flow-Factory always use per-group std in the per-reward step; here that step
-  follows ``global_std`` like the rest (``global_std=False`` reproduces GDPO).
+  so a reward with a large scale cannot drown the others. As in GDPO's reference
+  code and Flow-Factory, the per-reward step always uses per-group std (the batch
+  normalisation after it plays the part of ``global_std``), so Flow-Factory
+  configs give the same numbers here.
   GDPO's reference uses Bessel-corrected stds; with the population std used here
   the per-reward advantages differ by the constant factor sqrt(G / (G - 1)) for
   groups of size G, which the final batch normalisation removes (up to eps).
@@ -103,6 +104,6 @@ def combine_advantages(rewards: Mapping[str, Tensor], weights: Mapping[str, floa
     if aggregation == "sum":
         total = sum(float(weights[k]) * torch.as_tensor(rewards[k]).to(torch.float64) for k in names)
         return _group_advantages64(total, group_ids, global_std, eps).to(torch.float32)
-    combined = sum(float(weights[k]) * _group_advantages64(rewards[k], group_ids, global_std, eps)
+    combined = sum(float(weights[k]) * _group_advantages64(rewards[k], group_ids, False, eps)
                    for k in names)
     return ((combined - combined.mean()) / (_population_std(combined) + eps)).to(torch.float32)

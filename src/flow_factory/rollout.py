@@ -24,6 +24,7 @@ class Trajectory:
     log_probs: Tensor  # (B, T) float32, log-prob of each step's sample (0 at ODE steps)
     sigmas: Tensor  # (T + 1,) float32
     sde_steps: list[int]  # the stochastic (trained) step indices, ascending
+    means: Tensor | None = None  # (B, T, *latent): each step's Gaussian mean, when recorded
 
     @property
     def final(self) -> Tensor:
@@ -40,15 +41,19 @@ def sample_trajectory(
     guidance_scale: float,
     sde_steps: list[int] | None = None,
     generator: torch.Generator | None = None,
+    record_means: bool = False,
 ) -> Trajectory:
-    """Integrate from ``noise`` along ``sigmas``. ``sde_steps=None``: every step uses ``dynamics``."""
+    """Integrate from ``noise`` along ``sigmas``. ``sde_steps=None``: every step uses ``dynamics``.
+
+    ``record_means`` also keeps each step's mean (GRPO-Guard's ratio normalisation needs it).
+    """
     num_steps = len(sigmas) - 1
     if sde_steps is None:
         sde_steps = list(range(num_steps)) if dynamics.stochastic else []
     stochastic = set(sde_steps)
     ode = ODE()
     x = noise.float()
-    latents, log_probs = [x], []
+    latents, log_probs, means = [x], [], []
     for i in range(num_steps):
         v = adapter.velocity(x, sigmas[i], cond, guidance_scale)
         step_dynamics = dynamics if i in stochastic else ode
@@ -59,5 +64,8 @@ def sample_trajectory(
         out = step_dynamics.step(x, v, sigmas[i], sigmas[i + 1], noise=step_noise)
         x = out.sample
         latents.append(x)
+        if record_means:
+            means.append(out.mean)
         log_probs.append(out.log_prob if out.log_prob is not None else torch.zeros(x.shape[0], device=x.device))
-    return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), sigmas.float(), sorted(stochastic))
+    return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), sigmas.float(), sorted(stochastic),
+                      torch.stack(means, 1) if record_means else None)

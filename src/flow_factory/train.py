@@ -1,0 +1,60 @@
+"""``ff-train CONFIG.yaml [section.key=value ...]`` (also ``python -m flow_factory.train``).
+
+With ``num_processes > 1`` and not yet inside a distributed launch, it re-launches
+itself through ``accelerate launch`` with the config's launcher settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from .config import ConfigError, load_config
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ff-train", description=__doc__.split("\n")[0])
+    parser.add_argument("config", help="the run's YAML file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, value parsed as YAML")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return parser.parse_args(argv)
+
+
+def relaunch_command(cfg, argv: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(cfg.num_processes),
+           "--main_process_port", str(cfg.main_process_port)]
+    if cfg.config_file:
+        cmd += ["--config_file", cfg.config_file]
+    else:
+        cmd += ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no",
+                "--mixed_precision", cfg.mixed_precision]
+    return cmd + ["-m", "flow_factory.train", *argv]
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"ff-train: config error: {err}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(cfg.to_yaml(), end="")
+        return 0
+    if cfg.num_processes > 1 and "WORLD_SIZE" not in os.environ:
+        return subprocess.call(relaunch_command(cfg, argv))
+
+    from .trainer import Trainer  # heavy imports only once the config is known to be good
+
+    history = Trainer(cfg).train()
+    if history:
+        last = {k: round(v, 4) for k, v in history[-1].items() if k.startswith("reward/") and k.endswith("/mean")}
+        print(f"ff-train: done after {history[-1]['epoch'] + 1} epochs; last rewards {last}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The policy an algorithm trains: the adapter's velocity under the current weights,
+and under the reference weights (the LoRA adapter disabled, or a frozen full copy).
+Sampling and training both call ``adapter.velocity`` through here, so the
+on-policy ratio is exactly 1 (DESIGN invariant 1).
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from ..models.base import Conditioning, FlowAdapter
+from ..models.lora import lora_disabled
+
+
+class AdapterPolicy:
+    def __init__(self, adapter: FlowAdapter, guidance_scale: float, finetune_type: str,
+                 keep_reference: bool, ref_param_device: str = "same"):
+        self.adapter = adapter
+        self.guidance_scale = guidance_scale
+        self.finetune_type = finetune_type
+        self.reference = None
+        if keep_reference and finetune_type == "full":
+            # a frozen copy of the starting weights; "cpu" keeps accelerator memory free
+            device = adapter.device if ref_param_device == "same" else torch.device(ref_param_device)
+            self.reference = copy.deepcopy(adapter.transformer).requires_grad_(False).to(device).eval()
+
+    def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
+        return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
+
+    @torch.no_grad()
+    def reference_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
+        with self._reference_weights():
+            return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
+
+    @contextmanager
+    def _reference_weights(self):
+        if self.finetune_type == "lora":
+            with lora_disabled(self.adapter.transformer):
+                yield
+            return
+        if self.reference is None:
+            raise RuntimeError("reference_velocity needs a reference model: set train.kl_beta > 0")
+        current = self.adapter.transformer
+        stored_on = next(self.reference.parameters()).device
+        self.adapter.transformer = self.reference.to(self.adapter.device)
+        try:
+            yield
+        finally:
+            self.reference.to(stored_on)
+            self.adapter.transformer = current
