@@ -150,7 +150,8 @@ def test_flow_factory_layout_loads(tmp_path):
           device: "cuda"
           dtype: bfloat16
         """))
-    cfg = load_config(path)
+    with pytest.warns(UserWarning, match=r"train.ema_decay: 0.9 is ignored"):
+        cfg = load_config(path)
     assert cfg.model.model_type == "flux1"
     assert (cfg.train.adam_beta1, cfg.train.adam_beta2) == (0.9, 0.99)
     assert [r.name for r in cfg.eval_rewards] == ["pickscore"]  # one mapping -> a list of one

@@ -6,6 +6,7 @@ Checks that need other sections (dynamics, number of processes, model type) live
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 from pydantic import PositiveInt, field_validator, model_validator
@@ -57,9 +58,10 @@ class TrainConfig(Section):
     advantage_aggregation: Literal["sum", "gdpo"] = setting(
         "sum", "several rewards: advantage of the weighted sum (sum) or weighted per-reward advantages (gdpo)")
 
-    ema_decay: float = setting(0.0, "EMA decay of the trained weights; 0 = no EMA", ge=0, lt=1)
-    ema_update_interval: PositiveInt = setting(1, "update the EMA every this many epochs")
-    ema_device: Literal["cpu", "cuda", "same"] = setting("same", "where the EMA weights live")
+    # accepted so Flow-Factory configs load; EMA itself is not built yet, so a non-zero decay warns
+    ema_decay: float = setting(0.0, "EMA decay of the trained weights; not implemented yet (ignored)", ge=0, lt=1)
+    ema_update_interval: PositiveInt = setting(1, "update the EMA every this many epochs (unused until EMA)")
+    ema_device: Literal["cpu", "cuda", "same"] = setting("same", "where the EMA weights live (unused until EMA)")
     enable_gradient_checkpointing: bool = setting(False, "trade compute for memory in the transformer")
     seed: int | None = setting(None, "training seed; null = the top-level seed")
 
@@ -67,6 +69,14 @@ class TrainConfig(Section):
     @classmethod
     def _resolution(cls, value):
         return check_resolution(value)
+
+    @field_validator("ema_decay")
+    @classmethod
+    def _no_ema_yet(cls, value):
+        if value != 0:
+            warnings.warn(f"train.ema_decay: {show(value)} is ignored: EMA of the policy is not implemented "
+                          "yet; rollouts and eval use the current weights", UserWarning, stacklevel=2)
+        return value
 
     @field_validator("adam_betas", mode="before")
     @classmethod

@@ -42,5 +42,5 @@ def sample_grid(images: torch.Tensor, captions: list[str], tile: int = 256, colu
 
 
 def caption(prompt: str, rewards: dict[str, float]) -> str:
-    scores = " ".join(f"{k}={v:.3f}" for k, v in rewards.items())
+    scores = " ".join(f"{k}={v:.4g}" for k, v in rewards.items())
     return f"{scores} | {prompt}"

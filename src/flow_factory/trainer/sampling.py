@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..models.base import Conditioning, cat_cond
+from ..models.base import Conditioning, cat_cond, index_cond
 from ..rollout import sample_trajectory
 from .seeding import generator, per_sample_noise
 from .timer import PhaseTimer
@@ -57,10 +57,7 @@ def collect_rollouts(
         ids = sample_ids[start:start + batch_size]
         groups = group_ids[start:start + batch_size]
         with timer.phase("sampling"):
-            prompts = [it.prompt for it in batch]
-            negatives = [it.negative_prompt or "" for it in batch]
-            with accelerator.autocast():
-                cond = adapter.encode(prompts, negatives, guidance_scale)
+            cond = _encode_unique(adapter, accelerator, batch, guidance_scale)
             keys = [("noise", seed, epoch, "group", int(g)) if same_latent else ("noise", seed, epoch, i)
                     for g, i in zip(groups.tolist(), ids)]
             noise = per_sample_noise(adapter, keys, height, width, num_frames)
@@ -84,3 +81,12 @@ def collect_rollouts(
         media=torch.cat([c[2] for c in chunks]),
         means=torch.cat([t.means for t in trajs]) if record_means else None,
     )
+
+
+def _encode_unique(adapter, accelerator, batch: list, guidance_scale: float) -> Conditioning:
+    """Encode each distinct (prompt, negative) once: a group repeats one prompt ``group_size`` times."""
+    pairs = [(it.prompt, it.negative_prompt or "") for it in batch]
+    unique = list(dict.fromkeys(pairs))
+    with accelerator.autocast():
+        cond = adapter.encode([p for p, _ in unique], [n for _, n in unique], guidance_scale)
+    return index_cond(cond, torch.tensor([unique.index(pair) for pair in pairs]))
