@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from .trainer import Trainer  # heavy imports only once the config is known to be good
 
     history = Trainer(cfg).train()
-    if history:
+    if history and int(os.environ.get("RANK", "0")) == 0:
         last = {k: round(v, 4) for k, v in history[-1].items() if k.startswith("reward/") and k.endswith("/mean")}
         print(f"ff-train: done after {history[-1]['epoch'] + 1} epochs; last rewards {last}")
     return 0

@@ -13,6 +13,7 @@ Conditioning is a dict of batch-first tensors, so it can be sliced per sample
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import ClassVar
 
 import torch
@@ -49,6 +50,7 @@ class FlowAdapter:
             if module is not None:
                 module.requires_grad_(False)
         self.transformer.requires_grad_(False)
+        self._wrapped = None  # the transformer inside a DDP wrapper, in multi-process training
 
     @classmethod
     def from_pretrained(cls, path: str, device="cpu", dtype: torch.dtype = torch.float32) -> "FlowAdapter":
@@ -62,6 +64,26 @@ class FlowAdapter:
     @transformer.setter
     def transformer(self, module: torch.nn.Module) -> None:
         self.pipeline.transformer = module
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        """What ``velocity`` calls: the transformer, or its distributed wrapper while training."""
+        return self._wrapped if self._wrapped is not None else self.transformer
+
+    def wrap_transformer(self, wrap) -> None:
+        """``wrap``: e.g. ``accelerator.prepare``; gradients then sync across processes."""
+        wrapped = wrap(self.transformer)
+        self._wrapped = wrapped if wrapped is not self.transformer else None
+
+    @contextmanager
+    def swapped_transformer(self, module: torch.nn.Module):
+        """Run ``velocity`` with another transformer (a frozen reference copy) for a while."""
+        saved = self.transformer, self._wrapped
+        self.transformer, self._wrapped = module, None
+        try:
+            yield
+        finally:
+            self.transformer, self._wrapped = saved
 
     # --- what each model defines -------------------------------------------------
     def encode(self, prompts: list[str], negative_prompts: list[str] | None, guidance_scale: float) -> Conditioning:

@@ -76,7 +76,7 @@ class FluxAdapter(FlowAdapter):
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((n,), float(guidance_scale), device=self.device, dtype=torch.float32)
-        out = self.transformer(
+        out = self.denoiser(
             hidden_states=packed,
             # the pipeline's round trip 1000 sigma / 1000, kept so the result is bit-identical
             timestep=t.to(self.dtype) / 1000,

@@ -84,7 +84,7 @@ class SD3Adapter(FlowAdapter):
             x, t = torch.cat([x, x]), torch.cat([t, t])
             emb = torch.cat([cond["negative_prompt_embeds"], emb])
             pooled = torch.cat([cond["negative_pooled_prompt_embeds"], pooled])
-        out = self.transformer(
+        out = self.denoiser(
             hidden_states=x, timestep=t, encoder_hidden_states=emb.to(self.device, self.dtype),
             pooled_projections=pooled.to(self.device, self.dtype), return_dict=False,
         )[0].float()

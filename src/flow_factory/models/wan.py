@@ -82,7 +82,7 @@ class WanT2VAdapter(FlowAdapter):
             # one batched call on [uncond, cond]; the pipeline makes two calls with the same inputs
             x, t = torch.cat([x, x]), torch.cat([t, t])
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
-        out = self.transformer(
+        out = self.denoiser(
             hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(self.device, self.dtype),
             return_dict=False,
         )[0].float()

@@ -44,11 +44,9 @@ class AdapterPolicy:
             return
         if self.reference is None:
             raise RuntimeError("reference_velocity needs a reference model: set train.kl_beta > 0")
-        current = self.adapter.transformer
         stored_on = next(self.reference.parameters()).device
-        self.adapter.transformer = self.reference.to(self.adapter.device)
         try:
-            yield
+            with self.adapter.swapped_transformer(self.reference.to(self.adapter.device)):
+                yield
         finally:
             self.reference.to(stored_on)
-            self.adapter.transformer = current

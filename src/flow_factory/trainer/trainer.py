@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -73,6 +74,7 @@ class Trainer:
             self.params, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2),
             weight_decay=train.adam_weight_decay, eps=train.adam_epsilon)
         self.optimizer = self.accelerator.prepare(self.optimizer)
+        self.adapter.wrap_transformer(self.accelerator.prepare)
 
         self.epoch, self.global_step = 0, 0
         self.history: list[dict] = []  # one record of training metrics per epoch
@@ -155,9 +157,11 @@ class Trainer:
                         advantages=advantages[idx], sigmas=rollouts.sigmas,
                         cond=index_cond(rollouts.cond, idx), step=step,
                         old_means=None if rollouts.means is None else rollouts.means[idx])
-                    with acc.autocast():
+                    # gradients sync across processes only on the micro-step that steps the optimizer
+                    syncs = (micro + 1) % accumulation == 0
+                    with nullcontext() if syncs else acc.no_sync(self.adapter.denoiser), acc.autocast():
                         loss, metrics = self.algorithm.loss(self.policy, batch)
-                    acc.backward(loss / accumulation)
+                        acc.backward(loss / accumulation)
                     micro += 1
                     metrics["loss"] = loss.detach()
                     if micro % accumulation == 0:
