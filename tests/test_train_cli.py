@@ -1,6 +1,7 @@
 """`ff-train` end to end on tiny SD3, FLUX and Wan pipelines saved to a temp folder."""
 
 import json
+import socket
 
 import pytest
 import torch
@@ -10,7 +11,13 @@ from flow_factory.models import get_adapter_class
 from flow_factory.train import main
 
 
-def _run(tmp_path, config, capsys=None):
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path, config):
     assert main([str(write_config(tmp_path, config))]) == 0
 
 
@@ -101,6 +108,7 @@ def test_two_processes_make_the_same_update_as_one(tmp_path, tiny_sd3_path):
         folder = tmp_path / f"p{processes}"
         config = tiny_run_config(folder, "sd3-5", tiny_sd3_path, max_epochs=2, group_size=4)
         config["num_processes"] = processes
+        config["main_process_port"] = _free_port()  # two test runs at once must not share a port
         config["eval"]["eval_freq"] = 0
         _run(folder, config)
         weights[processes] = load_file(folder / "saves" / "run" / "checkpoints" / "epoch_2"

@@ -47,6 +47,8 @@ class Dynamics:
     stochastic: bool = True
 
     def __init__(self, noise_level: float = 0.0):
+        if not (math.isfinite(noise_level) and noise_level >= 0):
+            raise ValueError(f"{self.name}: noise_level must be a finite number >= 0, got {noise_level!r}")
         self.noise_level = float(noise_level)
 
     def mean_and_std(self, x: Tensor, v: Tensor, sigma, sigma_next) -> tuple[Tensor, Tensor]:

@@ -20,8 +20,6 @@ step must leave x unchanged, so the correction is set to zero there instead of 0
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -31,10 +29,6 @@ from .base import Dynamics, as_batch_column
 class DanceSDE(Dynamics):
     name = "Dance-SDE"
 
-    def __init__(self, noise_level: float = 0.0):
-        if not (math.isfinite(noise_level) and noise_level >= 0):
-            raise ValueError(f"Dance-SDE: noise_level must be a finite number >= 0, got {noise_level!r}")
-        super().__init__(noise_level)
 
     def mean_and_std(self, x: Tensor, v: Tensor, sigma, sigma_next) -> tuple[Tensor, Tensor]:
         x, v = x.float(), v.float()

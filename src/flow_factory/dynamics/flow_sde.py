@@ -19,8 +19,6 @@ at ``a = 0`` the correction is an exact zero and the step is bit-for-bit the ODE
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -30,10 +28,6 @@ from .base import Dynamics, as_batch_column
 class FlowSDE(Dynamics):
     name = "Flow-SDE"
 
-    def __init__(self, noise_level: float = 0.0):
-        if not (math.isfinite(noise_level) and noise_level >= 0):
-            raise ValueError(f"Flow-SDE: noise_level must be a finite number >= 0, got {noise_level!r}")
-        super().__init__(noise_level)
 
     def mean_and_std(self, x: Tensor, v: Tensor, sigma, sigma_next) -> tuple[Tensor, Tensor]:
         x, v = x.float(), v.float()

@@ -107,6 +107,26 @@ class FlowAdapter:
         raise NotImplementedError  # abstract
 
     # --- shared -----------------------------------------------------------------
+    @staticmethod
+    def cfg_inputs(cond: Conditioning, guidance_scale: float, x: Tensor, t: Tensor,
+                   keys: tuple[str, ...]) -> tuple[bool, Tensor, Tensor, list[Tensor]]:
+        """Classifier-free guidance batches [uncond, cond] into one call, the pipelines' order.
+
+        Returns (cfg, x, t, the ``keys`` of ``cond`` with their ``negative_`` twins prepended).
+        """
+        cfg = guidance_scale > 1
+        if not cfg:
+            return cfg, x, t, [cond[k] for k in keys]
+        if any(f"negative_{k}" not in cond for k in keys):
+            raise ValueError("guidance_scale > 1 needs the negative branch: encode() with the same guidance_scale")
+        doubled = [torch.cat([cond[f"negative_{k}"], cond[k]]) for k in keys]
+        return cfg, torch.cat([x, x]), torch.cat([t, t]), doubled
+
+    @staticmethod
+    def combine_cfg(out: Tensor, guidance_scale: float) -> Tensor:
+        uncond, text = out.chunk(2)
+        return uncond + guidance_scale * (text - uncond)
+
     def initial_noise(self, n: int, height: int, width: int, generator: torch.Generator | None = None,
                       num_frames: int | None = None) -> Tensor:
         shape = (n, *self.latent_shape(height, width, num_frames))

@@ -75,23 +75,13 @@ class SD3Adapter(FlowAdapter):
         x = latents.to(self.device, self.dtype)
         # a scalar sigma or one per sample; the model is trained on t = 1000 sigma
         t = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000
-        emb, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
-        cfg = guidance_scale > 1
-        if cfg:
-            if "negative_prompt_embeds" not in cond:
-                raise ValueError("guidance_scale > 1 needs the negative branch: encode() with the same guidance_scale")
-            # one call on [uncond, cond], the order the pipeline uses
-            x, t = torch.cat([x, x]), torch.cat([t, t])
-            emb = torch.cat([cond["negative_prompt_embeds"], emb])
-            pooled = torch.cat([cond["negative_pooled_prompt_embeds"], pooled])
+        cfg, x, t, (emb, pooled) = self.cfg_inputs(cond, guidance_scale, x, t,
+                                                   ("prompt_embeds", "pooled_prompt_embeds"))
         out = self.denoiser(
             hidden_states=x, timestep=t, encoder_hidden_states=emb.to(self.device, self.dtype),
             pooled_projections=pooled.to(self.device, self.dtype), return_dict=False,
         )[0].float()
-        if cfg:
-            uncond, text = out.chunk(2)
-            return uncond + guidance_scale * (text - uncond)
-        return out
+        return self.combine_cfg(out, guidance_scale) if cfg else out
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:

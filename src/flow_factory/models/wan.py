@@ -74,22 +74,12 @@ class WanT2VAdapter(FlowAdapter):
         n = latents.shape[0]
         x = latents.to(self.device, self.dtype)
         t = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000
-        embeds = cond["prompt_embeds"]
-        cfg = guidance_scale > 1
-        if cfg:
-            if "negative_prompt_embeds" not in cond:
-                raise ValueError("guidance_scale > 1 needs the negative branch: encode() with the same guidance_scale")
-            # one batched call on [uncond, cond]; the pipeline makes two calls with the same inputs
-            x, t = torch.cat([x, x]), torch.cat([t, t])
-            embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
+        cfg, x, t, (embeds,) = self.cfg_inputs(cond, guidance_scale, x, t, ("prompt_embeds",))
         out = self.denoiser(
             hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(self.device, self.dtype),
             return_dict=False,
         )[0].float()
-        if cfg:
-            uncond, text = out.chunk(2)
-            return uncond + guidance_scale * (text - uncond)
-        return out
+        return self.combine_cfg(out, guidance_scale) if cfg else out
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
