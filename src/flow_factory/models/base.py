@@ -54,7 +54,7 @@ class FlowAdapter:
 
     @classmethod
     def from_pretrained(cls, path: str, device="cpu", dtype: torch.dtype = torch.float32) -> "FlowAdapter":
-        pipe = cls.pipeline_class.from_pretrained(path, torch_dtype=dtype)
+        pipe = cls.pipeline_class.from_pretrained(path, dtype=dtype)
         return cls(pipe, device, dtype)
 
     @property

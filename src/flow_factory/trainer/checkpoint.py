@@ -40,7 +40,7 @@ def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=Non
     if finetune_type == "lora":
         load_lora_state(adapter.transformer, path)
     else:
-        source = type(adapter.transformer).from_pretrained(path / "transformer", torch_dtype=torch.float32)
+        source = type(adapter.transformer).from_pretrained(path / "transformer", dtype=torch.float32)
         adapter.transformer.load_state_dict(source.state_dict())
     if optimizer is not None and (path / "optimizer.pt").exists():
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
