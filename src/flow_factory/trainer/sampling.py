@@ -49,7 +49,9 @@ def collect_rollouts(
     timer: PhaseTimer,
     keep_trajectory: bool = True,
     record_means: bool = False,
+    reward_set=None,
 ) -> Rollouts:
+    """Sample ``items`` in micro-batches of ``batch_size``, decode, and score with ``reward_set``."""
     sigmas = adapter.sigmas(num_steps, height, width, num_frames).float()
     chunks = []
     for start in range(0, len(items), batch_size):
@@ -70,7 +72,7 @@ def collect_rollouts(
         chunks.append((traj, cond, media))
 
     trajs = [c[0] for c in chunks]
-    return Rollouts(
+    rollouts = Rollouts(
         prompts=[it.prompt for it in items],
         group_ids=group_ids,
         latents=torch.cat([t.latents for t in trajs]) if keep_trajectory else torch.empty(0),
@@ -81,6 +83,16 @@ def collect_rollouts(
         media=torch.cat([c[2] for c in chunks]),
         means=torch.cat([t.means for t in trajs]) if record_means else None,
     )
+    if reward_set is not None:
+        with timer.phase("reward"):
+            rollouts.rewards = score(reward_set, rollouts, adapter.is_video, accelerator.device)
+    return rollouts
+
+
+def score(reward_set, rollouts: Rollouts, is_video: bool, device) -> dict[str, Tensor]:
+    media = {"videos" if is_video else "images": rollouts.media}
+    scores = reward_set(rollouts.prompts, group_ids=rollouts.group_ids, **media)
+    return {name: s.float().to(device) for name, s in scores.items()}
 
 
 def _encode_unique(adapter, accelerator, batch: list, guidance_scale: float) -> Conditioning:

@@ -120,15 +120,8 @@ class Trainer:
             seed=self.seed, epoch=epoch, batch_size=train.per_device_batch_size, height=height, width=width,
             num_frames=train.num_frames, num_steps=train.num_inference_steps,
             guidance_scale=train.guidance_scale, sde_steps=sde_steps, same_latent=train.same_latent,
-            timer=self.timer, record_means=self.algorithm.records_step_means)
-        with self.timer.phase("reward"):
-            rollouts.rewards = self._score(self.rewards, rollouts)
+            timer=self.timer, record_means=self.algorithm.records_step_means, reward_set=self.rewards)
         return rollouts
-
-    def _score(self, reward_set, rollouts: Rollouts) -> dict[str, torch.Tensor]:
-        media = {"videos" if self.adapter.is_video else "images": rollouts.media}
-        scores = reward_set(rollouts.prompts, group_ids=rollouts.group_ids, **media)
-        return {name: s.float().to(self.accelerator.device) for name, s in scores.items()}
 
     def compute_advantages(self, rollouts: Rollouts) -> torch.Tensor:
         """Over the global batch (all ranks), then this rank's share."""
@@ -194,8 +187,8 @@ class Trainer:
             self.adapter, ODE(), self.accelerator, items[share], torch.tensor(ids), ids,
             seed=ev.seed, epoch=-1, batch_size=ev.per_device_batch_size, height=height, width=width,
             num_frames=ev.num_frames, num_steps=ev.num_inference_steps, guidance_scale=ev.guidance_scale,
-            sde_steps=[], same_latent=False, timer=timer, keep_trajectory=False)
-        scores = self._score(self.eval_rewards, rollouts)
+            sde_steps=[], same_latent=False, timer=timer, keep_trajectory=False, reward_set=self.eval_rewards)
+        scores = rollouts.rewards
         means = {f"eval/reward/{k}": self.accelerator.gather(v).mean().item() for k, v in scores.items()}
         self.eval_history.append({"epoch": epoch, **means})
         if self.accelerator.is_main_process:
