@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import PositiveInt, model_validator
+from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from .base import Section, canonical_choice, problem, setting, show
 
@@ -29,6 +29,18 @@ class RewardConfig(Section):
     model_name_or_path: str | None = setting(None, "weights for the reward model; null = its default")
     kwargs: dict[str, Any] = setting(default_factory=dict,
                                      description="extra constructor options of the reward class")
+    async_reward: bool = setting(False, "score this reward in a thread pool while sampling continues")
+    num_workers: PositiveInt = setting(1, "threads of this reward's pool when async_reward is true")
+    # options of the remote rewards and VLM judges; passed to the constructor when set
+    server_url: str | None = setting(None, "remote rewards: base URL of the reward server, e.g. http://127.0.0.1:8000")
+    timeout: PositiveFloat | None = setting(None, "remote rewards and VLM judges: seconds to wait for one answer")
+    retry_attempts: NonNegativeInt | None = setting(None, "remote rewards and VLM judges: retries after a failed "
+                                                          "request (connection error, timeout, 5xx)")
+    api_base_url: str | None = setting(None, "VLM judges: OpenAI-compatible API base, e.g. http://host:8000/v1")
+    vlm_model: str | None = setting(None, "VLM judges: the model name the API serves")
+    api_key: str | None = setting(None, "VLM judges: bearer token of the API; null = none")
+    extra_kwargs: dict[str, Any] | None = setting(None, "VLM judges: extra fields of each chat-completion "
+                                                        "request (temperature, top_k, ...)")
 
     @model_validator(mode="before")
     @classmethod
@@ -64,6 +76,9 @@ class RewardConfig(Section):
     def _default_name(self):
         if self.name is None:
             self.name = self.reward_model
+        if self.num_workers > 1 and not self.async_reward:
+            raise problem(f"num_workers: {self.num_workers} threads only apply with async_reward: true "
+                          f"(reward {self.name!r}); set async_reward: true or drop num_workers")
         return self
 
 

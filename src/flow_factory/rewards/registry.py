@@ -44,9 +44,11 @@ def register_reward(name: str):
 
 def scan_registrations(package_dir: Path | str, package: str) -> dict[str, str]:
     """``{name: "package.module:Class"}`` for every ``@register_reward("name")`` class
-    in the ``.py`` files directly under ``package_dir``, read as text, never imported."""
+    in the ``.py`` files under ``package_dir`` (sub-packages included), read as text,
+    never imported."""
     found: dict[str, str] = {}
-    for path in sorted(Path(package_dir).glob("*.py")):
+    for path in sorted(Path(package_dir).rglob("*.py")):
+        module = ".".join([package, *path.relative_to(package_dir).with_suffix("").parts])
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         except SyntaxError:
@@ -58,7 +60,7 @@ def scan_registrations(package_dir: Path | str, package: str) -> dict[str, str]:
                 if (isinstance(deco, ast.Call) and getattr(deco.func, "id", None) == "register_reward"
                         and deco.args and isinstance(deco.args[0], ast.Constant)
                         and isinstance(deco.args[0].value, str)):
-                    found[deco.args[0].value.lower()] = f"{package}.{path.stem}:{node.name}"
+                    found[deco.args[0].value.lower()] = f"{module}:{node.name}"
     return found
 
 

@@ -53,6 +53,9 @@ def collect_rollouts(
 ) -> Rollouts:
     """Sample ``items`` in micro-batches of ``batch_size``, decode, and score with ``reward_set``."""
     sigmas = adapter.sigmas(num_steps, height, width, num_frames).float()
+    # async rewards start on each micro-batch as soon as it is decoded; the rest score at the end
+    job = reward_set.start(group_ids) if reward_set is not None else None
+    media_key = "videos" if adapter.is_video else "images"
     chunks = []
     for start in range(0, len(items), batch_size):
         batch = items[start:start + batch_size]
@@ -70,6 +73,9 @@ def collect_rollouts(
         with timer.phase("decode"):
             media = adapter.decode(traj.final).float().cpu()
         chunks.append((traj, cond, media))
+        if job is not None:
+            with timer.phase("reward"):
+                job.add([it.prompt for it in batch], **{media_key: media})
 
     trajs = [c[0] for c in chunks]
     rollouts = Rollouts(
@@ -83,16 +89,10 @@ def collect_rollouts(
         media=torch.cat([c[2] for c in chunks]),
         means=torch.cat([t.means for t in trajs]) if record_means else None,
     )
-    if reward_set is not None:
+    if job is not None:
         with timer.phase("reward"):
-            rollouts.rewards = score(reward_set, rollouts, adapter.is_video, accelerator.device)
+            rollouts.rewards = {name: s.float().to(accelerator.device) for name, s in job.finish().items()}
     return rollouts
-
-
-def score(reward_set, rollouts: Rollouts, is_video: bool, device) -> dict[str, Tensor]:
-    media = {"videos" if is_video else "images": rollouts.media}
-    scores = reward_set(rollouts.prompts, group_ids=rollouts.group_ids, **media)
-    return {name: s.float().to(device) for name, s in scores.items()}
 
 
 def _encode_unique(adapter, accelerator, batch: list, guidance_scale: float) -> Conditioning:

@@ -1,0 +1,10 @@
+"""The reward server: serve any reward over HTTP (``ff-reward-server``).
+
+Imports neither torch nor the training stack: a ``RewardServer`` subclass that does not
+need them runs in an environment with only ``pip install 'flow_factory[server]'``'s
+dependencies (FastAPI, uvicorn, pydantic, Pillow).
+"""
+
+from .base import RewardServer
+
+__all__ = ["RewardServer"]

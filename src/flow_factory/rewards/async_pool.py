@@ -1,0 +1,130 @@
+"""Scoring one epoch's samples while they are still being sampled.
+
+``RewardSet.start(group_ids)`` opens a ``RewardJob``; the sampler hands it each decoded
+micro-batch (``add``) and asks for the scores at the end (``finish``).
+
+- A reward with ``async_reward: true`` is submitted to its own thread pool
+  (``num_workers`` threads) as soon as its inputs are there: a pointwise reward per
+  micro-batch, a groupwise reward per group once every member of that group has been
+  added (so it always sees the complete group, whatever the micro-batch size).
+- Every other reward is scored in ``finish`` on the whole batch, as without async.
+
+Threads fit rewards that wait (remote servers, VLM APIs) or release the GIL (torch
+forward passes). A worker's exception is re-raised on the main thread, at the next
+``add`` or in ``finish``, as ``RewardError`` naming the reward, with the original
+error chained.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .base import GroupwiseRewardModel, RewardInputs
+
+if TYPE_CHECKING:
+    from .reward_set import RewardSet
+
+
+class RewardError(RuntimeError):
+    """A reward failed; the message names it, ``__cause__`` is the original error."""
+
+
+class RewardJob:
+    def __init__(self, reward_set: "RewardSet", group_ids: Tensor | None):
+        self.rs = reward_set
+        self.group_ids = None if group_ids is None else torch.as_tensor(group_ids).reshape(-1).cpu()
+        self._chunks: list[tuple[int, RewardInputs]] = []  # (first index, inputs)
+        self._next = 0  # samples are added in order
+        # id(model) -> [(indices, future)]
+        self._futures: dict[int, list[tuple[Tensor, Future]]] = {}
+        self._async = {id(m): m for name, m in reward_set.models.items() if reward_set.is_async(name)}
+        if self.group_ids is None and any(isinstance(m, GroupwiseRewardModel) for m in self._async.values()):
+            raise ValueError("async groupwise rewards need the batch's group_ids up front")
+        if self.group_ids is not None:
+            ids = self.group_ids.tolist()
+            self._group_size = {g: ids.count(g) for g in set(ids)}
+        self._arrived: dict[int, list[int]] = {}
+
+    def add(self, prompts: list[str], images: Tensor | None = None, videos: Tensor | None = None,
+            condition_images: list | None = None, condition_videos: list | None = None) -> None:
+        """The next ``len(prompts)`` samples of the batch, in batch order."""
+        self.raise_failures()
+        inputs = RewardInputs(list(prompts), images, videos, condition_images, condition_videos)
+        start, self._next = self._next, self._next + len(inputs)
+        if self.group_ids is not None and self._next > len(self.group_ids):
+            raise ValueError(f"{self._next} samples added for {len(self.group_ids)} group ids")
+        self._chunks.append((start, inputs))
+        complete: list[int] = []
+        if self.group_ids is not None:
+            for offset, g in enumerate(self.group_ids[start:self._next].tolist()):
+                members = self._arrived.setdefault(g, [])
+                members.append(start + offset)
+                if len(members) == self._group_size[g]:
+                    complete.append(g)
+        for key, model in self._async.items():
+            pool = self.rs.pool(model)
+            futures = self._futures.setdefault(key, [])
+            if isinstance(model, GroupwiseRewardModel):
+                for g in complete:
+                    members = self._arrived[g]
+                    group_inputs = self._gather(members)
+                    futures.append((torch.tensor(members),
+                                    pool.submit(model.score, group_inputs, torch.full((len(members),), g))))
+            else:
+                futures.append((torch.arange(start, self._next), pool.submit(model.score, inputs)))
+
+    def _gather(self, indices: list[int]) -> RewardInputs:
+        """The inputs of samples ``indices`` (which may lie in several chunks)."""
+        parts = []
+        for first, chunk in self._chunks:
+            local = [i - first for i in indices if first <= i < first + len(chunk)]
+            if local:
+                parts.append(chunk.select(local))
+        if len(parts) == 1:
+            return parts[0]
+        cat_t = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+        cat_l = lambda name: None if getattr(parts[0], name) is None else [x for p in parts for x in getattr(p, name)]  # noqa: E731
+        return RewardInputs([x for p in parts for x in p.prompt], cat_t("image"), cat_t("video"),
+                            cat_l("condition_images"), cat_l("condition_videos"))
+
+    def raise_failures(self) -> None:
+        """Re-raise the first failed worker, naming its reward(s), and cancel what is pending."""
+        for key, futures in self._futures.items():
+            for _, future in futures:
+                if future.done() and future.exception() is not None:
+                    self.cancel()
+                    error = future.exception()
+                    names = [n for n, m in self.rs.models.items() if id(m) == key]
+                    raise RewardError(f"reward {names[0] if len(names) == 1 else names!r} failed in an async "
+                                      f"worker: {type(error).__name__}: {error}") from error
+
+    def cancel(self) -> None:
+        for futures in self._futures.values():
+            for _, future in futures:
+                future.cancel()
+
+    def finish(self) -> dict[str, Tensor]:
+        """``{name: float32 (N,)}`` on the CPU, in batch order: async results collected,
+        the other rewards scored now on the whole batch."""
+        n = self._next
+        if self.group_ids is not None and n != len(self.group_ids):
+            raise ValueError(f"{n} samples added for {len(self.group_ids)} group ids")
+        scored: dict[int, Tensor] = {}
+        sync = {name: m for name, m in self.rs.models.items() if id(m) not in self._async}
+        if sync:
+            whole = self._gather(list(range(n)))
+            scored.update(self.rs.score_models(sync, whole, self.group_ids))
+        for key, futures in self._futures.items():
+            out = torch.zeros(n, dtype=torch.float32)
+            for indices, future in futures:
+                try:
+                    out[indices] = future.result()
+                except Exception:  # noqa: BLE001 - re-raised below with the reward's name
+                    self.raise_failures()
+                    raise
+            scored[key] = out
+        return {name: scored[id(m)].clone() for name, m in self.rs.models.items()}

@@ -1,0 +1,1 @@
+"""Rewards from a vision-language model behind an OpenAI-compatible API (vLLM, SGLang, ...)."""
