@@ -1,0 +1,182 @@
+"""Remote rewards against a real ff-reward-server (uvicorn, loopback): concurrency and order,
+restart survival, timeouts, payload validation, auth, a served built-in, torch-free serving."""
+
+import base64
+import io
+import socket
+import subprocess
+import sys
+import threading
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flow_factory.reward_server.launch import free_port, start_server, stop_server
+from flow_factory.reward_server.wire import encode_image
+from flow_factory.rewards import RewardInputs, RewardSet
+from flow_factory.rewards.http_client import RemoteRewardError
+from flow_factory.rewards.remote import RemoteGroupwiseRewardModel, RemotePointwiseRewardModel
+
+ECHO = "flow_factory.reward_server.examples.MeanPixelServer"
+TOKEN = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = start_server(ECHO, port, "--token", TOKEN, "--max-request-mb", "0.5")
+    yield f"http://127.0.0.1:{port}"
+    stop_server(proc)
+
+
+def score(model, prompts, images) -> list[float]:
+    return model.score(RewardInputs(list(prompts), images)).tolist()
+
+
+def png(image: np.ndarray) -> str:
+    return encode_image(Image.fromarray(image))
+
+
+def good_payload(k: int = 0) -> dict:
+    return {"prompts": [f"{k} a cat"], "images": [png(np.full((8, 8, 3), 51, np.uint8))]}
+
+
+def post(url, payload, token=TOKEN, **kw):
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.post(url + "/score", headers=headers, timeout=10, **kw, **({"json": payload} if payload is not None else {}))
+
+
+def test_eight_clients_fifty_requests_each_all_answered_in_order(server):
+    images = torch.rand(2, 3, 8, 8)
+    expected_pixel = [float(np.rint(im.numpy() * 255).mean() / 255) for im in images]
+    results: dict[int, list] = {}
+
+    def client(i: int):
+        model = RemotePointwiseRewardModel(server_url=server, api_key=TOKEN, timeout=20, batch_size=2)
+        got = []
+        for j in range(50):
+            k = 1000 * i + 2 * j
+            got.append(score(model, [f"{k} x", f"{k + 1} y"], images))
+        results[i] = got
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == list(range(8))
+    for i, got in results.items():
+        assert len(got) == 50
+        for j, scores in enumerate(got):
+            k = 1000 * i + 2 * j
+            np.testing.assert_allclose(scores, [k + expected_pixel[0], k + 1 + expected_pixel[1]], atol=1e-4)
+    health = httpx.get(server + "/health").json()
+    assert health["requests"] >= 400 and health["batches"] <= health["requests"]
+
+
+def test_bad_payloads_get_4xx_with_the_reason_and_the_server_keeps_serving(server):
+    cases = [
+        ({"prompts": "a cat", "images": None}, 422, "prompts"),                       # wrong type
+        ({"prompts": ["a", "b"], "images": [png(np.zeros((4, 4, 3), np.uint8))]}, 422, "1 images for 2 prompts"),
+        ({"prompts": ["a"], "images": ["not base64!!"]}, 422, "images[0]: not valid base64"),
+        ({"prompts": ["a"], "images": [base64.b64encode(b"\x89PNG\r\n\x1a\n garbage").decode()]}, 422,
+         "images[0]: not a readable image"),
+        ({"prompts": ["a"], "images": [png(np.zeros((4, 4, 3), np.uint8))], "exec": "rm -rf /"}, 422, "exec"),
+        ({"prompts": ["a"], "images": [png(np.random.randint(0, 255, (600, 600, 3), np.uint8))]}, 413, "limit"),
+    ]
+    for payload, status, reason in cases:
+        r = post(server, payload)
+        assert r.status_code == status, (payload.keys(), r.text)
+        assert reason in r.text
+        ok = post(server, good_payload(7))
+        assert ok.status_code == 200 and ok.json()["rewards"] == pytest.approx([7.2])
+    assert post(server, good_payload(), token=None).status_code == 401
+    assert post(server, good_payload(), token="wrong").status_code == 401
+    assert post(server, None, content=b"{not json").status_code == 422
+    assert post(server, good_payload(3)).json()["rewards"] == pytest.approx([3.2])
+
+
+def test_client_reports_4xx_without_retrying(server):
+    model = RemotePointwiseRewardModel(server_url=server, api_key="wrong", retry_attempts=5, backoff=10)
+    with pytest.raises(RemoteRewardError, match="answered HTTP 401: missing or wrong bearer token"):
+        score(model, ["a"], torch.rand(1, 3, 8, 8))  # backoff 10 s: a retry would hang the test
+
+
+def test_groupwise_client_sends_each_group_whole(server):
+    model = RemoteGroupwiseRewardModel(server_url=server, api_key=TOKEN)
+    rs = RewardSet({"g": model}, {"g": 1.0})
+    images = torch.zeros(4, 3, 8, 8)
+    scores = rs(["1 a", "2 b", "3 c", "4 d"], images=images, group_ids=torch.tensor([0, 1, 0, 1]))["g"]
+    assert scores.tolist() == [1, 2, 3, 4]
+
+
+def test_retries_carry_a_run_through_a_server_restart():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(ECHO, port)
+    model = RemotePointwiseRewardModel(server_url=url, timeout=5, retry_attempts=8, backoff=0.1)
+    images = torch.zeros(1, 3, 8, 8)
+    assert score(model, ["1 a"], images) == pytest.approx([1.0])
+    stop_server(proc)  # killed mid-run
+    results, errors = [], []
+
+    def run():
+        try:
+            for k in range(10):
+                results.append(score(model, [f"{k} a"], images)[0])
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()  # its first request finds no server and backs off
+    proc = start_server(ECHO, port)
+    thread.join(timeout=60)
+    stop_server(proc)
+    assert not errors and results == pytest.approx(list(range(10)))
+
+
+def test_a_server_that_never_answers_times_out_with_a_clear_error():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # accepts connections (the kernel does), never reads or answers
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    model = RemotePointwiseRewardModel(server_url=url, timeout=0.3, retry_attempts=1, backoff=0.0)
+    try:
+        with pytest.raises(RemoteRewardError, match=r"failed after 2 attempt\(s\) \(timeout 0.3 s each\): "
+                                                     r"no answer within 0.3 s"):
+            score(model, ["a"], torch.rand(1, 3, 8, 8))
+    finally:
+        listener.close()
+
+
+def test_a_served_builtin_gives_the_local_scores():
+    port = free_port()
+    proc = start_server("jpeg_compressibility", port)
+    try:
+        images = torch.rand(3, 3, 16, 16)
+        images[0] = 0.5
+        remote = RemotePointwiseRewardModel(server_url=f"http://127.0.0.1:{port}")
+        local = RewardSet.from_configs([{"reward_model": "jpeg_compressibility"}])
+        np.testing.assert_allclose(score(remote, ["a", "b", "c"], images),
+                                   local(["a", "b", "c"], images=images)["jpeg_compressibility"], rtol=1e-6)
+    finally:
+        stop_server(proc)
+
+
+def test_serving_a_plain_reward_server_imports_no_torch():
+    code = ("import sys; from flow_factory.reward_server.cli import build_server; "
+            "from flow_factory.reward_server.app import create_app; "
+            f"create_app(build_server('{ECHO}', {{}})); "
+            "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_config_errors_of_the_client():
+    with pytest.raises(ValueError, match="set server_url"):
+        RemotePointwiseRewardModel()
+    with pytest.raises(ValueError, match="must start with http:// or https://"):
+        RemotePointwiseRewardModel(server_url="localhost:8000")
