@@ -1,0 +1,133 @@
+"""VLM judges against an OpenAI-compatible server started here on loopback: rewards equal what
+the served logprobs and rubric text give by hand; malformed replies error or fall back."""
+
+import math
+import re
+import threading
+import time
+
+import pytest
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+
+from flow_factory.reward_server.launch import free_port
+from flow_factory.rewards import RewardSet
+from flow_factory.rewards.vlm.base import UnscorableReply
+from flow_factory.rewards.vlm.rubric import parse_aspect_scores
+
+# prompt -> what the fake VLM answers (a top_logprobs list, or the reply's text)
+LOGPROBS = {
+    "cat": [{"token": "Yes", "logprob": math.log(0.6)}, {"token": " yes", "logprob": math.log(0.1)},
+            {"token": "No", "logprob": math.log(0.2)}, {"token": "Maybe", "logprob": math.log(0.1)}],
+    "dog": [{"token": "NO", "logprob": -0.1}, {"token": "yes", "logprob": -3.0}],
+    "fish": [{"token": "Perhaps", "logprob": -0.1}, {"token": "The", "logprob": -2.0}],
+}
+TEXTS = {
+    "cat": 'alignment is good.\n{"alignment": 2, "quality": 1}\nFinal: {"alignment": 9, "quality": 7, "aesthetics": 4}',
+    "dog": "Reasoning...\n**Alignment**: 10\n- quality: 5.5\naesthetics = 1",
+    "fish": "I cannot judge this image.",
+    "make it red": '{"instruction_following": 8, "consistency": 10, "quality": 6}',
+}
+REQUESTS: list[dict] = []
+
+
+def fake_vlm() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        REQUESTS.append(body)
+        text = body["messages"][0]["content"][-1]["text"]
+        key = re.search(r'"([^"]+)"', text).group(1)
+        if body.get("logprobs"):
+            if key == "broken":
+                return {"choices": [{"message": {"content": "Yes"}}]}  # no logprobs
+            return {"choices": [{"message": {"content": LOGPROBS[key][0]["token"]},
+                                 "logprobs": {"content": [{"token": LOGPROBS[key][0]["token"],
+                                                           "top_logprobs": LOGPROBS[key]}]}}]}
+        return {"choices": [{"message": {"role": "assistant", "content": TEXTS[key]}}]}
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def api():
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(fake_vlm(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def clear():
+    REQUESTS.clear()
+
+
+def judge(api, reward_model, **options):
+    entry = {"name": "j", "reward_model": reward_model, "api_base_url": api, "vlm_model": "tiny-vl",
+             "extra_kwargs": {"top_k": 5}, **options}
+    return RewardSet.from_configs([entry])
+
+
+def test_yes_no_reward_from_logprobs_by_hand(api):
+    got = judge(api, "vllm_evaluate")(["cat", "dog"], images=torch.rand(2, 3, 8, 8))["j"]
+    cat = (0.6 + 0.1) / (0.6 + 0.1 + 0.2)
+    dog = math.exp(-3.0) / (math.exp(-3.0) + math.exp(-0.1))
+    torch.testing.assert_close(got, torch.tensor([cat, dog]))
+    body = REQUESTS[0]
+    assert body["model"] == "tiny-vl" and body["top_k"] == 5 and body["max_tokens"] == 1 and body["logprobs"]
+    assert body["messages"][0]["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")
+
+
+def test_yes_no_without_yes_or_no_errors_or_falls_back(api):
+    with pytest.raises(UnscorableReply, match=r"sample 1: neither Yes nor No among the top tokens "
+                                              r"\['Perhaps', 'The'\].*fallback_score"):
+        judge(api, "vllm_evaluate")(["cat", "fish"], images=torch.rand(2, 3, 8, 8))
+    got = judge(api, "vllm_evaluate", fallback_score=0.5)(["fish", "broken"], images=torch.rand(2, 3, 8, 8))["j"]
+    assert got.tolist() == [0.5, 0.5]
+
+
+def test_rubric_t2i_by_hand(api):
+    got = judge(api, "rational_rewards_t2i", aspects={"alignment": 2, "quality": 1, "aesthetics": 1})(
+        ["cat", "dog"], images=torch.rand(2, 3, 8, 8))["j"]
+    # cat: the last JSON holding every aspect (9, 7, 4); dog: the "aspect: score" lines (10, 5.5, 1)
+    norm = lambda s: (s - 1) / 9  # noqa: E731
+    cat = (2 * norm(9) + norm(7) + norm(4)) / 4
+    dog = (2 * norm(10) + norm(5.5) + norm(1)) / 4
+    torch.testing.assert_close(got, torch.tensor([cat, dog]))
+
+
+def test_rubric_unparseable_reply(api):
+    with pytest.raises(UnscorableReply, match="no score for aspect 'alignment'"):
+        judge(api, "rational_rewards_t2i")(["fish"], images=torch.rand(1, 3, 8, 8))
+    got = judge(api, "rational_rewards_t2i", fallback_score=0.0)(["fish", "cat"], images=torch.rand(2, 3, 8, 8))["j"]
+    assert got[0] == 0.0 and got[1] == pytest.approx((8 / 9 + 6 / 9 + 3 / 9) / 3)
+
+
+def test_rubric_edit_sends_source_then_edited(api):
+    source, edited = torch.zeros(1, 3, 8, 8), torch.ones(1, 3, 8, 8)
+    got = judge(api, "rational_rewards_edit")(["make it red"], images=edited, condition_images=[source])["j"]
+    assert got.item() == pytest.approx((7 / 9 + 9 / 9 + 5 / 9) / 3)
+    content = REQUESTS[0]["messages"][0]["content"]
+    assert [c["type"] for c in content] == ["image_url", "image_url", "text"]
+
+
+def test_parse_rejects_scores_out_of_range_and_non_numbers(api):
+    with pytest.raises(UnscorableReply, match="outside"):
+        judge(api, "rational_rewards_t2i", score_range=[1, 5])(["cat"], images=torch.rand(1, 3, 8, 8))
+    with pytest.raises(UnscorableReply, match="non-numeric"):
+        parse_aspect_scores('{"a": "great"}', ["a"])
+
+
+def test_missing_settings_are_named():
+    with pytest.raises(ValueError, match="set api_base_url"):
+        RewardSet.from_configs([{"reward_model": "vllm_evaluate", "vlm_model": "m"}])
+    with pytest.raises(ValueError, match="set vlm_model"):
+        RewardSet.from_configs([{"reward_model": "vllm_evaluate", "api_base_url": "http://127.0.0.1:1/v1"}])
