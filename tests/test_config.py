@@ -150,8 +150,8 @@ def test_flow_factory_layout_loads(tmp_path):
           device: "cuda"
           dtype: bfloat16
         """))
-    with pytest.warns(UserWarning, match=r"train.ema_decay: 0.9 is ignored"):
-        cfg = load_config(path)
+    cfg = load_config(path)
+    assert (cfg.train.ema_decay, cfg.train.ema_update_interval) == (0.9, 4)  # EMA is built (issue 3)
     assert cfg.model.model_type == "flux1"
     assert (cfg.train.adam_beta1, cfg.train.adam_beta2) == (0.9, 0.99)
     assert [r.name for r in cfg.eval_rewards] == ["pickscore"]  # one mapping -> a list of one
@@ -284,9 +284,9 @@ def test_reward_extra_keys_are_constructor_options():
     ("train.group_size=2.5", "train.group_size: expected a positive integer, got 2.5"),
     ("train.group_size=true", "train.group_size: expected a positive integer, got true"),
     ("train.trainer_type=gpro",
-     "train.trainer_type: expected one of 'grpo', 'grpo-guard', got 'gpro'; did you mean 'grpo'?"),
+     "train.trainer_type: expected one of 'grpo', 'grpo-guard', 'nft', 'awm', 'dpo', got 'gpro'; did you mean 'grpo'?"),
     ("scheduler.dynamics_type=Flow-SDF",
-     "scheduler.dynamics_type: expected one of 'Flow-SDE', 'Dance-SDE', 'CPS', 'ODE', got 'Flow-SDF'; "
+     "scheduler.dynamics_type: expected one of 'Flow-SDE', 'Dance-SDE', 'CPS', 'ODE', 'DPM-Solver++2M', got 'Flow-SDF'; "
      "did you mean 'Flow-SDE'?"),
     ("mixed_precision=bf17", "mixed_precision: expected one of 'no', 'fp16', 'bf16', got 'bf17'; did you mean 'bf16'?"),
     ("scheduler.noise_level=-0.1", "scheduler.noise_level: expected a number >= 0, got -0.1"),

@@ -51,12 +51,14 @@ def sample_trajectory(
     if sde_steps is None:
         sde_steps = list(range(num_steps)) if dynamics.stochastic else []
     stochastic = set(sde_steps)
-    ode = ODE()
+    # a deterministic dynamics (ODE, DPM-Solver++2M) runs every step; an SDE only its window.
+    # solver(): a fresh per-trajectory object, so a multistep solver's history starts empty
+    solver, ode = dynamics.solver(), ODE()
     x = noise.float()
     latents, log_probs, means = [x], [], []
     for i in range(num_steps):
         v = adapter.velocity(x, sigmas[i], cond, guidance_scale)
-        step_dynamics = dynamics if i in stochastic else ode
+        step_dynamics = solver if (i in stochastic or not dynamics.stochastic) else ode
         # noise is drawn on the CPU generator so a seed means the same thing on any device
         step_noise = None
         if step_dynamics.stochastic:

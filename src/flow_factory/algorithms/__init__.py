@@ -1,11 +1,15 @@
-"""Training objectives: each algorithm is a ``loss(policy, batch)`` and what its rollout records."""
+"""Training objectives: each algorithm is what its rollout records and a loss over a micro-batch."""
 
+from .awm import AWM, AWM_WEIGHTINGS, awm_log_prob
 from .base import Algorithm, Policy, TrainBatch
+from .decoupled import DecoupledAlgorithm, NoisedBatch
+from .dpo import DPO, best_and_worst, dpo_loss
 from .grpo import GRPO, clipped_policy_loss, clipped_surrogate
 from .grpo_guard import GRPOGuard, normalized_log_ratio
 from .kl import KL_TYPES, v_based_kl, x_based_kl
+from .nft import NFT, NFT_WEIGHTINGS, nft_loss, optimality_probability
 
-ALGORITHMS: dict[str, type[Algorithm]] = {"grpo": GRPO, "grpo-guard": GRPOGuard}
+ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (GRPO, GRPOGuard, NFT, AWM, DPO)}
 
 
 def make_algorithm(name: str, train_cfg, dynamics) -> Algorithm:
@@ -15,7 +19,8 @@ def make_algorithm(name: str, train_cfg, dynamics) -> Algorithm:
 
 
 __all__ = [
-    "ALGORITHMS", "Algorithm", "GRPO", "GRPOGuard", "KL_TYPES", "Policy", "TrainBatch",
-    "clipped_policy_loss", "clipped_surrogate", "make_algorithm", "normalized_log_ratio",
-    "v_based_kl", "x_based_kl",
+    "ALGORITHMS", "AWM", "AWM_WEIGHTINGS", "Algorithm", "DPO", "DecoupledAlgorithm", "GRPO", "GRPOGuard",
+    "KL_TYPES", "NFT", "NFT_WEIGHTINGS", "NoisedBatch", "Policy", "TrainBatch", "awm_log_prob",
+    "best_and_worst", "clipped_policy_loss", "clipped_surrogate", "dpo_loss", "make_algorithm", "nft_loss",
+    "normalized_log_ratio", "optimality_probability", "v_based_kl", "x_based_kl",
 ]

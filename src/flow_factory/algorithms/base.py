@@ -1,25 +1,50 @@
-"""What an algorithm is: what its rollout needs, and a loss over a training batch.
+"""What an algorithm is: what its rollout needs, how an epoch's rollouts become
+micro-batches, and a loss over one micro-batch.
 
 An algorithm never sees a model's packing or text encoders: it calls
-``policy.velocity`` (the current weights, with grad) and ``policy.reference_velocity``
-(the reference: the LoRA adapter disabled, or a frozen copy) on latents.
+``policy.velocity`` (the current weights, with grad), ``policy.reference_velocity``
+(the reference: the LoRA adapter disabled, or a frozen copy), and for the decoupled
+algorithms ``policy.sampling_velocity`` (the weights the rollout sampled with) and
+``policy.ema_velocity`` on latents.
+
+The trainer's loop is the same for every algorithm (``trainer/optimize.py``):
+
+    units = algorithm.training_units(group_ids, advantages)      # rows of sample indices
+    for each shuffled chunk of per_device_batch_size units:
+        for batch in algorithm.micro_batches(rollouts, advantages, chunk, generator):
+            loss = algorithm.loss(policy, batch); backward; step every N micro-batches
+
+Coupled algorithms (GRPO family) make one micro-batch per trained SDE step of the
+rollout; decoupled ones (``decoupled.py``) one per training timestep they draw.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, Iterator, Protocol
 
+import torch
 from torch import Tensor
 
 from ..dynamics import Dynamics
-from ..models.base import Conditioning
+from ..models.base import Conditioning, index_cond
 
 
 class Policy(Protocol):
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor: ...
 
     def reference_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor: ...
+
+
+class RolloutsLike(Protocol):
+    """What ``micro_batches`` reads from an epoch's rollouts (``trainer.sampling.Rollouts``)."""
+
+    latents: Tensor  # (N, T + 1, *latent)
+    log_probs: Tensor  # (N, T)
+    sigmas: Tensor  # (T + 1,)
+    sde_steps: list[int]
+    cond: Conditioning
+    means: Tensor | None
 
 
 @dataclass
@@ -43,12 +68,31 @@ class Algorithm:
     coupled: ClassVar[bool] = True
     # the rollout must also record each step's mean (TrainBatch.old_means)
     records_step_means: ClassVar[bool] = False
+    # the loss calls policy.sampling_velocity: the trainer keeps the rollout's weights
+    uses_sampling_policy: ClassVar[bool] = False
+    # the loss always calls policy.reference_velocity (not only when kl_beta > 0)
+    always_uses_reference: ClassVar[bool] = False
 
     def __init__(self, train_cfg, dynamics: Dynamics):
         self.cfg = train_cfg
         self.dynamics = dynamics
 
-    def loss(self, policy: Policy, batch: TrainBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        """Scalar loss and detached metrics (each a 0-d tensor) for one micro-batch at one step."""
-        raise NotImplementedError  # abstract
+    # --- how an epoch's rollouts become micro-batches --------------------------------
+    def training_units(self, group_ids: Tensor, advantages: Tensor) -> Tensor:
+        """(U, k) long: the sample indices each training unit holds. Default: every sample
+        alone (k = 1); the trainer shuffles units and takes ``per_device_batch_size`` at a time."""
+        return torch.arange(len(advantages)).unsqueeze(1)
 
+    def micro_batches(self, rollouts: RolloutsLike, advantages: Tensor, units: Tensor,
+                      generator: torch.Generator) -> Iterator[TrainBatch]:
+        """Coupled: the chosen samples at each trained (stochastic) step of their rollout."""
+        idx = units[:, 0]
+        for step in rollouts.sde_steps:
+            yield TrainBatch(
+                latents=rollouts.latents[idx], old_log_probs=rollouts.log_probs[idx],
+                advantages=advantages[idx], sigmas=rollouts.sigmas, cond=index_cond(rollouts.cond, idx),
+                step=step, old_means=None if rollouts.means is None else rollouts.means[idx])
+
+    def loss(self, policy: Policy, batch) -> tuple[Tensor, dict[str, Tensor]]:
+        """Scalar loss and detached metrics (each a 0-d tensor) for one micro-batch."""
+        raise NotImplementedError  # abstract

@@ -6,8 +6,11 @@ checks and the training loop cannot disagree:
 
   samples per epoch    = unique_sample_num_per_epoch * group_size
   batches per process  = samples per epoch / (num_processes * per_device_batch_size)
-  trained steps        = num_sde_steps, else len(sde_steps), else num_inference_steps
-  micro-steps          = batches per process * trained steps   (one backward each)
+  trained steps        = coupled (grpo*): num_sde_steps, else len(sde_steps), else num_inference_steps
+                         decoupled (nft, awm, dpo): num_train_timesteps (resolved)
+  optimize batches     = batches per process; dpo: ceil(groups per process / per_device_batch_size)
+                         (a dpo micro-batch holds per_device_batch_size best / worst pairs)
+  micro-steps          = optimize batches * trained steps   (one backward each)
   accumulation         = micro-steps / gradient_step_per_epoch, or the explicit integer
 """
 
@@ -25,7 +28,7 @@ from .explain import explain
 from .rewards import RewardConfig, as_entry_list, duplicate_names
 from .sections import (VIDEO_MODEL_TYPES, DataConfig, EvalConfig, LogConfig, ModelConfig,
                        SchedulerConfig)
-from .train import TrainConfig
+from .train import COUPLED_TRAINER_TYPES, TrainConfig, resolve_num_train_timesteps
 
 STOCHASTIC = ("Flow-SDE", "Dance-SDE", "CPS")
 DEFAULT_LEARNING_RATE = {"lora": 1e-4, "full": 1e-5}
@@ -115,6 +118,8 @@ class Config(Section):
     # ------------------------------------------------------------------ resolution
     def _fill_defaults(self) -> None:
         train, ev = self.train, self.eval
+        if train.trainer_type not in COUPLED_TRAINER_TYPES and "dynamics_type" not in self.scheduler.model_fields_set:
+            self.scheduler.dynamics_type = "ODE"  # decoupled algorithms need no log-probs: ODE by default
         if train.seed is None:
             train.seed = self.seed
         if train.learning_rate is None:
@@ -131,7 +136,10 @@ class Config(Section):
     def _contradictions(self) -> list[str]:
         train, sched, model = self.train, self.scheduler, self.model
         out = []
-        if sched.dynamics_type not in STOCHASTIC:
+        coupled = train.trainer_type in COUPLED_TRAINER_TYPES
+        if not coupled:
+            out += self._decoupled_contradictions()
+        elif sched.dynamics_type not in STOCHASTIC:
             out.append(f"train.trainer_type {train.trainer_type!r} needs a stochastic dynamics to have "
                        f"log-probabilities to train, but scheduler.dynamics_type is {sched.dynamics_type!r}; "
                        f"use one of {', '.join(STOCHASTIC)}")
@@ -141,6 +149,10 @@ class Config(Section):
         elif sched.noise_level == 0:
             out.append(f"scheduler.noise_level: 0 makes {sched.dynamics_type} deterministic, so "
                        f"{train.trainer_type} has no log-probabilities to train; use a value > 0 (e.g. 0.7)")
+        # off_policy with grpo is allowed: the importance ratio corrects for sampling with the EMA
+        if train.off_policy and train.ema_decay == 0:
+            out.append("train.off_policy: true samples with the EMA weights, but train.ema_decay is 0 (no EMA); "
+                       "set ema_decay > 0 (e.g. 0.9)")
         if train.group_size < 2:
             out.append(f"train.group_size: {train.trainer_type} compares samples of the same prompt, so a group "
                        f"needs at least 2, got {train.group_size}")
@@ -156,6 +168,26 @@ class Config(Section):
             for path, n in frames:
                 if n is not None:
                     out.append(f"{path}: {model.model_type} is an image model; remove num_frames")
+        return out
+
+    def _decoupled_contradictions(self) -> list[str]:
+        train, out = self.train, []
+        name = train.trainer_type
+        if "kl_type" in train.model_fields_set and train.kl_type == "x-based":
+            out.append(f"train.kl_type: 'x-based' compares the sampler's Gaussian steps, which {name} does not "
+                       "train (it trains on the forward process); use 'v-based'")
+        if train.time_shift != 1 and train.time_sampling_strategy.startswith("discrete"):
+            out.append(f"train.time_shift: {train.time_shift:g} warps continuous sigmas, but "
+                       f"time_sampling_strategy {train.time_sampling_strategy!r} trains on the rollout's own sigmas "
+                       "(the pipeline has shifted them already); use uniform or logit_normal, or time_shift: 1")
+        if train.ema_kl_beta > 0 and name != "awm":
+            out.append(f"train.ema_kl_beta: the KL to the EMA policy is awm's; {name} does not use it")
+        elif train.ema_kl_beta > 0 and train.ema_decay == 0:
+            out.append("train.ema_kl_beta > 0 needs an EMA policy; set train.ema_decay > 0")
+        if name == "dpo" and train.unique_sample_num_per_epoch % self.num_processes:
+            out.append(f"train.unique_sample_num_per_epoch: dpo pairs the best and worst sample of each group on "
+                       f"one process, so the {train.unique_sample_num_per_epoch} groups must split evenly over "
+                       f"num_processes = {self.num_processes}")
         return out
 
     def _window_problems(self) -> list[str]:
@@ -181,7 +213,7 @@ class Config(Section):
                     f"batches of num_processes x per_device_batch_size = {self.num_processes} x "
                     f"{train.per_device_batch_size} = {per_step}"]
         micro = self.micro_steps_per_epoch
-        how = (f"{self.batches_per_epoch} batches per process x {self.trained_steps_per_sample} trained "
+        how = (f"{self.optimize_batches_per_epoch} batches per process x {self.trained_steps_per_sample} trained "
                f"steps per sample")
         if train.gradient_accumulation_steps == "auto":
             name, value = "gradient_step_per_epoch", train.gradient_step_per_epoch
@@ -201,7 +233,10 @@ class Config(Section):
 
     @property
     def trained_steps_per_sample(self) -> int:
-        """Denoising steps trained per rollout sample (one loss term and backward each)."""
+        """Denoising steps (coupled) or training timesteps (decoupled) per micro-batch of samples,
+        one loss term and backward each."""
+        if self.train.trainer_type not in COUPLED_TRAINER_TYPES:
+            return resolve_num_train_timesteps(self.train)
         n = self.scheduler.num_sde_steps
         return n if n is not None else len(self.sde_step_candidates)
 
@@ -215,9 +250,17 @@ class Config(Section):
         return self.samples_per_epoch // (self.num_processes * self.train.per_device_batch_size)
 
     @property
+    def optimize_batches_per_epoch(self) -> int:
+        """Training micro-batches of samples per process; dpo's hold per_device_batch_size pairs, one per group."""
+        if self.train.trainer_type == "dpo":
+            groups = self.train.unique_sample_num_per_epoch // self.num_processes
+            return -(-groups // self.train.per_device_batch_size)
+        return self.batches_per_epoch
+
+    @property
     def micro_steps_per_epoch(self) -> int:
         """Backward passes per process per inner epoch: batches x trained steps."""
-        return self.batches_per_epoch * self.trained_steps_per_sample
+        return self.optimize_batches_per_epoch * self.trained_steps_per_sample
 
     @property
     def gradient_accumulation(self) -> int:

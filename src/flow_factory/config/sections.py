@@ -20,9 +20,10 @@ MODEL_TYPE_ALIASES = {
     "wan2_t2v": "wan2_t2v", "wan": "wan2_t2v", "wan2.1": "wan2_t2v", "wan21": "wan2_t2v",
     "wan21_t2v": "wan2_t2v", "wan2.1_t2v": "wan2_t2v",
 }
-DYNAMICS_TYPES = ("Flow-SDE", "Dance-SDE", "CPS", "ODE")
+DYNAMICS_TYPES = ("Flow-SDE", "Dance-SDE", "CPS", "ODE", "DPM-Solver++2M")
 DYNAMICS_ALIASES = {"flow-sde": "Flow-SDE", "flowsde": "Flow-SDE", "dance-sde": "Dance-SDE",
-                    "dancesde": "Dance-SDE", "cps": "CPS", "ode": "ODE"}
+                    "dancesde": "Dance-SDE", "cps": "CPS", "ode": "ODE", "dpm-solver++2m": "DPM-Solver++2M",
+                    "dpm-solver++": "DPM-Solver++2M", "dpmpp-2m": "DPM-Solver++2M", "dpm++2m": "DPM-Solver++2M"}
 
 
 class DataConfig(Section):
@@ -80,8 +81,9 @@ class ModelConfig(Section):
 
 
 class SchedulerConfig(Section):
-    dynamics_type: Literal["Flow-SDE", "Dance-SDE", "CPS", "ODE"] = setting(
-        "Flow-SDE", "sampling dynamics of the rollout: Flow-SDE, Dance-SDE, CPS or ODE")
+    dynamics_type: Literal["Flow-SDE", "Dance-SDE", "CPS", "ODE", "DPM-Solver++2M"] = setting(
+        "Flow-SDE", "sampling dynamics of the rollout: Flow-SDE, Dance-SDE, CPS (SDEs), ODE or DPM-Solver++2M "
+        "(deterministic; decoupled algorithms only)")
     noise_level: float = setting(0.7, "SDE noise scale a (Flow-SDE / Dance-SDE std factor, CPS angle)", ge=0)
     sde_steps: list[int] | None = setting(
         None, "candidate step indices for the stochastic window; null = every step")

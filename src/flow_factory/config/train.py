@@ -1,4 +1,4 @@
-"""The ``train`` section: sampling geometry, batch arithmetic inputs, GRPO and optimiser settings.
+"""The ``train`` section: sampling geometry, batch arithmetic inputs, algorithm, EMA and optimiser settings.
 
 Checks that need other sections (dynamics, number of processes, model type) live in
 ``schema.Config``; this file checks only what ``train`` alone can know.
@@ -6,18 +6,38 @@ Checks that need other sections (dynamics, number of processes, model type) live
 
 from __future__ import annotations
 
-import warnings
 from typing import Literal
 
-from pydantic import PositiveInt, field_validator, model_validator
+from pydantic import NonNegativeInt, PositiveInt, field_validator, model_validator
 
 from .base import Section, as_list, check_resolution, problem, resolution_pair, setting, show
 
-TRAINER_TYPES = ("grpo", "grpo-guard")
+TRAINER_TYPES = ("grpo", "grpo-guard", "nft", "awm", "dpo")
+COUPLED_TRAINER_TYPES = ("grpo", "grpo-guard")  # train the sampler's own SDE steps
+DECOUPLED_TRAINER_TYPES = ("nft", "awm", "dpo")  # train on the forward process at their own timesteps
+TIME_SAMPLING_STRATEGIES = ("uniform", "logit_normal", "discrete", "discrete_with_init", "discrete_wo_init")
+
+
+def range_fractions(timestep_range: float | list[float]) -> tuple[float, float]:
+    """``timestep_range`` as (lo, hi) fractions of the denoising axis: ``f`` -> (0, f)."""
+    if isinstance(timestep_range, (int, float)):
+        return 0.0, float(timestep_range)
+    lo, hi = timestep_range
+    return float(lo), float(hi)
+
+
+def resolve_num_train_timesteps(train) -> int:
+    """``num_train_timesteps``, or when null ``max(1, int(num_inference_steps * (hi - lo)))``: as many
+    as the sampler has steps in the range (Flow-Factory's default). Works on any object with the keys."""
+    if train.num_train_timesteps is not None:
+        return train.num_train_timesteps
+    lo, hi = range_fractions(train.timestep_range)
+    return max(1, int(train.num_inference_steps * (hi - lo) + 1e-9))
 
 
 class TrainConfig(Section):
-    trainer_type: Literal["grpo", "grpo-guard"] = setting("grpo", "algorithm: grpo or grpo-guard")
+    trainer_type: Literal["grpo", "grpo-guard", "nft", "awm", "dpo"] = setting(
+        "grpo", "algorithm: grpo, grpo-guard (coupled, SDE rollouts) or nft, awm, dpo (decoupled, any dynamics)")
     resolution: int | list[int] = setting(512, "image size, an int or [height, width]",
                                           expects="an integer or [height, width]")
     num_frames: PositiveInt | None = setting(None, "frames per video (video models only; Wan needs 4k + 1)")
@@ -58,10 +78,41 @@ class TrainConfig(Section):
     advantage_aggregation: Literal["sum", "gdpo"] = setting(
         "sum", "several rewards: advantage of the weighted sum (sum) or weighted per-reward advantages (gdpo)")
 
-    # accepted so Flow-Factory configs load; EMA itself is not built yet, so a non-zero decay warns
-    ema_decay: float = setting(0.0, "EMA decay of the trained weights; not implemented yet (ignored)", ge=0, lt=1)
-    ema_update_interval: PositiveInt = setting(1, "update the EMA every this many epochs (unused until EMA)")
-    ema_device: Literal["cpu", "cuda", "same"] = setting("same", "where the EMA weights live (unused until EMA)")
+    # decoupled algorithms (nft, awm, dpo)
+    nft_beta: float = setting(1.0, "nft: strength of the implicit positive / negative policies", gt=0)
+    nft_weighting: Literal["adaptive", "uniform"] = setting(
+        "adaptive", "nft: flow error in x0 space normalised per sample (adaptive) or plain velocity MSE (uniform)")
+    awm_weighting: Literal["Uniform", "t", "t**2", "huber", "ghuber"] = setting(
+        "Uniform", "awm: weighting of the matching log-likelihood: Uniform, t, t**2, huber or ghuber")
+    ghuber_power: float = setting(0.25, "awm: power p of the ghuber weighting", gt=0)
+    ema_kl_beta: float = setting(0.0, "awm: coefficient of the v-based KL to the EMA policy (needs ema_decay > 0)",
+                                 ge=0)
+    beta: float = setting(2000.0, "dpo: DPO temperature on the per-dimension flow-matching errors", gt=0)
+    num_train_timesteps: PositiveInt | None = setting(
+        None, "training timesteps per micro-batch (decoupled); null = num_inference_steps x the timestep_range span")
+    time_sampling_strategy: Literal["uniform", "logit_normal", "discrete", "discrete_with_init",
+                                    "discrete_wo_init"] = setting(
+        "discrete", "how the decoupled algorithms draw training sigmas: uniform, logit_normal (continuous) or "
+        "discrete, discrete_with_init, discrete_wo_init (the rollout's own sigmas)")
+    time_shift: float = setting(1.0, "shift s of continuous training sigmas, u -> s u / (1 + (s - 1) u); 1 = none",
+                                gt=0)
+    timestep_range: float | list[float] = setting(
+        0.9, "fraction of the denoising axis trained (decoupled): f = [0, f] (the first f of the trajectory, from "
+        "sigma = 1) or [lo, hi]", expects="a number in (0, 1] or [lo, hi] with 0 <= lo < hi <= 1")
+    off_policy: bool = setting(False, "sample rollouts with the EMA weights while the current policy trains")
+
+    ema_decay: float = setting(0.0, "EMA decay of the trained weights (the maximum, for ramped schedules); "
+                               "0 = no EMA", ge=0, lt=1)
+    ema_decay_schedule: Literal["constant", "power", "linear", "piecewise_linear", "cosine",
+                                "warmup_cosine"] = setting(
+        "constant", "how the EMA decay moves over epochs: constant, power, linear, piecewise_linear, cosine, "
+        "warmup_cosine")
+    flat_steps: NonNegativeInt = setting(
+        0, "piecewise_linear / warmup_cosine: epochs with decay 0 (the EMA copies the policy) before the ramp")
+    ramp_rate: float = setting(0.001, "piecewise_linear: decay added per epoch after flat_steps", gt=0)
+    ema_update_interval: PositiveInt = setting(1, "update the EMA every this many epochs")
+    ema_device: Literal["cpu", "cuda", "same"] = setting("same", "where the EMA weights live; cpu keeps "
+                                                         "accelerator memory free")
     enable_gradient_checkpointing: bool = setting(False, "trade compute for memory in the transformer")
     seed: int | None = setting(None, "training seed; null = the top-level seed")
 
@@ -70,13 +121,20 @@ class TrainConfig(Section):
     def _resolution(cls, value):
         return check_resolution(value)
 
-    @field_validator("ema_decay")
+    @field_validator("timestep_range", mode="before")
     @classmethod
-    def _no_ema_yet(cls, value):
-        if value != 0:
-            warnings.warn(f"train.ema_decay: {show(value)} is ignored: EMA of the policy is not implemented "
-                          "yet; rollouts and eval use the current weights", UserWarning, stacklevel=2)
-        return value
+    def _timestep_range(cls, value):
+        value = as_list(value)
+        if isinstance(value, list):
+            if len(value) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                raise problem(f"expected [lo, hi], got {show(value)}")
+            lo, hi = (float(v) for v in value)
+            if not 0 <= lo < hi <= 1:
+                raise problem(f"needs 0 <= lo < hi <= 1, got {show(value)}")
+            return [lo, hi]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 < value <= 1:
+            raise problem(f"a fraction of the trajectory in (0, 1], got {show(value)}")
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
     @field_validator("adam_betas", mode="before")
     @classmethod

@@ -3,10 +3,11 @@
 from .base import Dynamics, StepResult
 from .cps import CPS
 from .dance_sde import DanceSDE
+from .dpm_solver import DPMSolver2M
 from .flow_sde import FlowSDE
 from .ode import ODE
 
-DYNAMICS = {cls.name: cls for cls in (FlowSDE, DanceSDE, CPS, ODE)}
+DYNAMICS = {cls.name: cls for cls in (FlowSDE, DanceSDE, CPS, ODE, DPMSolver2M)}
 
 
 def make_dynamics(name: str, noise_level: float = 0.0) -> Dynamics:
@@ -15,4 +16,4 @@ def make_dynamics(name: str, noise_level: float = 0.0) -> Dynamics:
     return DYNAMICS[name](noise_level)
 
 
-__all__ = ["CPS", "DYNAMICS", "DanceSDE", "Dynamics", "FlowSDE", "ODE", "StepResult", "make_dynamics"]
+__all__ = ["CPS", "DPMSolver2M", "DYNAMICS", "DanceSDE", "Dynamics", "FlowSDE", "ODE", "StepResult", "make_dynamics"]

@@ -54,6 +54,12 @@ class Dynamics:
     def mean_and_std(self, x: Tensor, v: Tensor, sigma, sigma_next) -> tuple[Tensor, Tensor]:
         raise NotImplementedError  # abstract: each dynamics file defines its maths
 
+    def solver(self) -> "Dynamics":
+        """The object that integrates one trajectory. Single-step dynamics keep no state and
+        return themselves; a multistep solver (DPM-Solver++2M) returns a fresh copy with an
+        empty history, so trajectories never share state."""
+        return self
+
     def log_prob(self, sample: Tensor, mean: Tensor, std: Tensor) -> Tensor:
         """Gaussian log-density of ``sample``, averaged over non-batch dims (flow_grpo's scale)."""
         std = torch.as_tensor(std, dtype=torch.float32, device=sample.device)

@@ -2,6 +2,11 @@
 and under the reference weights (the LoRA adapter disabled, or a frozen full copy).
 Sampling and training both call ``adapter.velocity`` through here, so the
 on-policy ratio is exactly 1 (DESIGN invariant 1).
+
+The decoupled algorithms also ask for the velocity under the weights the rollout
+sampled with (``sampling_velocity``: the EMA when ``off_policy``, else a copy taken at
+rollout time) and under the EMA (``ema_velocity``); the trainer sets
+``sampling_weights`` and ``ema`` (``trainer/ema.WeightCopy``), swapped in for the call.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ class AdapterPolicy:
         self.guidance_scale = guidance_scale
         self.finetune_type = finetune_type
         self.reference = None
+        self.sampling_weights = None  # WeightCopy of the weights the rollout used (set by the trainer)
+        self.ema = None  # WeightCopy of the EMA weights, when train.ema_decay > 0
         if keep_reference and finetune_type == "full":
             # a frozen copy of the starting weights; "cpu" keeps accelerator memory free
             device = adapter.device if ref_param_device == "same" else torch.device(ref_param_device)
@@ -34,6 +41,21 @@ class AdapterPolicy:
     @torch.no_grad()
     def reference_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
         with self._reference_weights():
+            return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
+
+    @torch.no_grad()
+    def sampling_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
+        if self.sampling_weights is None:
+            raise RuntimeError("sampling_velocity needs the rollout's weights: the trainer sets "
+                               "policy.sampling_weights for algorithms with uses_sampling_policy")
+        with self.sampling_weights.applied():
+            return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
+
+    @torch.no_grad()
+    def ema_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
+        if self.ema is None:
+            raise RuntimeError("ema_velocity needs the EMA: set train.ema_decay > 0")
+        with self.ema.applied():
             return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
 
     @contextmanager

@@ -18,18 +18,18 @@ from tqdm.auto import tqdm
 
 from ..advantages import combine_advantages
 from ..algorithms import make_algorithm
-from ..algorithms.base import TrainBatch
 from ..data import EpochSampler, load_prompts
 from ..dynamics import make_dynamics
 from ..dynamics.ode import ODE
 from ..dynamics.window import choose_sde_steps
 from ..models import load_adapter
-from ..models.base import index_cond
 from ..models.lora import apply_lora
 from ..rewards import RewardSet
 from .checkpoint import load_checkpoint, save_checkpoint
 from .curves import plot_curves
+from .ema import WeightCopy, ema_decay_at, load_ema, save_ema
 from .grid import caption, sample_grid
+from .optimize import optimize_epoch
 from .policy import AdapterPolicy
 from .sampling import Rollouts, collect_rollouts
 from .seeding import generator
@@ -68,8 +68,17 @@ class Trainer:
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
         # the reference is the starting weights: taken before any resume
         self.policy = AdapterPolicy(self.adapter, train.guidance_scale, model.finetune_type,
-                                    keep_reference=train.kl_beta > 0, ref_param_device=train.ref_param_device)
+                                    keep_reference=train.kl_beta > 0 or self.algorithm.always_uses_reference,
+                                    ref_param_device=train.ref_param_device)
         self.params = self._make_trainable()
+        # EMA of the trained weights (train.ema_decay > 0), and for NFT / AWM the weights the
+        # rollout sampled with: the EMA itself when off_policy, else a copy taken at sampling time
+        ema_device = None if train.ema_device == "same" else train.ema_device
+        self.ema = WeightCopy(self.params, ema_device) if train.ema_decay > 0 else None
+        self.rollout_weights = (WeightCopy(self.params, ema_device)
+                                if self.algorithm.uses_sampling_policy and not train.off_policy else None)
+        self.policy.ema = self.ema
+        self.policy.sampling_weights = self.ema if train.off_policy else self.rollout_weights
         self.optimizer = torch.optim.AdamW(
             self.params, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2),
             weight_decay=train.adam_weight_decay, eps=train.adam_epsilon)
@@ -83,6 +92,9 @@ class Trainer:
             state = load_checkpoint(model.resume_path, self.adapter, model.finetune_type, self.optimizer)
             self.epoch, self.global_step = state["epoch"], state["global_step"]
             self.history, self.eval_history = state.get("history", []), state.get("eval_history", [])
+            if self.ema is not None and not load_ema(self.ema, model.resume_path):
+                logger.warning("model.resume_path %s holds no EMA state (ema.pt); the EMA restarts from the "
+                               "resumed weights", model.resume_path)
 
     def _make_trainable(self) -> list[torch.nn.Parameter]:
         model, transformer = self.cfg.model, self.adapter.transformer
@@ -114,13 +126,18 @@ class Trainer:
         if self.dynamics.stochastic:
             sde_steps = choose_sde_steps(train.num_inference_steps, cfg.scheduler.sde_steps,
                                          cfg.scheduler.num_sde_steps, generator("window", cfg.scheduler.seed, epoch))
-        rollouts = collect_rollouts(
+        if self.rollout_weights is not None:
+            self.rollout_weights.copy_from_params()  # NFT / AWM's old policy: the weights sampled with
+        # off_policy: the rollout samples with the EMA weights while the current policy trains
+        sampling_weights = self.ema.applied() if train.off_policy else nullcontext()
+        with sampling_weights:
+            rollouts = collect_rollouts(
             self.adapter, self.dynamics, self.accelerator,
-            [self.train_prompts[i] for i in indices[share]], group_ids[share], sample_ids,
-            seed=self.seed, epoch=epoch, batch_size=train.per_device_batch_size, height=height, width=width,
-            num_frames=train.num_frames, num_steps=train.num_inference_steps,
-            guidance_scale=train.guidance_scale, sde_steps=sde_steps, same_latent=train.same_latent,
-            timer=self.timer, record_means=self.algorithm.records_step_means, reward_set=self.rewards)
+                [self.train_prompts[i] for i in indices[share]], group_ids[share], sample_ids,
+                seed=self.seed, epoch=epoch, batch_size=train.per_device_batch_size, height=height, width=width,
+                num_frames=train.num_frames, num_steps=train.num_inference_steps,
+                guidance_scale=train.guidance_scale, sde_steps=sde_steps, same_latent=train.same_latent,
+                timer=self.timer, record_means=self.algorithm.records_step_means, reward_set=self.rewards)
         return rollouts
 
     def compute_advantages(self, rollouts: Rollouts) -> torch.Tensor:
@@ -133,46 +150,22 @@ class Trainer:
         return adv[self._local_share(len(adv))]
 
     def optimize(self, rollouts: Rollouts, advantages: torch.Tensor, epoch: int) -> dict[str, float]:
-        train, acc = self.cfg.train, self.accelerator
-        accumulation = self.cfg.gradient_accumulation
-        n, bs = len(advantages), train.per_device_batch_size
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        micro = 0
+        train = self.cfg.train
         self.adapter.transformer.train()
-        for inner in range(train.num_inner_epochs):
-            order = torch.randperm(n, generator=generator("shuffle", self.seed, epoch, inner, acc.process_index))
-            for start in range(0, n, bs):
-                idx = order[start:start + bs]
-                for step in rollouts.sde_steps:
-                    batch = TrainBatch(
-                        latents=rollouts.latents[idx], old_log_probs=rollouts.log_probs[idx],
-                        advantages=advantages[idx], sigmas=rollouts.sigmas,
-                        cond=index_cond(rollouts.cond, idx), step=step,
-                        old_means=None if rollouts.means is None else rollouts.means[idx])
-                    # gradients sync across processes only on the micro-step that steps the optimizer
-                    syncs = (micro + 1) % accumulation == 0
-                    with nullcontext() if syncs else acc.no_sync(self.adapter.denoiser), acc.autocast():
-                        loss, metrics = self.algorithm.loss(self.policy, batch)
-                        acc.backward(loss / accumulation)
-                    micro += 1
-                    metrics["loss"] = loss.detach()
-                    if micro % accumulation == 0:
-                        metrics["grad_norm"] = acc.clip_grad_norm_(self.params, train.max_grad_norm)
-                        self.optimizer.step()
-                        self.optimizer.zero_grad(set_to_none=True)
-                        self.global_step += 1
-                    for k, v in metrics.items():
-                        v = float(v)
-                        if k.endswith("_min"):
-                            sums[k] = min(sums.get(k, v), v)
-                        elif k.endswith("_max"):
-                            sums[k] = max(sums.get(k, v), v)
-                        else:
-                            sums[k] = sums.get(k, 0.0) + v
-                            counts[k] = counts.get(k, 0) + 1
+        metrics, steps = optimize_epoch(
+            self.algorithm, self.policy, rollouts, advantages, accelerator=self.accelerator,
+            optimizer=self.optimizer, params=self.params, denoiser=self.adapter.denoiser,
+            batch_size=train.per_device_batch_size, num_inner_epochs=train.num_inner_epochs,
+            accumulation=self.cfg.gradient_accumulation, max_grad_norm=train.max_grad_norm,
+            seed=self.seed, epoch=epoch)
+        self.global_step += steps
         self.adapter.transformer.eval()
-        return {f"train/{k}": (v / counts[k] if k in counts else v) for k, v in sums.items()}
+        if self.ema is not None and (epoch + 1) % train.ema_update_interval == 0:
+            decay = ema_decay_at(train.ema_decay_schedule, epoch, train.ema_decay, train.max_epochs,
+                                 train.flat_steps, train.ramp_rate)
+            self.ema.update(decay)
+            metrics["train/ema_decay"] = decay
+        return metrics
 
     @torch.no_grad()
     def evaluate(self, epoch: int) -> dict[str, float]:
@@ -263,6 +256,8 @@ class Trainer:
         state = {"epoch": self.epoch, "global_step": self.global_step,
                  "history": self.history, "eval_history": self.eval_history}
         save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, self.optimizer, state)
+        if self.ema is not None:
+            save_ema(self.ema, out)
         self._plot_rewards()
         return out
 

@@ -1,0 +1,114 @@
+"""EMA of the trained weights, its decay schedules, and weight swapping.
+
+After epoch ``k`` (when ``(k + 1) % ema_update_interval == 0``) the EMA moves towards
+the current weights: ``ema <- d(k) ema + (1 - d(k)) theta``. ``d(k)`` follows
+``ema_decay_schedule``, with ``D = ema_decay`` the (maximum) decay and ``K`` =
+``max_epochs``:
+
+    constant          d = D
+    power             d = min(D, 1 - (1 + k)^(-2/3))      (diffusers' EMAModel warmup, inv_gamma 1, power 2/3)
+    linear            d = D min(1, k / K)
+    piecewise_linear  d = 0 for k < flat_steps, then min(D, ramp_rate (k - flat_steps))   (DiffusionNFT)
+    cosine            d = D (1 - cos(pi min(1, k / K))) / 2
+    warmup_cosine     d = 0 for k < flat_steps, then the cosine over the remaining epochs
+
+A decay of 0 copies the weights, so every ramp starts with the EMA following the policy.
+
+``WeightCopy`` holds a copy of a list of parameters (on ``ema_device``: "cpu" keeps
+accelerator memory free) and swaps it into the live parameters for a while
+(``applied``): sampling with the EMA (``off_policy``), NFT's / AWM's old policy, the
+EMA KL. The same class keeps the rollout-time weights for the on-policy old policy.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+EMA_SCHEDULES = ("constant", "power", "linear", "piecewise_linear", "cosine", "warmup_cosine")
+EMA_FILE = "ema.pt"
+
+
+def ema_decay_at(schedule: str, step: int, decay: float, total_steps: int, flat_steps: int = 0,
+                 ramp_rate: float = 0.001) -> float:
+    """The decay used by the EMA update after epoch ``step`` (0-based)."""
+    k, K = float(step), float(max(total_steps, 1))
+    if schedule == "constant":
+        return decay
+    if schedule == "power":
+        return min(decay, 1.0 - (1.0 + k) ** (-2.0 / 3.0))
+    if schedule == "linear":
+        return decay * min(1.0, k / K)
+    if schedule == "piecewise_linear":
+        return 0.0 if k < flat_steps else min(decay, ramp_rate * (k - flat_steps))
+    if schedule == "cosine":
+        return decay * (1 - math.cos(math.pi * min(1.0, k / K))) / 2
+    if schedule == "warmup_cosine":
+        if k < flat_steps:
+            return 0.0
+        span = max(K - flat_steps, 1.0)
+        return decay * (1 - math.cos(math.pi * min(1.0, (k - flat_steps) / span))) / 2
+    raise ValueError(f"train.ema_decay_schedule: unknown {schedule!r}; valid: {list(EMA_SCHEDULES)}")
+
+
+class WeightCopy:
+    """A float32 copy of ``params`` on ``device`` that can be blended in or swapped in."""
+
+    def __init__(self, params: list[torch.nn.Parameter], device: torch.device | str | None = None):
+        self.params = list(params)
+        self.device = torch.device(device) if device is not None else None
+        self.weights = [self._stored(p) for p in self.params]
+
+    def _stored(self, p: torch.Tensor) -> torch.Tensor:
+        return p.detach().to(self.device or p.device, dtype=torch.float32, copy=True)
+
+    @torch.no_grad()
+    def copy_from_params(self) -> None:
+        for w, p in zip(self.weights, self.params):
+            w.copy_(p.detach())
+
+    @torch.no_grad()
+    def update(self, decay: float) -> None:
+        """``w <- decay w + (1 - decay) p``."""
+        for w, p in zip(self.weights, self.params):
+            w.mul_(decay).add_(p.detach().to(w.device, torch.float32), alpha=1.0 - decay)
+
+    @contextmanager
+    def applied(self):
+        """The live parameters hold these weights inside the block (no gradients through them)."""
+        saved = [p.data for p in self.params]
+        try:
+            for p, w in zip(self.params, self.weights):
+                p.data = w.to(p.device, p.dtype)
+            yield
+        finally:
+            for p, data in zip(self.params, saved):
+                p.data = data
+
+    def state_dict(self) -> dict:
+        return {"weights": [w.cpu() for w in self.weights]}
+
+    def load_state_dict(self, state: dict) -> None:
+        weights = state["weights"]
+        if len(weights) != len(self.weights) or any(a.shape != b.shape for a, b in zip(weights, self.weights)):
+            raise ValueError(f"EMA state holds {len(weights)} tensors that do not match the "
+                             f"{len(self.weights)} trainable parameters; was it saved with another "
+                             "finetune_type, lora_rank or target_modules?")
+        for w, saved in zip(self.weights, weights):
+            w.copy_(saved)
+
+
+def save_ema(ema: WeightCopy, out_dir: Path) -> None:
+    torch.save(ema.state_dict(), Path(out_dir) / EMA_FILE)
+
+
+def load_ema(ema: WeightCopy, checkpoint_dir: Path) -> bool:
+    """Restore the EMA from a checkpoint folder; False when it holds none."""
+    path = Path(checkpoint_dir) / EMA_FILE
+    if not path.exists():
+        return False
+    ema.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return True

@@ -1,0 +1,56 @@
+"""The optimisation phase of an epoch: one loop for every algorithm.
+
+The algorithm says which samples train together (``training_units``) and what
+micro-batches a chunk of them makes (``micro_batches``: one per trained SDE step for
+GRPO, one per drawn training timestep for NFT / AWM / DPO); this loop shuffles,
+accumulates gradients, clips, steps, and aggregates the metrics.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from .seeding import generator
+
+
+def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, accelerator, optimizer,
+                   params: list, denoiser, batch_size: int, num_inner_epochs: int, accumulation: int,
+                   max_grad_norm: float, seed: int, epoch: int) -> tuple[dict[str, float], int]:
+    """Returns the epoch's mean (``_min`` / ``_max``: extreme) metrics and the optimizer steps taken."""
+    acc = accelerator
+    units = algorithm.training_units(rollouts.group_ids, advantages)
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    micro, steps = 0, 0
+    for inner in range(num_inner_epochs):
+        order = torch.randperm(len(units), generator=generator("shuffle", seed, epoch, inner, acc.process_index))
+        for b, start in enumerate(range(0, len(units), batch_size)):
+            chosen = units[order[start:start + batch_size]]
+            # training noise / timesteps of the decoupled algorithms: seeded per micro-batch, so a
+            # resumed run draws the same ones
+            draws = generator("train", seed, epoch, inner, acc.process_index, b)
+            for batch in algorithm.micro_batches(rollouts, advantages, chosen, draws):
+                # gradients sync across processes only on the micro-step that steps the optimizer
+                syncs = (micro + 1) % accumulation == 0
+                with nullcontext() if syncs else acc.no_sync(denoiser), acc.autocast():
+                    loss, metrics = algorithm.loss(policy, batch)
+                    acc.backward(loss / accumulation)
+                micro += 1
+                metrics["loss"] = loss.detach()
+                if micro % accumulation == 0:
+                    metrics["grad_norm"] = acc.clip_grad_norm_(params, max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    steps += 1
+                for k, v in metrics.items():
+                    v = float(v)
+                    if k.endswith("_min"):
+                        sums[k] = min(sums.get(k, v), v)
+                    elif k.endswith("_max"):
+                        sums[k] = max(sums.get(k, v), v)
+                    else:
+                        sums[k] = sums.get(k, 0.0) + v
+                        counts[k] = counts.get(k, 0) + 1
+    return {f"train/{k}": (v / counts[k] if k in counts else v) for k, v in sums.items()}, steps
