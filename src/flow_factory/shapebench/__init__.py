@@ -1,0 +1,16 @@
+"""ShapeBench: procedural shape scenes with GenEval-style prompts, and a verifiable reward.
+
+``generate`` makes seeded (prompt, image) samples; ``evaluate_image`` / the
+``shapebench`` and ``shapebench_strict`` rewards score any image against its prompt.
+"""
+
+from .analysis import Detection, detect
+from .generator import Sample, ShapeObject, generate, prompt_split, render, write_prompt_dataset
+from .prompts import COLORS, FAMILIES, RELATIONS, SHAPES, PromptSpec, all_specs, parse_prompt
+from .reward import ShapeBenchReward, ShapeBenchStrictReward, Verdict, evaluate_image, judge
+
+__all__ = [
+    "COLORS", "FAMILIES", "RELATIONS", "SHAPES", "Detection", "PromptSpec", "Sample", "ShapeBenchReward",
+    "ShapeBenchStrictReward", "ShapeObject", "Verdict", "all_specs", "detect", "evaluate_image", "generate",
+    "judge", "parse_prompt", "prompt_split", "render", "write_prompt_dataset",
+]
