@@ -325,3 +325,13 @@ def test_pil_conversion_happens_once_per_batch_for_all_rewards():
     rs(["a", "b"], images=torch.rand(2, 3, 4, 4))
     chunked = [im for call in CALLS[:2] for im in call["image"]]
     assert len(CALLS) == 3 and all(a is b for a, b in zip(chunked, CALLS[2]["image"]))
+
+
+def test_shapebench_rewards_resolve_by_name_in_a_fresh_process():
+    """`reward_model: shapebench` in an ff-train config works without importing anything first."""
+    code = textwrap.dedent("""
+        from flow_factory.rewards.registry import resolve_reward_class
+        print(resolve_reward_class("shapebench").__name__, resolve_reward_class("shapebench_strict").__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["ShapeBenchReward", "ShapeBenchStrictReward"]

@@ -21,6 +21,9 @@ from .base import BaseRewardModel, GroupwiseRewardModel, PointwiseRewardModel
 
 _PACKAGE = __name__.rsplit(".", 1)[0]  # flow_factory.rewards
 _PACKAGE_DIR = Path(__file__).parent
+# built-in rewards that live beside the package they belong to, found the same way
+_BUILTIN_SOURCES = [(_PACKAGE_DIR, _PACKAGE),
+                    (_PACKAGE_DIR.parent / "shapebench", _PACKAGE.rsplit(".", 1)[0] + ".shapebench")]
 
 # lower-cased name -> "module:QualName"; filled by the decorator and the source scan
 _REGISTRY: dict[str, str] = {}
@@ -68,8 +71,9 @@ def registered_rewards() -> dict[str, str]:
     """Every known name and the class path it stands for."""
     global _scanned
     if not _scanned:
-        for key, path in scan_registrations(_PACKAGE_DIR, _PACKAGE).items():
-            _REGISTRY.setdefault(key, path)
+        for package_dir, package in _BUILTIN_SOURCES:
+            for key, path in scan_registrations(package_dir, package).items():
+                _REGISTRY.setdefault(key, path)
         _scanned = True
     return dict(_REGISTRY)
 

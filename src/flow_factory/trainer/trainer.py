@@ -132,7 +132,7 @@ class Trainer:
         sampling_weights = self.ema.applied() if train.off_policy else nullcontext()
         with sampling_weights:
             rollouts = collect_rollouts(
-            self.adapter, self.dynamics, self.accelerator,
+                self.adapter, self.dynamics, self.accelerator,
                 [self.train_prompts[i] for i in indices[share]], group_ids[share], sample_ids,
                 seed=self.seed, epoch=epoch, batch_size=train.per_device_batch_size, height=height, width=width,
                 num_frames=train.num_frames, num_steps=train.num_inference_steps,
