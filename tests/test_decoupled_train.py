@@ -1,5 +1,5 @@
-"""`ff-train` end to end for nft, awm and dpo on tiny SD3, FLUX and Wan, with ODE and CPS
-rollouts (each algorithm and each model meets both dynamics), exact resume with the EMA,
+"""`ff-train` end to end for nft, awm and dpo on tiny SD3, FLUX and Wan, each with ODE and
+with CPS rollouts (and one DPM-Solver++2M run), exact resume with the EMA,
 and off-policy sampling with the EMA weights."""
 
 import json
@@ -13,9 +13,9 @@ from flow_factory.config import parse_config
 from flow_factory.train import main
 from flow_factory.trainer.trainer import Trainer
 
-RUNS = [("nft", "sd3-5", "ODE"), ("nft", "flux1", "CPS"), ("nft", "wan2_t2v", "ODE"),
-        ("awm", "sd3-5", "CPS"), ("awm", "flux1", "ODE"), ("awm", "wan2_t2v", "CPS"),
-        ("dpo", "sd3-5", "ODE"), ("dpo", "flux1", "CPS"), ("dpo", "wan2_t2v", "DPM-Solver++2M")]
+RUNS = [(algorithm, model, dynamics) for algorithm in ("nft", "awm", "dpo")
+        for model in ("sd3-5", "flux1", "wan2_t2v") for dynamics in ("ODE", "CPS")]
+RUNS += [("dpo", "wan2_t2v", "DPM-Solver++2M")]
 
 
 def decoupled_config(tmp, model_type, path, trainer_type, dynamics, **train):
