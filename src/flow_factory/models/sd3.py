@@ -26,6 +26,17 @@ class SD3Adapter(FlowAdapter):
     max_sequence_length = 256  # T5 tokens, the pipeline's default
 
     @property
+    def text_length(self) -> int:
+        """T5 tokens per prompt: 256, or the T5 tokenizer's ``model_max_length`` if that is shorter.
+
+        SD3's own T5 tokenizer declares 512, so real checkpoints keep the pipeline's default 256;
+        a small pipeline whose saved tokenizer declares fewer (ShapeBench's: 16) is encoded at
+        that length, as ``pipeline(..., max_sequence_length=tokenizer_3.model_max_length)`` does.
+        """
+        limit = getattr(getattr(self.pipeline, "tokenizer_3", None), "model_max_length", None)
+        return min(self.max_sequence_length, int(limit)) if limit else self.max_sequence_length
+
+    @property
     def _spatial_factor(self) -> int:
         # latents are patchified by the transformer, so pixels must divide by both
         return self.pipeline.vae_scale_factor * self.transformer.config.patch_size
@@ -40,7 +51,7 @@ class SD3Adapter(FlowAdapter):
             prompt=list(prompts), prompt_2=None, prompt_3=None, device=self.device,
             num_images_per_prompt=1, do_classifier_free_guidance=cfg,
             negative_prompt=list(negative_prompts) if cfg else None,
-            max_sequence_length=self.max_sequence_length,
+            max_sequence_length=self.text_length,
         )
         cond = {"prompt_embeds": pos, "pooled_prompt_embeds": pooled}
         if cfg:
