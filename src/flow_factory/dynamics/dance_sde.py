@@ -29,7 +29,6 @@ from .base import Dynamics, as_batch_column
 class DanceSDE(Dynamics):
     name = "Dance-SDE"
 
-
     def mean_and_std(self, x: Tensor, v: Tensor, sigma, sigma_next) -> tuple[Tensor, Tensor]:
         x, v = x.float(), v.float()
         sigma = as_batch_column(sigma, x)

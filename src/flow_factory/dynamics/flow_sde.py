@@ -28,7 +28,6 @@ from .base import Dynamics, as_batch_column
 class FlowSDE(Dynamics):
     name = "Flow-SDE"
 
-
     def mean_and_std(self, x: Tensor, v: Tensor, sigma, sigma_next) -> tuple[Tensor, Tensor]:
         x, v = x.float(), v.float()
         sigma = as_batch_column(sigma, x)
