@@ -2,6 +2,8 @@
 
 import json
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -110,7 +112,9 @@ def test_two_processes_make_the_same_update_as_one(tmp_path, tiny_sd3_path):
         config["num_processes"] = processes
         config["main_process_port"] = _free_port()  # two test runs at once must not share a port
         config["eval"]["eval_freq"] = 0
-        _run(folder, config)
+        # the real CLI in its own process, with a deadline: a distributed hang fails, it does not stall CI
+        command = [sys.executable, "-m", "flow_factory.train", str(write_config(folder, config))]
+        subprocess.run(command, check=True, timeout=300, capture_output=True)
         weights[processes] = load_file(folder / "saves" / "run" / "checkpoints" / "epoch_2"
                                        / "pytorch_lora_weights.safetensors")
     assert max(float(v.abs().max()) for v in weights[1].values()) > 1e-3  # it trained

@@ -221,13 +221,21 @@ class Trainer:
             self.history.append(record)
             acc.log({k: v for k, v in record.items() if k != "epoch"}, step=epoch)
             bar.set_postfix_str(f"reward {self._headline(record):.4f}")
-            if cfg.log.save_freq and self.epoch % cfg.log.save_freq == 0:
+            if self._save_due():
                 self.save()
         if cfg.eval.eval_freq and not any(e["epoch"] == self.epoch for e in self.eval_history):
             self.evaluate(self.epoch)  # the final weights are always evaluated
-        self.save()
+        if not self._save_due():
+            self.save()  # the final weights are always saved
+        elif acc.is_main_process:
+            self._plot_rewards()  # with the final eval
+        # no process may tear the process group down while another still works (gloo hangs)
+        acc.wait_for_everyone()
         acc.end_training()
         return self.history
+
+    def _save_due(self) -> bool:
+        return bool(self.cfg.log.save_freq) and self.epoch % self.cfg.log.save_freq == 0
 
     def _epoch_metrics(self, rollouts: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
         metrics = {}
