@@ -23,7 +23,11 @@ class _RemoteReward:
     use_tensor_inputs = False
     _group = False
 
-    def _connect(self, server_url, timeout, retry_attempts, backoff, api_key, request_kwargs, image_format):
+    def __init__(self, model_name_or_path=None, device="cpu", dtype=torch.float32, batch_size: int = 16, *,
+                 server_url: str | None = None, timeout: float = 60.0, retry_attempts: int = 3,
+                 backoff: float = 0.5, api_key: str | None = None, request_kwargs: dict | None = None,
+                 image_format: str = "PNG"):
+        super().__init__(model_name_or_path, device, dtype, batch_size)
         if server_url is None:
             raise ValueError(f"{type(self).__name__}: set server_url (e.g. http://127.0.0.1:8000)")
         if image_format.upper() not in ("PNG", "JPEG", "WEBP"):
@@ -51,21 +55,11 @@ class _RemoteReward:
 
 @register_reward("remote")
 class RemotePointwiseRewardModel(_RemoteReward, PointwiseRewardModel):
-    def __init__(self, model_name_or_path=None, device="cpu", dtype=torch.float32, batch_size: int = 16, *,
-                 server_url: str | None = None, timeout: float = 60.0, retry_attempts: int = 3,
-                 backoff: float = 0.5, api_key: str | None = None, request_kwargs: dict | None = None,
-                 image_format: str = "PNG"):
-        super().__init__(model_name_or_path, device, dtype, batch_size)
-        self._connect(server_url, timeout, retry_attempts, backoff, api_key, request_kwargs, image_format)
+    """Scores each sample on a remote reward server (``ff-reward-server``)."""
 
 
 @register_reward("remote_groupwise")
 class RemoteGroupwiseRewardModel(_RemoteReward, GroupwiseRewardModel):
-    _group = True
+    """Sends each whole group to a remote reward server in one request."""
 
-    def __init__(self, model_name_or_path=None, device="cpu", dtype=torch.float32, batch_size: int = 16, *,
-                 server_url: str | None = None, timeout: float = 60.0, retry_attempts: int = 3,
-                 backoff: float = 0.5, api_key: str | None = None, request_kwargs: dict | None = None,
-                 image_format: str = "PNG"):
-        super().__init__(model_name_or_path, device, dtype, batch_size)
-        self._connect(server_url, timeout, retry_attempts, backoff, api_key, request_kwargs, image_format)
+    _group = True
