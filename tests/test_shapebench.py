@@ -70,6 +70,19 @@ def test_prompt_dataset_folder(tmp_path):
     assert not {p.prompt for p in train} & {p.prompt for p in test}
 
 
+def test_family_balanced_training_lines_leave_the_test_lines_alone(tmp_path):
+    from collections import Counter
+
+    write_prompt_dataset(tmp_path / "all", num_test=64)
+    write_prompt_dataset(tmp_path / "balanced", num_test=64, num_train=600)
+    assert (tmp_path / "all" / "test.txt").read_text() == (tmp_path / "balanced" / "test.txt").read_text()
+    lines = (tmp_path / "balanced" / "train.txt").read_text().splitlines()
+    train, _ = prompt_split(0)
+    assert len(lines) == 600 and set(lines) <= {s.text for s in train}
+    # every training prompt once is 3/4 colour attribution; the balanced file has 100 lines per family
+    assert Counter(parse_prompt(x).family for x in lines) == {f: 100 for f in FAMILIES}
+
+
 def test_detection_reads_colour_shape_and_centroid_of_a_drawn_scene():
     objects = [ShapeObject("square", "red", 15.5, 20.5, 13), ShapeObject("circle", "blue", 45, 20, 16),
                ShapeObject("triangle", "yellow", 30, 48, 18)]

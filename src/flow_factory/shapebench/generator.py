@@ -188,15 +188,17 @@ def write_prompt_dataset(path: str | Path, seed: int = 0, num_test: int = 256, n
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     train, test = prompt_split(seed)
-    rng = np.random.default_rng(seed + 1)
     by_family = lambda specs: {f: [s for s in specs if s.family == f] for f in FAMILIES}  # noqa: E731
 
-    def balanced(specs, n):
+    def balanced(specs, n, rng):
         groups = by_family(specs)
         return [groups[FAMILIES[i % len(FAMILIES)]][int(rng.integers(len(groups[FAMILIES[i % len(FAMILIES)]])))]
                 for i in range(n)]
 
-    train_lines = [s.text for s in train] if num_train is None else [s.text for s in balanced(train, num_train)]
+    # separate streams, so the test lines do not depend on num_train
+    train_lines = ([s.text for s in train] if num_train is None
+                   else [s.text for s in balanced(train, num_train, np.random.default_rng(seed + 2))])
     (path / "train.txt").write_text("\n".join(train_lines) + "\n")
-    (path / "test.txt").write_text("\n".join(s.text for s in balanced(test, num_test)) + "\n")
+    test_lines = [s.text for s in balanced(test, num_test, np.random.default_rng(seed + 1))]
+    (path / "test.txt").write_text("\n".join(test_lines) + "\n")
     return path
