@@ -65,6 +65,21 @@ def test_examples_load_with_the_batch_arithmetic_their_comments_state(name, batc
     assert cfg.train.adam_beta1 == 0.9 and cfg.train.adam_beta2 == 0.999  # read from adam_betas
 
 
+def test_shapebench_example_and_every_variant_of_its_algorithm_comparison_validate():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare", EXAMPLES.parent / "bench" / "shapebench_compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    # 16 prompts x 8 = 128 samples / 64 = 2 batches; one trained SDE step; one optimizer step
+    demo = load_config(EXAMPLES / "shapebench_grpo.yaml")
+    assert (demo.batches_per_epoch, demo.micro_steps_per_epoch, demo.gradient_accumulation) == (2, 2, 2)
+    for name, overrides in compare.ALGORITHMS.items():
+        cfg = load_config(compare.CONFIG, overrides)
+        assert cfg.train.trainer_type == name.removesuffix("-fast")
+        assert cfg.train.same_latent == (cfg.scheduler.dynamics_type != "ODE" and name == "grpo-fast")
+
+
 def test_flow_factory_layout_loads(tmp_path):
     # the shape of Flow-Factory's own example files, with its compatibility keys
     path = write(tmp_path, textwrap.dedent("""\
