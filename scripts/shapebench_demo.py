@@ -1,4 +1,4 @@
-"""GRPO on ShapeBench, end to end on CPU, from one YAML, with nothing downloaded.
+"""GRPO on ShapeBench (`make shapebench-demo`), end to end on CPU, from one YAML, with nothing downloaded.
 
 Trains the committed pretrained ShapeBench pipeline (assets/shapebench/sd3, made by
 scripts/pretrain_shapebench.py) with examples/shapebench_grpo.yaml on the verifiable
@@ -7,7 +7,7 @@ and prints one line with the strict and partial accuracy before -> after. The ru
 folder gets ``reward_curve.png`` (train and eval rewards per epoch) and
 ``before_after.png`` (the same held-out prompts and seeds, before | after).
 Extra arguments are config overrides, e.g. `python scripts/shapebench_demo.py train.max_epochs=10`.
-`make shapebench-demo` runs it. Measured figures: the header of examples/shapebench_grpo.yaml.
+Measured figures: the header of examples/shapebench_grpo.yaml.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "shapebench_grpo.yaml"
 
 
-def before_after(run_dir: Path, first: int, last: int) -> Path:
+def before_after(run_dir: Path, first: int, last: int, algorithm: str) -> Path:
     """The first and last eval grids (same prompts, same seeds) side by side, labelled."""
     a, b = (Image.open(run_dir / "samples" / f"eval_epoch_{e:04d}.png").convert("RGB") for e in (first, last))
     pad, head = 16, 24
@@ -35,7 +35,7 @@ def before_after(run_dir: Path, first: int, last: int) -> Path:
     out.paste(b, (a.width + pad, head))
     draw = ImageDraw.Draw(out)
     draw.text((4, 6), f"before (epoch {first})", fill="black")
-    draw.text((a.width + pad + 4, 6), f"after GRPO (epoch {last})", fill="black")
+    draw.text((a.width + pad + 4, 6), f"after {algorithm} (epoch {last})", fill="black")
     path = run_dir / "before_after.png"
     out.save(path)
     return path
@@ -53,12 +53,13 @@ def main(overrides: list[str]) -> None:
     trainer.train()
     before, after = trainer.eval_history[0], trainer.eval_history[-1]
     minutes = (time.perf_counter() - start) / 60
-    grid = before_after(trainer.run_dir, before["epoch"], after["epoch"])
+    algorithm = cfg.train.trainer_type
+    grid = before_after(trainer.run_dir, before["epoch"], after["epoch"], algorithm)
     n = min(cfg.eval.num_samples or len(trainer.test_prompts), len(trainer.test_prompts))
     s0, s1 = before["eval/reward/shapebench_strict"], after["eval/reward/shapebench_strict"]
     p0, p1 = before["eval/reward/shapebench"], after["eval/reward/shapebench"]
     print(f"\nShapeBench held-out ({n} prompts): strict {s0:.3f} -> {s1:.3f} ({s1 - s0:+.3f}), "
-          f"partial {p0:.3f} -> {p1:.3f} ({p1 - p0:+.3f}); GRPO {cfg.train.max_epochs} epochs in "
+          f"partial {p0:.3f} -> {p1:.3f} ({p1 - p0:+.3f}); {algorithm} {cfg.train.max_epochs} epochs in "
           f"{minutes:.1f} min; {trainer.run_dir / 'reward_curve.png'}, {grid}")
 
 
