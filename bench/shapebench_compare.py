@@ -3,7 +3,7 @@
     python bench/shapebench_compare.py [--samples 7680] [--evals 3] [--algorithms grpo grpo-fast nft awm dpo]
 
 Each algorithm trains the committed pretrained ShapeBench pipeline from
-examples/shapebench_grpo.yaml (the `make demo` run), changed only where the algorithm
+examples/shapebench_grpo.yaml (the `make shapebench-demo` run), changed only where the algorithm
 needs it (the table below), on the same training prompts and the same number of
 rollout samples. The held-out strict accuracy (test.txt, ODE, fixed seeds) is measured
 ``--evals`` times along the way; the table gives it
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -58,17 +57,14 @@ def run(name: str, samples: int, evals: int, out: Path) -> dict:
         f"train.max_epochs={epochs}", f"eval.eval_freq={max(1, epochs // evals)}",
         f"log.save_dir={out}", f"log.run_name={name}", "log.save_freq=0"]
     trainer = Trainer(load_config(CONFIG, overrides))
-    start = time.perf_counter()
     trainer.train()
-    wall = time.perf_counter() - start
     # training seconds spent before each evaluation (an eval at epoch e follows e epochs)
     spent = [0.0]
     for record in trainer.history:
         spent.append(spent[-1] + record["time/epoch"])
     curve = [(spent[e["epoch"]], e["eval/reward/shapebench_strict"], e["eval/reward/shapebench"])
              for e in trainer.eval_history]
-    return {"name": name, "epochs": epochs, "samples": epochs * per_epoch, "train_s": spent[-1],
-            "wall_s": wall, "curve": curve}
+    return {"name": name, "epochs": epochs, "samples": epochs * per_epoch, "train_s": spent[-1], "curve": curve}
 
 
 def strict_at(curve: list[tuple[float, float, float]], seconds: float) -> float:
