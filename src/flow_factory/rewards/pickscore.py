@@ -24,7 +24,10 @@ class _PickScorer:
     required_fields = ("prompt", "image", "video")
     SCALE = 26.0  # flow_grpo's divisor
 
-    def _setup(self, processor_name_or_path: str | None) -> None:
+    def __init__(self, model_name_or_path: str | None = None, device="cpu", dtype=torch.float32,
+                 batch_size: int = 16, processor_name_or_path: str | None = None):
+        # super(): the reward base each class mixes this into
+        super().__init__(model_name_or_path, device, dtype, batch_size)
         # the hub checkpoint ships no processor of its own: it uses LAION's CLIP-H one.
         # A local folder is expected to hold both (save_pretrained of model and processor).
         model = self.model_name_or_path or PICKSCORE_MODEL
@@ -43,11 +46,6 @@ class _PickScorer:
 
 @register_reward("PickScore")
 class PickScore(_PickScorer, PointwiseRewardModel):
-    def __init__(self, model_name_or_path: str | None = None, device="cpu", dtype=torch.float32,
-                 batch_size: int = 16, processor_name_or_path: str | None = None):
-        super().__init__(model_name_or_path, device, dtype, batch_size)
-        self._setup(processor_name_or_path)
-
     def __call__(self, prompt, image=None, video=None) -> RewardModelOutput:
         return RewardModelOutput(rewards=self.pickscores(prompt, image, video))
 
@@ -55,11 +53,6 @@ class PickScore(_PickScorer, PointwiseRewardModel):
 @register_reward("PickScore_Rank")
 @register_reward("PickScoreRank")  # Flow-Factory's other spelling
 class PickScoreRank(_PickScorer, GroupwiseRewardModel):
-    def __init__(self, model_name_or_path: str | None = None, device="cpu", dtype=torch.float32,
-                 batch_size: int = 16, processor_name_or_path: str | None = None):
-        super().__init__(model_name_or_path, device, dtype, batch_size)
-        self._setup(processor_name_or_path)
-
     def __call__(self, prompt, image=None, video=None) -> RewardModelOutput:
         n = len(prompt)
         # the group may be larger than batch_size: score it in chunks, rank the whole group
