@@ -6,11 +6,12 @@
 
 from .analysis import Detection, detect
 from .generator import Sample, ShapeObject, generate, prompt_split, render, write_prompt_dataset
-from .prompts import COLORS, FAMILIES, RELATIONS, SHAPES, PromptSpec, all_specs, parse_prompt
+from .prompts import (COLORS, FAMILIES, RELATIONS, SHAPES, PromptSpec, all_specs, parse_prompt,
+                      prompt_family)
 from .reward import ShapeBenchReward, ShapeBenchStrictReward, Verdict, evaluate_image, judge
 
 __all__ = [
     "COLORS", "FAMILIES", "RELATIONS", "SHAPES", "Detection", "PromptSpec", "Sample", "ShapeBenchReward",
     "ShapeBenchStrictReward", "ShapeObject", "Verdict", "all_specs", "detect", "evaluate_image", "generate",
-    "judge", "parse_prompt", "prompt_split", "render", "write_prompt_dataset",
+    "judge", "parse_prompt", "prompt_family", "prompt_split", "render", "write_prompt_dataset",
 ]
