@@ -8,7 +8,7 @@ from flow_factory.shapebench import (
     COLORS, FAMILIES, SHAPES, PromptSpec, ShapeObject, all_specs, detect, evaluate_image, generate,
     parse_prompt, prompt_split, render,
 )
-from flow_factory.shapebench.generator import with_object, write_prompt_dataset
+from flow_factory.shapebench.generator import with_extra_object, with_object, write_prompt_dataset
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +202,16 @@ def test_reward_on_a_foreign_prompt_says_which():
 
     with pytest.raises(ValueError, match="a photo of a cat"):
         ShapeBenchReward()(prompt=["a photo of a cat"], image=torch.ones(1, 3, 64, 64))
+
+
+def test_an_unnamed_extra_object_fails_strict_on_every_family():
+    rng = np.random.default_rng(0)
+    samples = generate(60, seed=4)
+    cluttered = [with_extra_object(s, rng) for s in samples]
+    assert sum(c is None for c in cluttered) <= 3  # almost always there is room
+    for s, c in zip(samples, cluttered):
+        if c is None:
+            continue
+        assert len(c.objects) == len(s.objects) + 1 and c.objects[:-1] == s.objects
+        assert evaluate_image(s.prompt, s.image).strict == 1.0
+        assert evaluate_image(c.prompt, c.image).strict == 0.0

@@ -181,6 +181,20 @@ def with_object(sample: Sample, index: int, image_size: int | None = None, **cha
     return Sample(sample.spec, tuple(objects), render(objects, image_size or sample.image.shape[0]))
 
 
+
+def with_extra_object(sample: Sample, rng: np.random.Generator, tries: int = 200) -> Sample | None:
+    """The sample plus one object of a random shape and colour that its prompt does not ask
+    for (the smallest size, apart from the others), re-rendered; None when none fits."""
+    image_size = sample.image.shape[0]
+    size = SIZE_RANGE[0] * image_size / IMAGE_SIZE
+    for _ in range(tries):
+        cx, cy = rng.uniform(1 + size / 2, image_size - 2 - size / 2, size=2)
+        extra = ShapeObject(SHAPES[int(rng.integers(len(SHAPES)))], _random_color(rng), float(cx), float(cy), size)
+        if _inside(extra, image_size) and all(_apart(extra, o) for o in sample.objects):
+            objects = sample.objects + (extra,)
+            return Sample(sample.spec, objects, render(objects, image_size))
+    return None
+
 def write_prompt_dataset(path: str | Path, seed: int = 0, num_test: int = 256, num_train: int | None = None) -> Path:
     """A Flow-Factory prompt folder: ``train.txt`` (every training prompt once, or ``num_train``
     drawn family-balanced) and ``test.txt`` (``num_test`` lines of held-out prompts,
