@@ -181,7 +181,6 @@ def with_object(sample: Sample, index: int, image_size: int | None = None, **cha
     return Sample(sample.spec, tuple(objects), render(objects, image_size or sample.image.shape[0]))
 
 
-
 def with_extra_object(sample: Sample, rng: np.random.Generator, tries: int = 200) -> Sample | None:
     """The sample plus one object of a random shape and colour that its prompt does not ask
     for (the smallest size, apart from the others), re-rendered; None when none fits."""
@@ -194,6 +193,7 @@ def with_extra_object(sample: Sample, rng: np.random.Generator, tries: int = 200
             objects = sample.objects + (extra,)
             return Sample(sample.spec, objects, render(objects, image_size))
     return None
+
 
 def write_prompt_dataset(path: str | Path, seed: int = 0, num_test: int = 256, num_train: int | None = None) -> Path:
     """A Flow-Factory prompt folder: ``train.txt`` (every training prompt once, or ``num_train``

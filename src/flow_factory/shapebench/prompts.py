@@ -110,13 +110,13 @@ def parse_prompt(prompt: str) -> PromptSpec:
                      f"counts {list(NUMBERS)})")
 
 
-
 def prompt_family(prompt: str) -> str | None:
     """The family of a ShapeBench prompt; None for any other text."""
     try:
         return parse_prompt(prompt).family
     except ValueError:
         return None
+
 
 _EXAMPLES = [
     dict(family="single_object", shape="circle"),
