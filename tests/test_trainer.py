@@ -85,3 +85,15 @@ def test_a_missing_tracker_is_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match=r"log.logging_backend: 'wandb' is not installed; run `pip install wandb`"):
         check_backend("wandb")
     assert check_backend("none") is None
+
+
+def test_a_long_reward_curve_is_drawn_under_its_trailing_mean():
+    from flow_factory.trainer.curves import COLOURS, plot_curves, trailing_mean
+
+    assert trailing_mean([1.0, 2.0, 3.0, 4.0, 5.0], 3) == [1.0, 1.5, 2.0, 3.0, 4.0]
+    # a reward alternating 0 / 1 every epoch: its mean over 5 epochs stays at 0.4-0.6, mid-plot
+    img = plot_curves({"r": [(e, float(e % 2)) for e in range(100)]}, "t").convert("RGB")
+    full = tuple(int(COLOURS[0][i:i + 2], 16) for i in (1, 3, 5))
+    column = [img.getpixel((340, y)) for y in range(30, 360)]
+    rows = [30 + y for y, px in enumerate(column) if px == full]
+    assert rows and all(150 <= y <= 240 for y in rows)

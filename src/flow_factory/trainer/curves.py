@@ -5,10 +5,28 @@ from __future__ import annotations
 from PIL import Image, ImageDraw, ImageFont
 
 COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
+SMOOTH_ABOVE = 30  # a series with more points is drawn faint, under its trailing mean
+
+
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the ``window - 1`` before it (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _faint(colour: str, keep: float = 0.3) -> tuple[int, int, int]:
+    rgb = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
+    return tuple(round(255 - (255 - c) * keep) for c in rgb)
 
 
 def plot_curves(series: dict[str, list[tuple[int, float]]], title: str, size=(640, 400)) -> Image.Image:
-    """Line plot of ``{name: [(epoch, value), ...]}`` with axes labelled by their ranges."""
+    """Line plot of ``{name: [(epoch, value), ...]}`` with axes labelled by their ranges; a series
+    of more than SMOOTH_ABOVE points is drawn faint under its trailing mean."""
     w, h = size
     left, right, top, bottom = 60, 20, 30, 40
     img = Image.new("RGB", size, "white")
@@ -34,9 +52,16 @@ def plot_curves(series: dict[str, list[tuple[int, float]]], title: str, size=(64
     for i, (name, pts) in enumerate(series.items()):
         colour = COLOURS[i % len(COLOURS)]
         pixels = [to_px(x, y) for x, y in pts]
-        if len(pixels) > 1:
-            draw.line(pixels, fill=colour, width=2)
-        for px, py in pixels:
-            draw.ellipse([px - 2, py - 2, px + 2, py + 2], fill=colour)
+        if len(pts) > SMOOTH_ABOVE:  # per-epoch rewards are noisy: the trend is what a reader wants
+            window = max(5, len(pts) // 20)
+            draw.line(pixels, fill=_faint(colour), width=1)
+            smooth = trailing_mean([y for _, y in pts], window)
+            draw.line([to_px(x, y) for (x, _), y in zip(pts, smooth)], fill=colour, width=3)
+            name = f"{name} (mean of {window} epochs)"
+        else:
+            if len(pixels) > 1:
+                draw.line(pixels, fill=colour, width=2)
+            for px, py in pixels:
+                draw.ellipse([px - 2, py - 2, px + 2, py + 2], fill=colour)
         draw.text((left + 8, top + 6 + 12 * i), name, fill=colour, font=font)
     return img
