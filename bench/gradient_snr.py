@@ -14,8 +14,10 @@ signal-to-noise ratio ``s2`` (squared norm of the expected gradient over the var
 gradients, so read it as rough) and, where ``c`` exceeds that error, ``s2`` and ``1 / s2``: the
 samples after which a batch gradient is half signal.
 
-What it is for: a reward that GRPO cannot learn in a budget shows it here in a minute,
-before a run of the whole budget (on ShapeBench, docs/DESIGN.md "ShapeBench").
+What it is for: a batch gradient that is mostly noise shows here in a minute, before a run of
+the whole budget. It does not say what the noise does: on ShapeBench awm learns with a cosine
+as low as GRPO's, because its noise does little harm (docs/DESIGN.md, "Signal and damage",
+measures that with a reward that ignores the image).
 Figures move with the machine's float sums; compare rows of one run.
 """
 
