@@ -15,9 +15,9 @@ gradients, so read it as rough) and, where ``c`` exceeds that error, ``s2`` and 
 samples after which a batch gradient is half signal.
 
 What it is for: a batch gradient that is mostly noise shows here in a minute, before a run of
-the whole budget. It does not say what the noise does: on ShapeBench awm learns with a cosine
-as low as GRPO's, because its noise does little harm (docs/DESIGN.md, "Signal and damage",
-measures that with a reward that ignores the image).
+the whole budget. It does not say what the noise does: on ShapeBench awm climbs with a cosine
+as low as GRPO's, whose noise drifts the model (docs/DESIGN.md, "Signal and damage", measures
+the drift with a reward that ignores the image).
 Figures move with the machine's float sums; compare rows of one run.
 """
 
