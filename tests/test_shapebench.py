@@ -8,7 +8,9 @@ from flow_factory.shapebench import (
     COLORS, FAMILIES, SHAPES, PromptSpec, ShapeObject, all_specs, detect, evaluate_image, generate,
     parse_prompt, prompt_split, render,
 )
-from flow_factory.shapebench.generator import with_extra_object, with_object, write_prompt_dataset
+from flow_factory.shapebench.generator import (
+    with_background, with_exposure, with_extra_object, with_object, write_prompt_dataset,
+)
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +217,35 @@ def test_an_unnamed_extra_object_fails_strict_on_every_family():
         assert len(c.objects) == len(s.objects) + 1 and c.objects[:-1] == s.objects
         assert evaluate_image(s.prompt, s.image).strict == 1.0
         assert evaluate_image(c.prompt, c.image).strict == 0.0
+
+
+def test_a_coloured_background_fails_strict_and_keeps_the_objects():
+    # the pretraining's data defect (scripts/pretrain_shapebench.py --tint): the sky-blue
+    # background reads as one more (blue) object; only a scene with a blue object can pass
+    # (about 9 % of scenes), when the background swallows that object and reads as its shape
+    sky = (120, 180, 255)
+    passed = 0
+    for s in generate(120, seed=5):
+        t = with_background(s, sky)
+        assert t.objects == s.objects
+        named = np.any(s.image != 255, axis=-1)
+        assert np.array_equal(t.image[named], s.image[named])
+        assert (t.image[~named] == sky).all()
+        assert evaluate_image(s.prompt, s.image).strict == 1.0
+        if evaluate_image(t.prompt, t.image).strict:
+            passed += 1
+            assert "blue" in [o.color for o in s.objects]
+    assert passed <= 0.15 * 120
+
+
+def test_an_under_exposed_scene_fails_strict_on_every_family():
+    # the pretraining's data defect (scripts/pretrain_shapebench.py --dark): at exposure 0.15
+    # the brightest pixel is 38 of 255, under the reward's value threshold, so no object is seen
+    samples = generate(120, seed=6)
+    assert {s.spec.family for s in samples} == set(FAMILIES)
+    for s in samples:
+        d = with_exposure(s, 0.15)
+        assert d.objects == s.objects and d.image.max() <= 38
+        assert detect(d.image) == [] and evaluate_image(d.prompt, d.image).strict == 0.0
+        assert evaluate_image(s.prompt, with_exposure(s, 1.0).image).strict == 1.0
+

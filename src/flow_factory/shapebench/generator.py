@@ -53,9 +53,9 @@ class Sample:
         return self.spec.text
 
 
-def render(objects, image_size: int = IMAGE_SIZE) -> np.ndarray:
-    """(H, W, 3) uint8: each object filled in its colour, hard edges, on white."""
-    img = Image.new("RGB", (image_size, image_size), BACKGROUND)
+def render(objects, image_size: int = IMAGE_SIZE, background: tuple[int, int, int] = BACKGROUND) -> np.ndarray:
+    """(H, W, 3) uint8: each object filled in its colour, hard edges, on ``background`` (white)."""
+    img = Image.new("RGB", (image_size, image_size), background)
     draw = ImageDraw.Draw(img)
     for o in objects:
         x0, y0, x1, y1 = o.box
@@ -193,6 +193,18 @@ def with_extra_object(sample: Sample, rng: np.random.Generator, tries: int = 200
             objects = sample.objects + (extra,)
             return Sample(sample.spec, objects, render(objects, image_size))
     return None
+
+
+def with_background(sample: Sample, background: tuple[int, int, int]) -> Sample:
+    """The sample's objects on another background colour (a saturated one reads as one more object)."""
+    return Sample(sample.spec, sample.objects, render(sample.objects, sample.image.shape[0], background))
+
+
+def with_exposure(sample: Sample, factor: float) -> Sample:
+    """The sample with every pixel scaled by ``factor``: below about 0.25 an under-exposed
+    scene whose objects are too dark for the reward to see."""
+    image = np.clip(np.round(sample.image.astype(np.float32) * factor), 0, 255).astype(np.uint8)
+    return Sample(sample.spec, sample.objects, image)
 
 
 def write_prompt_dataset(path: str | Path, seed: int = 0, num_test: int = 256, num_train: int | None = None) -> Path:
