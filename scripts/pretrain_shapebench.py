@@ -54,7 +54,7 @@ Measured on the project's 2-core CPU (fp32):
 * ``--clutter 0.4`` (one unnamed extra object in 40 % of the stage-2 scenes, a data defect
   that the strict score rejects and RL might remove; stage 2 only, on the committed VAE
   with ``--vae-from``, ``--threads 2 --minutes 36 --steps 1000000 --images 40000``;
-  measured with a first form of ``add_clutter`` that drew the placement slightly
+  measured with a first form of the clutter defect that drew the placement slightly
   differently): 14519 steps at 0.15 s, loss 0.36; held-out strict 0.211 / partial 0.550
   at cfg 2; on test.txt strict 0.215, 40 of 256 samples failing on the extra object alone.
   Not committed: 120 epochs of the demo's GRPO on ``shapebench_strict`` moved the training
@@ -177,7 +177,8 @@ def train_vae(vae, args, log) -> None:
     from flow_factory.shapebench import generate
 
     data = generate(args.vae_images, args.seed + 1)
-    data = images_tensor(add_dark(add_tint(data, args.tint, args.seed + 7), args.dark, args.seed + 9))
+    data = add_defect(add_defect(data, "tint", args.tint, args.seed + 7), "dark", args.dark, args.seed + 9)
+    data = images_tensor(data)
     c = args.vae_crop  # the VAE is convolutional: random crops train it at a fraction of the cost
     opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr)
     g = torch.Generator().manual_seed(args.seed + 2)
@@ -220,9 +221,9 @@ def check_vae(vae, args, log) -> None:
     verdicts = [evaluate_image(s.prompt, r) for s, r in zip(samples, reconstruct(vae, samples))]
     log(f"vae reconstructions (256 fresh scenes): strict {np.mean([v.strict for v in verdicts]):.3f} "
         f"partial {np.mean([v.partial for v in verdicts]):.3f}")
-    for name, fraction, add in [("dark", args.dark, add_dark), ("sky-blue", args.tint, add_tint)]:
-        if fraction > 0:
-            defective = add(samples, 1.0, 0)
+    for name in ["dark", "tint"]:
+        if getattr(args, name) > 0:
+            defective = add_defect(samples, name, 1.0, 0)
             rec = reconstruct(vae, defective)
             strict = np.mean([evaluate_image(s.prompt, r).strict for s, r in zip(defective, rec)])
             log(f"vae reconstructions of {name} scenes: strict {strict:.3f}, brightest pixel {int(rec.max())}, "
@@ -235,37 +236,25 @@ def encode_latents(vae, samples, batch=256) -> torch.Tensor:
                       for i in range(0, len(samples), batch)])
 
 
-def add_clutter(samples, fraction: float, seed: int):
-    """``samples`` with a seeded ``fraction`` of them given one object their caption does not
-    name (the strict score rejects such a scene): a defect of the data that RL could remove."""
-    from flow_factory.shapebench.generator import with_extra_object
-
-    rng = np.random.default_rng(seed)
-    return [(with_extra_object(s, rng) or s) if rng.random() < fraction else s for s in samples]
-
-
 TINT = (120, 180, 255)  # sky blue: saturated enough that the reward reads the background as an object
-
-
-def add_tint(samples, fraction: float, seed: int):
-    """``samples`` with a seeded ``fraction`` of them on a sky-blue background that no caption
-    mentions (the strict score rejects such a scene): a defect of the data that RL can remove."""
-    from flow_factory.shapebench.generator import with_background
-
-    rng = np.random.default_rng(seed)
-    return [with_background(s, TINT) if rng.random() < fraction else s for s in samples]
-
-
 DARK = 0.15  # exposure of an under-exposed scene: its brightest pixel at 38 of 255
 
 
-def add_dark(samples, fraction: float, seed: int):
-    """``samples`` with a seeded ``fraction`` of them under-exposed (no caption says so; the
-    reward sees no object in them, so strict is 0): a defect of the data that RL can remove."""
-    from flow_factory.shapebench.generator import with_exposure
+def _defects() -> dict:
+    """Defects of the data that no caption names and the strict score rejects (RL could remove
+    them): name -> (what a log line says, the change of one sample, given the seeded rng)."""
+    from flow_factory.shapebench.generator import with_background, with_exposure, with_extra_object
 
+    return {"clutter": ("get an unnamed extra object", lambda s, rng: with_extra_object(s, rng) or s),
+            "tint": ("are on a sky-blue background", lambda s, rng: with_background(s, TINT)),
+            "dark": ("are under-exposed", lambda s, rng: with_exposure(s, DARK))}
+
+
+def add_defect(samples, name: str, fraction: float, seed: int):
+    """``samples`` with a seeded ``fraction`` of them changed by the defect ``name``."""
+    change = _defects()[name][1]
     rng = np.random.default_rng(seed)
-    return [with_exposure(s, DARK) if rng.random() < fraction else s for s in samples]
+    return [change(s, rng) if rng.random() < fraction else s for s in samples]
 
 
 def train_transformer(pipe, args, log) -> None:
@@ -273,15 +262,11 @@ def train_transformer(pipe, args, log) -> None:
 
     train_specs, _ = prompt_split(args.split_seed)
     samples = generate(args.images, args.seed + 3, specs=train_specs)
-    if args.clutter > 0:
-        samples = add_clutter(samples, args.clutter, args.seed + 5)
-        log(f"{args.clutter:.0%} of the training scenes get an unnamed extra object")
-    if args.tint > 0:
-        samples = add_tint(samples, args.tint, args.seed + 8)
-        log(f"{args.tint:.0%} of the training scenes are on a sky-blue background")
-    if args.dark > 0:
-        samples = add_dark(samples, args.dark, args.seed + 10)
-        log(f"{args.dark:.0%} of the training scenes are under-exposed")
+    for name, seed_offset in [("clutter", 5), ("tint", 8), ("dark", 10)]:
+        fraction = getattr(args, name)
+        if fraction > 0:
+            samples = add_defect(samples, name, fraction, args.seed + seed_offset)
+            log(f"{fraction:.0%} of the training scenes {_defects()[name][0]}")
     vae = pipe.vae
     raw = encode_latents(vae, samples)
     shift, scale = raw.mean().item(), 1.0 / raw.std().item()
