@@ -18,6 +18,7 @@ from flow_factory.algorithms import (
 )
 from flow_factory.dynamics import CPS, ODE, DanceSDE, FlowSDE
 from flow_factory.dynamics.base import Dynamics
+from flow_factory.dynamics.dpm_solver import DPMSolver2M
 from flow_factory.rollout import sample_trajectory
 
 
@@ -315,3 +316,34 @@ def test_make_algorithm_registry_and_config_errors():
         make_algorithm("grpo", train_cfg(kl_type="z-based"), FlowSDE(0.7))
     with pytest.raises(ValueError, match="deterministic"):
         make_algorithm("grpo", train_cfg(), ODE())
+
+
+@pytest.mark.parametrize("dynamics,sde_steps", [(FlowSDE(0.7), [2]), (FlowSDE(0.7), [0, 3]), (CPS(0.7), [3]),
+                                                (ODE(), None), (DPMSolver2M(), None)])
+def test_shared_prefix_is_the_same_trajectory_with_fewer_rows(dynamics, sde_steps):
+    """Groups sharing noise and prompt (same_latent): the steps before the first stochastic one are
+    integrated once per group, and every output matches integrating each row."""
+    rows_seen = []
+
+    def velocity(x, sigma, cond, guidance_scale):
+        rows_seen.append(len(x))
+        return cond["c"][:, None, None] * x + cond["d"] * sigma
+
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+    c, d = torch.tensor([0.5, -1.0, 2.0])[groups], torch.randn(3, 2, 2)[groups]
+    noise = torch.randn(3, 2, 2, generator=torch.Generator().manual_seed(0))[groups]
+    adapter = SimpleNamespace(velocity=velocity)
+    sigmas = torch.linspace(1.0, 0.0, 6)
+
+    def run(shared):
+        rows_seen.clear()
+        traj = sample_trajectory(adapter, dynamics, {"c": c, "d": d}, noise, sigmas, 1.0, sde_steps,
+                                 generator=torch.Generator().manual_seed(1), record_means=True, shared_rows=shared)
+        return traj, list(rows_seen)
+
+    (alone, rows_alone), (shared, rows_shared) = run(None), run(groups)
+    for name in ["latents", "log_probs", "means"]:
+        torch.testing.assert_close(getattr(shared, name), getattr(alone, name), rtol=0, atol=1e-6)
+    assert shared.sde_steps == alone.sde_steps and rows_alone == [8] * 5
+    prefix = min(sde_steps) if sde_steps else 5
+    assert rows_shared == [3] * prefix + [8] * (5 - prefix)

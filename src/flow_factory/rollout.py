@@ -4,6 +4,11 @@ It records what the coupled algorithms (GRPO family) train on: the latents at
 every step, the log-prob of each stochastic step, and which steps were
 stochastic. Steps outside ``sde_steps`` use the ODE (the MixGRPO / Flow-GRPO-Fast
 window), and only those inside are trained.
+
+A group that shares its starting noise and prompt (``same_latent``) is one
+trajectory until its first stochastic step; ``shared_rows`` says which rows those
+are, and the deterministic prefix is then computed once per group (with the window
+on steps 0-4 and groups of 8, about a sixth of the sampling compute).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from torch import Tensor
 
 from .dynamics import Dynamics
 from .dynamics.ode import ODE
-from .models.base import Conditioning, FlowAdapter
+from .models.base import Conditioning, FlowAdapter, index_cond
 
 
 @dataclass
@@ -42,10 +47,13 @@ def sample_trajectory(
     sde_steps: list[int] | None = None,
     generator: torch.Generator | None = None,
     record_means: bool = False,
+    shared_rows: Tensor | None = None,
 ) -> Trajectory:
     """Integrate from ``noise`` along ``sigmas``. ``sde_steps=None``: every step uses ``dynamics``.
 
     ``record_means`` also keeps each step's mean (GRPO-Guard's ratio normalisation needs it).
+    ``shared_rows`` (B,): rows with equal ids have equal ``noise`` and ``cond``; the steps
+    before the first stochastic one are then integrated once per id.
     """
     num_steps = len(sigmas) - 1
     if sde_steps is None:
@@ -56,7 +64,15 @@ def sample_trajectory(
     solver, ode = dynamics.solver(), ODE()
     x = noise.float()
     latents, log_probs, means = [x], [], []
+    prefix = min(stochastic, default=num_steps) if dynamics.stochastic else num_steps
+    groups = _shared_groups(shared_rows) if shared_rows is not None and prefix > 0 else None
+    if groups is not None:  # integrate one row per group until the rows part
+        first, expand = (t.to(x.device) for t in groups)
+        full_cond, cond, x, latents = cond, index_cond(cond, first), x[first], [x[first]]
     for i in range(num_steps):
+        if groups is not None and i == prefix:
+            x, latents, log_probs, means = _expand(expand, x, latents, log_probs, means)
+            cond, groups = full_cond, None
         v = adapter.velocity(x, sigmas[i], cond, guidance_scale)
         step_dynamics = solver if (i in stochastic or not dynamics.stochastic) else ode
         # noise is drawn on the CPU generator so a seed means the same thing on any device
@@ -69,5 +85,22 @@ def sample_trajectory(
         if record_means:
             means.append(out.mean)
         log_probs.append(out.log_prob if out.log_prob is not None else torch.zeros(x.shape[0], device=x.device))
+    if groups is not None:  # deterministic to the end
+        x, latents, log_probs, means = _expand(expand, x, latents, log_probs, means)
     return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), sigmas.float(), sorted(stochastic),
                       torch.stack(means, 1) if record_means else None)
+
+
+def _shared_groups(shared_rows: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(the first row of each id, each row's index into those), or None when no id repeats."""
+    ids, expand = torch.unique(shared_rows.cpu(), return_inverse=True)
+    if len(ids) == len(shared_rows):
+        return None
+    first = torch.full((len(ids),), len(shared_rows), dtype=torch.long)
+    first.scatter_reduce_(0, expand, torch.arange(len(shared_rows)), reduce="amin")
+    return first, expand
+
+
+def _expand(expand: Tensor, x: Tensor, *histories: list[Tensor]):
+    """The per-group state so far, one row per sample again."""
+    return (x[expand], *([t[expand] for t in h] for h in histories))

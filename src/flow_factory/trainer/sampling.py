@@ -69,7 +69,7 @@ def collect_rollouts(
             with accelerator.autocast():
                 traj = sample_trajectory(adapter, dynamics, cond, noise, sigmas, guidance_scale, sde_steps,
                                          generator=generator("sde", seed, epoch, ids[0]),
-                                         record_means=record_means)
+                                         record_means=record_means, shared_rows=groups if same_latent else None)
         with timer.phase("decode"):
             media = adapter.decode(traj.final).float().cpu()
         chunks.append((traj, cond, media))
