@@ -78,6 +78,11 @@ Measured on the project's 2-core CPU (fp32):
   0.051, 48 % on sky blue, 0.090 on white (single object 0.14: many white samples hold no
   object at all). At this step budget patch 1 is worse, and it would make every sampling
   step of the demo 3.7x slower as well.
+* ``--cosine`` (learning rate decayed to 0 at the step budget; ``--tint 0.4`` on the
+  ``--tint 0.5`` run's VAE, ``--threads 2 --steps 14000 --images 40000``, 31 min): loss 0.335
+  at the end (constant lr, the tint 0.5 run: 0.332); on test.txt at cfg 2 41 % on sky blue,
+  strict 0.113, 0.185 on white (single object 0.71, colours 0.21, position 0.14, two objects
+  0.04, counting 0.04, colour attribution 0.0): no better than a constant rate.
 * the earlier smoke run with 256 T5 tokens (load average about 4 from other work):
   51 VAE + 51 transformer steps took 468 s and scored 0.0 strict.
 """
