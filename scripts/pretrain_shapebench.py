@@ -25,7 +25,11 @@ A stage stops after its step budget or its minutes, whichever comes first. With 
 default step budgets, no time limit and the default thread counts (the VAE stage on 2
 threads, the transformer stage on 1: float sums come out differently with another
 count), the weights are reproduced from the seed: the defaults are what made
-assets/shapebench/sd3, and a rerun wrote byte-identical safetensors files.
+assets/shapebench/sd3, and a rerun wrote byte-identical safetensors files. That was before
+the text encoders were put in eval mode (build_pipeline): every model below, the committed
+one included, cached its T5 embeddings with T5's dropout on and was sampled with it off.
+The script of commit 928e52b reproduces the committed weights; this one does not, and
+re-pretraining with the fix is what is to try next.
 
 Measured on the project's 2-core CPU (fp32):
 * seconds per training step at batch 64, 2 threads, machine otherwise nearly idle:
@@ -171,6 +175,11 @@ def build_pipeline(seed: int, layers: int, width: int, t5_len: int = 16, shift: 
     te3 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=64, d_kv=32, d_ff=64, num_layers=1, num_heads=2,
                                   relative_attention_num_buckets=8, relative_attention_max_distance=32,
                                   pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    for encoder in (te1, te2, te3):
+        # as at inference (from_pretrained gives eval mode): a freshly built T5 is in train
+        # mode with dropout 0.1, which made the cached training embeddings differ from the
+        # sampled ones (up to 3.3 between two calls) in every model made before this line
+        encoder.eval()
     vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
                         up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(16, 32, 32),
                         layers_per_block=1, latent_channels=4, norm_num_groups=8,
