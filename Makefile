@@ -20,7 +20,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-# GRPO on the committed pretrained ShapeBench model, held-out accuracy before / after (~5 min)
+# GRPO on the committed pretrained ShapeBench model, held-out accuracy before / after (~10 min)
 shapebench-demo: $(STAMP)
 	$(PY) scripts/shapebench_demo.py
 

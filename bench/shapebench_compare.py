@@ -31,8 +31,9 @@ from flow_factory.trainer import Trainer  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "shapebench_grpo.yaml"
 
-# What each algorithm changes in the demo config. grpo-fast is the demo itself (one SDE step
-# among the first five, the rest ODE: Flow-GRPO-Fast's window); grpo noises and trains every
+# What each algorithm changes in the demo config. grpo-fast is the demo itself (one SDE step,
+# the rest ODE: Flow-GRPO-Fast's window, at step 0 since the committed model's background is
+# decided there; the README's table was measured with the first five); grpo noises and trains every
 # step from independent starting noise, as Flow-GRPO does; the decoupled algorithms sample
 # with the ODE and train on the forward process at two timesteps per sample.
 ODE_ROLLOUTS = ["scheduler.dynamics_type=ODE", "scheduler.noise_level=0", "scheduler.sde_steps=null",
