@@ -4,9 +4,11 @@
 
 With ``same_latent`` a group's samples share their starting noise and prompt, so they are
 one trajectory until the window's stochastic step k; ``sample_trajectory(shared_rows=...)``
-integrates those k steps once per group. For each k of the demo's window (steps 0-4 of 10)
-this samples the demo's epoch (prompts x group, cfg 2) with and without it, interleaved,
-and prints seconds and the ratio; the mean over k is what the demo's random window saves.
+integrates those k steps once per group. For each k of a window (default steps 0-4 of 10,
+the demo's window on the first ShapeBench model) this samples the demo's epoch (prompts x
+group, cfg 2) with and without it, interleaved, and prints seconds and the ratio; the mean
+over k is what a random window saves. The demo now noises step 0 only, where there is no
+prefix to share.
 """
 
 from __future__ import annotations
