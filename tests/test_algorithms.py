@@ -211,6 +211,49 @@ def test_grpo_v_based_kl_adds_to_loss_and_keeps_reference_frozen():
     assert policy.theta.grad.item() == pytest.approx(expected.item(), rel=1e-4)
 
 
+class SigmaLinearPolicy(LinearPolicy):
+    """v = theta * sigma * x: the velocity depends on the step, so a wrong sigma shows."""
+
+    def velocity(self, latents, sigma, cond):
+        return self.theta * torch.as_tensor(sigma).reshape(-1, 1, 1, 1) * latents
+
+    def reference_velocity(self, latents, sigma, cond):
+        return self.theta_ref * torch.as_tensor(sigma).reshape(-1, 1, 1, 1) * latents
+
+
+def test_outside_kl_is_the_v_based_kl_at_each_samples_untrained_step():
+    theta, theta_ref, beta = 0.3, 0.1, 0.5
+    policy = SigmaLinearPolicy(theta, theta_ref)
+    dyn = EulerGaussian(0.7)
+    adv = torch.tensor([1.0, -1.0])
+    batch = rollout_batch(policy, dyn, adv, SIGMAS, step=1)
+    plain, _ = GRPO(train_cfg(), dyn).loss(policy, batch)
+    batch.outside_steps = torch.tensor([0, 3])
+    loss, m = GRPO(train_cfg(outside_kl_beta=beta), dyn).loss(policy, batch)
+    # sample 0 at step 0 (sigma 1.0), sample 1 at step 3 (sigma 0.2); v - v_ref = 0.2 sigma x
+    per_sample = [((0.2 * s * batch.latents[b, k]) ** 2).mean() for b, (k, s) in enumerate([(0, 1.0), (3, 0.2)])]
+    expected = torch.stack(per_sample).mean()
+    assert m["outside_kl"].item() == pytest.approx(expected.item(), rel=1e-5)
+    assert loss.item() == pytest.approx(plain.item() + beta * expected.item(), rel=1e-5)
+    loss.backward()
+    assert policy.theta_ref.grad is None
+
+
+def test_micro_batches_draw_outside_steps_from_the_untrained_steps_only():
+    rollouts = SimpleNamespace(latents=torch.zeros(64, 5, 1, 2, 2), log_probs=torch.zeros(64, 4), sigmas=SIGMAS,
+                               sde_steps=[1], cond={}, means=None)
+    units = torch.arange(64).unsqueeze(1)
+    adv = torch.zeros(64)
+    with_kl = GRPO(train_cfg(outside_kl_beta=0.1), FlowSDE(0.7))
+    (batch,) = with_kl.micro_batches(rollouts, adv, units, torch.Generator().manual_seed(0))
+    assert batch.step == 1 and set(batch.outside_steps.tolist()) == {0, 2, 3}
+    (batch,) = GRPO(train_cfg(), FlowSDE(0.7)).micro_batches(rollouts, adv, units, torch.Generator())
+    assert batch.outside_steps is None
+    rollouts.sde_steps = [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="train.outside_kl_beta: every step of this rollout was trained"):
+        list(with_kl.micro_batches(rollouts, adv, units, torch.Generator()))
+
+
 def test_grpo_x_based_kl_is_gaussian_kl_of_the_step():
     a, theta, theta_ref = 0.7, 0.3, 0.1
     policy = LinearPolicy(theta, theta_ref)

@@ -409,6 +409,13 @@ def test_file_problems_name_the_file(tmp_path):
      "10 trained steps per sample); choose one of [1, 2, 4, 5, 8, 10, 20, 40]"),
     (["train.gradient_accumulation_steps=6", "scheduler.num_sde_steps=2"],
      "train.gradient_accumulation_steps: 6 does not divide the 8 micro-steps per epoch"),
+    (["train.outside_kl_beta=0.1"],
+     "train.outside_kl_beta: every one of the 10 steps is trained, so no step is outside the SDE window"),
+    (["train.outside_kl_beta=0.1", "scheduler.sde_steps=[0, 1]", "scheduler.num_sde_steps=5"],
+     "scheduler.num_sde_steps: 5 is more than the 2 candidate steps"),
+    (["train.trainer_type=nft", "train.outside_kl_beta=0.1"],
+     "train.outside_kl_beta: the KL at the steps an SDE window does not train is the grpo family's; nft has no "
+     "window (use kl_beta)"),
     (["model.model_type=wan"], "train.num_frames: required for the video model wan2_t2v"),
     (["model.model_type=wan", "train.num_frames=8"],
      "train.num_frames: wan2_t2v needs 4k + 1 frames (the VAE packs 4 frames into one latent), got 8; nearest: 5"),

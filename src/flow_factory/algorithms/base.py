@@ -60,6 +60,9 @@ class TrainBatch:
     # (B, T, *latent): each step's Gaussian mean as the rollout computed it; recorded
     # only for algorithms with ``records_step_means`` (GRPO-Guard), else None
     old_means: Tensor | None = None
+    # (B,) long: per sample, one step its rollout did not train, where the loss compares the
+    # policy with the reference (train.outside_kl_beta > 0), else None
+    outside_steps: Tensor | None = None
 
 
 class Algorithm:
@@ -87,11 +90,20 @@ class Algorithm:
                       generator: torch.Generator) -> Iterator[TrainBatch]:
         """Coupled: the chosen samples at each trained (stochastic) step of their rollout."""
         idx = units[:, 0]
+        outside = [s for s in range(len(rollouts.sigmas) - 1) if s not in rollouts.sde_steps]
         for step in rollouts.sde_steps:
+            outside_steps = None
+            if getattr(self.cfg, "outside_kl_beta", 0) > 0:
+                if not outside:
+                    raise ValueError("train.outside_kl_beta: every step of this rollout was trained, so no "
+                                     "step is outside the SDE window; narrow scheduler.sde_steps")
+                pick = torch.randint(len(outside), (len(idx),), generator=generator)
+                outside_steps = torch.tensor(outside)[pick]
             yield TrainBatch(
                 latents=rollouts.latents[idx], old_log_probs=rollouts.log_probs[idx],
                 advantages=advantages[idx], sigmas=rollouts.sigmas, cond=index_cond(rollouts.cond, idx),
-                step=step, old_means=None if rollouts.means is None else rollouts.means[idx])
+                step=step, old_means=None if rollouts.means is None else rollouts.means[idx],
+                outside_steps=outside_steps)
 
     def loss(self, policy: Policy, batch) -> tuple[Tensor, dict[str, Tensor]]:
         """Scalar loss and detached metrics (each a 0-d tensor) for one micro-batch."""

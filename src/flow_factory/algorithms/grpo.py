@@ -10,6 +10,12 @@ one the rollout recorded, ``logp_old``:
 plus ``kl_beta * KL`` against the reference policy (``kl.py``). The log-probs are
 means over the latent's dimensions, so the ratio is very close to 1 and clip ranges
 are small (flow_grpo uses 1e-4).
+
+With an SDE window (Flow-GRPO-Fast) the steps outside it are never trained, yet they
+share the weights the window moves, and they drift with them. ``outside_kl_beta``
+adds the v-based KL ``mean((v - v_ref)^2)`` at one such step per sample, on the
+rollout's own latent there, so the window changes what its steps decide and the rest
+of the trajectory stays the reference's.
 """
 
 from __future__ import annotations
@@ -116,7 +122,20 @@ class GRPO(Algorithm):
             kl = self.kl_to_reference(policy, batch, v, mean, std)
             loss = loss + self.cfg.kl_beta * kl
             metrics["kl"] = kl.detach()
+        if batch.outside_steps is not None:
+            outside_kl = self.kl_outside_window(policy, batch)
+            loss = loss + self.cfg.outside_kl_beta * outside_kl
+            metrics["outside_kl"] = outside_kl.detach()
         return loss, metrics
+
+    def kl_outside_window(self, policy: Policy, batch: TrainBatch) -> Tensor:
+        """Batch-mean v-based KL to the reference at each sample's ``outside_steps``."""
+        steps = batch.outside_steps.to(batch.latents.device)
+        x = batch.latents[torch.arange(len(steps), device=steps.device), steps]
+        sigma = batch.sigmas.to(steps.device)[steps]
+        with torch.no_grad():
+            v_ref = policy.reference_velocity(x, sigma, batch.cond)
+        return v_based_kl(policy.velocity(x, sigma, batch.cond), v_ref).mean()
 
     def kl_to_reference(self, policy: Policy, batch: TrainBatch, v: Tensor, mean: Tensor, std: Tensor) -> Tensor:
         """Batch-mean KL to the reference; gradients flow through the policy's side only."""

@@ -139,6 +139,9 @@ class Config(Section):
         coupled = train.trainer_type in COUPLED_TRAINER_TYPES
         if not coupled:
             out += self._decoupled_contradictions()
+            if train.outside_kl_beta > 0:
+                out.append(f"train.outside_kl_beta: the KL at the steps an SDE window does not train is the grpo "
+                           f"family's; {train.trainer_type} has no window (use kl_beta)")
         elif sched.dynamics_type not in STOCHASTIC:
             out.append(f"train.trainer_type {train.trainer_type!r} needs a stochastic dynamics to have "
                        f"log-probabilities to train, but scheduler.dynamics_type is {sched.dynamics_type!r}; "
@@ -199,6 +202,10 @@ class Config(Section):
                 out.append(f"scheduler.sde_steps: {outside} outside [0, {steps}) with "
                            f"train.num_inference_steps = {steps}")
         candidates = len(sched.sde_steps) if sched.sde_steps is not None else steps
+        coupled = self.train.trainer_type in COUPLED_TRAINER_TYPES
+        if coupled and self.train.outside_kl_beta > 0 and min(sched.num_sde_steps or candidates, candidates) >= steps:
+            out.append(f"train.outside_kl_beta: every one of the {steps} steps is trained, so no step is outside "
+                       f"the SDE window; narrow it (scheduler.sde_steps or num_sde_steps) or set outside_kl_beta: 0")
         if sched.num_sde_steps is not None and sched.num_sde_steps > candidates:
             out.append(f"scheduler.num_sde_steps: {sched.num_sde_steps} is more than the {candidates} "
                        f"candidate steps (scheduler.sde_steps, or every step when it is null)")

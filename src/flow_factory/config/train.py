@@ -72,6 +72,9 @@ class TrainConfig(Section):
     kl_type: Literal["x-based", "v-based"] = setting(
         "x-based", "KL to the reference on step means (x-based) or on velocities (v-based)")
     kl_beta: float = setting(0.0, "KL coefficient; 0 = no KL and no reference model", ge=0)
+    outside_kl_beta: float = setting(
+        0.0, "grpo family: coefficient of the v-based KL to the reference at one step the SDE window does not "
+        "train, drawn per sample (those steps share the trained weights); 0 = none", ge=0)
     ref_param_device: Literal["cpu", "cuda", "same"] = setting(
         "same", "where the frozen reference weights live (full fine-tuning with kl_beta > 0)")
     global_std: bool = setting(False, "normalise advantages by the std of the whole batch, not each group's")
