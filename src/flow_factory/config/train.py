@@ -76,7 +76,7 @@ class TrainConfig(Section):
         0.0, "grpo family: coefficient of the v-based KL to the reference at one step the SDE window does not "
         "train, drawn per sample (those steps share the trained weights); 0 = none", ge=0)
     ref_param_device: Literal["cpu", "cuda", "same"] = setting(
-        "same", "where the frozen reference weights live (full fine-tuning with kl_beta > 0)")
+        "same", "where the frozen reference weights live (full fine-tuning with kl_beta or outside_kl_beta > 0)")
     global_std: bool = setting(False, "normalise advantages by the std of the whole batch, not each group's")
     advantage_aggregation: Literal["sum", "gdpo"] = setting(
         "sum", "several rewards: advantage of the weighted sum (sum) or weighted per-reward advantages (gdpo)")
