@@ -80,6 +80,12 @@ class Algorithm:
         self.cfg = train_cfg
         self.dynamics = dynamics
 
+    @property
+    def needs_reference(self) -> bool:
+        """The loss calls policy.reference_velocity, so the policy keeps the starting weights."""
+        cfg = self.cfg
+        return self.always_uses_reference or cfg.kl_beta > 0 or getattr(cfg, "outside_kl_beta", 0) > 0
+
     # --- how an epoch's rollouts become micro-batches --------------------------------
     def training_units(self, group_ids: Tensor, advantages: Tensor) -> Tensor:
         """(U, k) long: the sample indices each training unit holds. Default: every sample

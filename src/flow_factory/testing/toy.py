@@ -93,8 +93,7 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
     vars(cfg).update(train)
     dyn = make_dynamics(name, 0.7 if name != "ODE" else 0.0)
     algorithm = make_algorithm(trainer_type, cfg, dyn)
-    policy = AdapterPolicy(adapter, 1.0, "full", keep_reference=(algorithm.always_uses_reference or cfg.kl_beta > 0
-                                                                    or cfg.outside_kl_beta > 0))
+    policy = AdapterPolicy(adapter, 1.0, "full", keep_reference=algorithm.needs_reference)
     params = [p for p in adapter.transformer.parameters()]
     for p in params:
         p.requires_grad_(True)

@@ -68,8 +68,7 @@ class Trainer:
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
         # the reference is the starting weights: taken before any resume
         self.policy = AdapterPolicy(self.adapter, train.guidance_scale, model.finetune_type,
-                                    keep_reference=(train.kl_beta > 0 or train.outside_kl_beta > 0
-                                                    or self.algorithm.always_uses_reference),
+                                    keep_reference=self.algorithm.needs_reference,
                                     ref_param_device=train.ref_param_device)
         self.params = self._make_trainable()
         # EMA of the trained weights (train.ema_decay > 0), and for NFT / AWM the weights the
