@@ -3,7 +3,7 @@
     python bench/shapebench_compare.py [--samples 7680] [--evals 3] [--algorithms grpo grpo-fast nft awm dpo]
 
 Each algorithm trains the committed pretrained ShapeBench pipeline from
-examples/shapebench_grpo.yaml (the `make shapebench-demo` run), changed only where the algorithm
+examples/shapebench_grpo.yaml (the `make demo` run), changed only where the algorithm
 needs it (the table below), on the same training prompts and the same number of
 rollout samples. The held-out strict accuracy (test.txt, ODE, fixed seeds) is measured
 ``--evals`` times along the way; the table gives it

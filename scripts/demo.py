@@ -1,4 +1,4 @@
-"""`make demo`: GRPO end to end on CPU, from one YAML, with nothing downloaded.
+"""`make tiny-demo`: GRPO end to end on CPU, from one YAML, with nothing downloaded.
 
 Builds a tiny SD3 pipeline from config into runs/demo/tiny-sd3 (once), trains it with
 examples/demo_tiny_sd3.yaml, and prints the eval reward before and after training.

@@ -1,4 +1,4 @@
-"""GRPO on ShapeBench (`make shapebench-demo`), end to end on CPU, from one YAML, with nothing downloaded.
+"""GRPO on ShapeBench (`make demo`), end to end on CPU, from one YAML, with nothing downloaded.
 
 Trains the committed pretrained ShapeBench pipeline (assets/shapebench/sd3, made by
 scripts/pretrain_shapebench.py) with examples/shapebench_grpo.yaml on the verifiable

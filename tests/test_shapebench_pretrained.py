@@ -81,4 +81,4 @@ def test_committed_pipeline_loads_and_scores_strict_far_above_decoded_noise():
 
     strict, strict_chance = np.mean([v.strict for v in model]), np.mean([v.strict for v in chance])
     # partial is no measure here: decoded noise (about 9 blobs) satisfies half the clauses
-    assert strict >= strict_chance + 0.08, (strict, strict_chance)  # measured: 0.333 vs 0.0 (first model 0.146)
+    assert strict >= strict_chance + 0.08, (strict, strict_chance)  # measured: 0.208 vs 0.0 (first model 0.146)
