@@ -423,7 +423,8 @@ def main(argv=None) -> int:
     p.add_argument("--vae-crop", type=int, default=32, help="VAE trains on random crops of this size")
     p.add_argument("--vae-from", type=Path, default=None, help="reuse a VAE saved by --vae-out (skips stage 1)")
     p.add_argument("--init-from", type=Path, default=None,
-                   help="continue the transformer of a pipeline saved by this script (skips stage 1; --steps more steps)")
+                   help="continue a pipeline saved by this script, every component loaded from it (skips stage 1; "
+                        "the architecture flags are ignored; --steps more steps)")
     p.add_argument("--vae-out", type=Path, default=None, help="also save the stage-1 VAE here")
     p.add_argument("--ema", type=float, default=0.998, help="EMA decay of the saved transformer weights")
     p.add_argument("--threads", type=int, default=2, help="CPU threads of the transformer stage and the eval")
