@@ -23,7 +23,7 @@ from flow_factory.rollout import sample_trajectory
 
 
 def train_cfg(**overrides):
-    cfg = dict(clip_range=1e-4, adv_clip_range=5.0, kl_type="v-based", kl_beta=0.0)
+    cfg = dict(clip_range=1e-4, adv_clip_range=5.0, kl_type="v-based", kl_beta=0.0, outside_kl_beta=0.0)
     cfg.update(overrides)
     return SimpleNamespace(**cfg)
 

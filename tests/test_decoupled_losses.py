@@ -19,9 +19,10 @@ ADV = torch.tensor([1.0, -3.0])  # with adv_clip_range 2: r = 0.75 and 0 (clippe
 
 
 def cfg(**kw):
-    base = dict(nft_beta=0.5, nft_weighting="adaptive", adv_clip_range=2.0, kl_beta=0.0, clip_range=0.2,
-                awm_weighting="Uniform", ghuber_power=0.25, ema_kl_beta=0.0, beta=2.0, num_train_timesteps=1,
-                time_sampling_strategy="uniform", time_shift=1.0, timestep_range=1.0, num_inference_steps=4)
+    base = dict(nft_beta=0.5, nft_weighting="adaptive", adv_clip_range=2.0, kl_beta=0.0, outside_kl_beta=0.0,
+                clip_range=0.2, awm_weighting="Uniform", ghuber_power=0.25, ema_kl_beta=0.0, beta=2.0,
+                num_train_timesteps=1, time_sampling_strategy="uniform", time_shift=1.0, timestep_range=1.0,
+                num_inference_steps=4)
     base.update(kw)
     return SimpleNamespace(**base)
 

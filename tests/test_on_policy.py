@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 ADAPTERS = [("sd3-5", "tiny_sd3_path", 64, None, 3.0), ("flux1", "tiny_flux_path", 64, None, 3.5),
             ("wan2_t2v", "tiny_wan_path", 32, 5, 3.0)]
-TRAIN = SimpleNamespace(clip_range=1e-4, adv_clip_range=5.0, kl_type="v-based", kl_beta=0.0)
+TRAIN = SimpleNamespace(clip_range=1e-4, adv_clip_range=5.0, kl_type="v-based", kl_beta=0.0, outside_kl_beta=0.0)
 
 
 def _perturb_lora(transformer, seed=0):

@@ -84,7 +84,7 @@ class Algorithm:
     def needs_reference(self) -> bool:
         """The loss calls policy.reference_velocity, so the policy keeps the starting weights."""
         cfg = self.cfg
-        return self.always_uses_reference or cfg.kl_beta > 0 or getattr(cfg, "outside_kl_beta", 0) > 0
+        return self.always_uses_reference or cfg.kl_beta > 0 or cfg.outside_kl_beta > 0
 
     # --- how an epoch's rollouts become micro-batches --------------------------------
     def training_units(self, group_ids: Tensor, advantages: Tensor) -> Tensor:
@@ -99,7 +99,7 @@ class Algorithm:
         outside = [s for s in range(len(rollouts.sigmas) - 1) if s not in rollouts.sde_steps]
         for step in rollouts.sde_steps:
             outside_steps = None
-            if getattr(self.cfg, "outside_kl_beta", 0) > 0:
+            if self.cfg.outside_kl_beta > 0:
                 if not outside:
                     raise ValueError("train.outside_kl_beta: every step of this rollout was trained, so no "
                                      "step is outside the SDE window; narrow scheduler.sde_steps")

@@ -87,9 +87,8 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
     name = dynamics or ("Flow-SDE" if coupled else "ODE")
     cfg = SimpleNamespace(clip_range=0.2, adv_clip_range=5.0, kl_type="v-based", kl_beta=0.0, outside_kl_beta=0.0,
                           nft_beta=1.0, nft_weighting="adaptive", awm_weighting="Uniform", ghuber_power=0.25,
-                          ema_kl_beta=0.0,
-                          beta=2000.0, num_train_timesteps=4, time_sampling_strategy="uniform", time_shift=1.0,
-                          timestep_range=[0.0, 1.0], num_inference_steps=num_steps)
+                          ema_kl_beta=0.0, beta=2000.0, num_train_timesteps=4, time_sampling_strategy="uniform",
+                          time_shift=1.0, timestep_range=[0.0, 1.0], num_inference_steps=num_steps)
     vars(cfg).update(train)
     dyn = make_dynamics(name, 0.7 if name != "ODE" else 0.0)
     algorithm = make_algorithm(trainer_type, cfg, dyn)
