@@ -24,6 +24,7 @@ from ..dynamics.ode import ODE
 from ..dynamics.window import choose_sde_steps
 from ..models import load_adapter
 from ..models.lora import apply_lora
+from ..models.preflight import check_before_loading
 from ..rewards import RewardSet
 from .checkpoint import load_checkpoint, save_checkpoint
 from .curves import plot_curves
@@ -61,6 +62,7 @@ class Trainer:
                                     train.group_size, self.seed)
         self.rewards = RewardSet.from_configs(cfg.rewards)
         self.eval_rewards = RewardSet.from_configs(cfg.eval_rewards) if cfg.eval_rewards else self.rewards
+        check_before_loading(cfg)
 
         dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
         self.adapter = load_adapter(model.model_type, model.model_name_or_path, self.accelerator.device, dtype)
