@@ -2,7 +2,9 @@
 
 Two PyYAML habits are corrected here because they silently change a run:
 ``1e-5`` (no dot) is a float, not the string "1e-5", and a key written twice in one
-mapping is an error instead of the last one quietly winning.
+mapping is an error instead of the last one quietly winning. For the same reason an
+override with nothing after ``=`` is an error, not null: it is what an unset shell
+variable gives.
 """
 
 from __future__ import annotations
@@ -73,7 +75,12 @@ def apply_override(data: dict, override: str) -> None:
     parts = key.split(".")
     if not sep or not key or not all(parts):
         raise ConfigError(f"override {override!r}: expected section.key=value, e.g. train.learning_rate=1e-5")
-    value = parse_yaml(raw, f"override {override!r}") if raw.strip() else None
+    if not raw.strip():
+        # `train.learning_rate=$LR` with LR unset arrives as `train.learning_rate=`; reading that as null
+        # would quietly fall back to the default, so null must be written out
+        raise ConfigError(f"override {override!r}: no value after '=' (an unset shell variable?); "
+                          f"give a value, or write {key}=null for null")
+    value = parse_yaml(raw, f"override {override!r}")
     node: Any = data
     for depth, part in enumerate(parts[:-1]):
         where = ".".join(parts[: depth + 1])
