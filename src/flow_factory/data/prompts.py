@@ -31,10 +31,24 @@ class PromptItem:
     negative_prompt: str | None = None
 
 
+def _read_utf8(path: Path) -> str:
+    """The file's text; not UTF-8 is an error naming the line, which Python's own error does not."""
+    data = path.read_bytes()
+    # files saved by Windows editors start with a BOM that is not part of the prompt
+    data = data.removeprefix(b"\xef\xbb\xbf")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # everything before the bad byte decoded; counted as splitlines counts, so the line number
+        # matches the other errors of this file ("?" stands in for the bad byte)
+        lines = (data[: e.start].decode("utf-8") + "?").splitlines()
+        raise ValueError(f"{path}:{len(lines)}: not UTF-8 text (byte 0x{data[e.start]:02x} at column "
+                         f"{len(lines[-1])}); save the file as UTF-8") from None
+
+
 def _content_lines(path: Path) -> list[tuple[int, str]]:
     """(line number, stripped text) up to the last non-blank line; blank ones before it are errors."""
-    # utf-8-sig: files saved by Windows editors start with a BOM that is not part of the prompt
-    lines = path.read_text(encoding="utf-8-sig").splitlines()
+    lines = _read_utf8(path).splitlines()
     while lines and not lines[-1].strip():
         lines.pop()
     out = []
