@@ -85,3 +85,18 @@ def check_resolution(value: Any) -> Any:
         if isinstance(size, int) and not isinstance(size, bool) and size <= 0:
             raise problem(f"sizes must be positive, got {show(value)}")
     return value
+
+
+def size_problem(key: str, value: int | list[int], factor: int, who: str, why: str) -> str | None:
+    """The error line when a resolution ``value`` is not a multiple of ``factor``, else None:
+    ``train.resolution: sd3-5 needs height and width in multiples of 16 (VAE x8, ...), got 72;
+    nearest valid: 64 or 80``. Shared by the config check and the pre-load check of a pipeline folder."""
+    sizes = value if isinstance(value, list) else [value]
+    if all(size % factor == 0 for size in sizes):
+        return None
+    below = [size // factor * factor for size in sizes]
+    above = [-(-size // factor) * factor for size in sizes]
+    options = [below, above] if all(below) else [above]  # 0 is no size: round up only
+    nearest = " or ".join(show(o if isinstance(value, list) else o[0]) for o in options)
+    return (f"{key}: {who} needs height and width in multiples of {factor} ({why}), got {show(value)}; "
+            f"nearest valid: {nearest}")

@@ -22,11 +22,11 @@ from typing import Literal
 import yaml
 from pydantic import PositiveInt, ValidationError, field_validator, model_validator
 
-from .base import Section, problem, setting
+from .base import Section, problem, setting, size_problem
 from .errors import ConfigError
 from .explain import explain
 from .rewards import RewardConfig, as_entry_list, duplicate_names
-from .sections import (VIDEO_MODEL_TYPES, DataConfig, EvalConfig, LogConfig, ModelConfig,
+from .sections import (MODEL_FAMILIES, VIDEO_MODEL_TYPES, DataConfig, EvalConfig, LogConfig, ModelConfig,
                        SchedulerConfig)
 from .train import COUPLED_TRAINER_TYPES, TrainConfig, resolve_num_train_timesteps
 
@@ -107,7 +107,7 @@ class Config(Section):
     @model_validator(mode="after")
     def _resolve_and_check(self):
         # checks first: they must see what the user wrote, not the filled-in defaults
-        problems = self._contradictions() + self._window_problems()
+        problems = self._contradictions() + self._size_problems() + self._window_problems()
         if not problems:
             problems = self._geometry_problems()
         if problems:
@@ -161,17 +161,28 @@ class Config(Section):
                        f"needs at least 2, got {train.group_size}")
         frames = (("train.num_frames", train.num_frames), ("eval.num_frames", self.eval.num_frames))
         if model.model_type in VIDEO_MODEL_TYPES:
+            k = MODEL_FAMILIES[model.model_type].frame_factor
             if train.num_frames is None:
                 out.append(f"train.num_frames: required for the video model {model.model_type} (e.g. 33 or 81)")
             for path, n in frames:
-                if n is not None and (n - 1) % 4:
-                    out.append(f"{path}: {model.model_type} needs 4k + 1 frames (the VAE packs 4 frames "
-                               f"into one latent), got {n}; nearest: {4 * ((n - 1) // 4) + 1}")
+                if n is not None and (n - 1) % k:
+                    out.append(f"{path}: {model.model_type} needs {k}k + 1 frames (the VAE packs {k} frames "
+                               f"into one latent), got {n}; nearest: {k * ((n - 1) // k) + 1}")
         else:
             for path, n in frames:
                 if n is not None:
                     out.append(f"{path}: {model.model_type} is an image model; remove num_frames")
         return out
+
+    def _size_problems(self) -> list[str]:
+        """Sizes the model family cannot take; the pipeline folder's exact factor is checked again
+        before loading (models/preflight.py), where its config files can be read."""
+        name = self.model.model_type
+        family = MODEL_FAMILIES[name]
+        sizes = (("train.resolution", self.train.resolution), ("eval.resolution", self.eval.resolution))
+        found = (size_problem(key, value, family.pixel_factor, name, family.why)
+                 for key, value in sizes if value is not None)
+        return [line for line in found if line]
 
     def _decoupled_contradictions(self) -> list[str]:
         train, out = self.train, []

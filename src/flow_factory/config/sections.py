@@ -6,14 +6,34 @@ accepted for compatibility and documented as such.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import NonNegativeInt, PositiveInt, field_validator
 
 from .base import Section, as_list, canonical_choice, check_resolution, resolution_pair, setting
 
-MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v")
-VIDEO_MODEL_TYPES = ("wan2_t2v",)
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What the config checks about a model family before anything loads.
+
+    The adapters in models/ take these numbers as class attributes (``SD3Adapter.pixel_factor``),
+    so config and adapter cannot disagree; they live here because config/ imports no torch.
+    """
+
+    pixel_factor: int  # height and width must be multiples of this in the released checkpoints
+    why: str  # how that factor arises, for the error message
+    frame_factor: int | None = None  # video only: num_frames must be 1 + a multiple of this
+
+
+MODEL_FAMILIES = {
+    "sd3-5": ModelFamily(16, "VAE x8, then 2x2 transformer patches"),
+    "flux1": ModelFamily(16, "VAE x8, then 2x2 token packing"),
+    "wan2_t2v": ModelFamily(16, "VAE x8, then 2x2 transformer patches", frame_factor=4),
+}
+MODEL_TYPES = tuple(MODEL_FAMILIES)
+VIDEO_MODEL_TYPES = tuple(name for name, family in MODEL_FAMILIES.items() if family.frame_factor)
 MODEL_TYPE_ALIASES = {
     "sd3-5": "sd3-5", "sd3_5": "sd3-5", "sd3": "sd3-5", "sd35": "sd3-5",
     "flux1": "flux1", "flux": "flux1", "flux-1": "flux1",
