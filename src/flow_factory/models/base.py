@@ -13,6 +13,7 @@ Conditioning is a dict of batch-first tensors, so it can be sliced per sample
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import ClassVar
 
@@ -39,6 +40,9 @@ class FlowAdapter:
     default_lora_targets: ClassVar[list[str]]
     # True: video model, decode returns (B, F, 3, H, W)
     is_video: ClassVar[bool] = False
+    # height and width must be multiples of this in the released checkpoints; the config checks it
+    # before anything loads, so the number lives in config.sections.MODEL_FAMILIES (no torch there)
+    pixel_factor: ClassVar[int]
 
     def __init__(self, pipeline, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.pipeline = pipeline
@@ -86,6 +90,19 @@ class FlowAdapter:
             self.transformer, self._wrapped = saved
 
     # --- what each model defines -------------------------------------------------
+    @staticmethod
+    def pixel_factor_of(vae: Mapping, transformer: Mapping) -> int | None:
+        """The factor height and width must be multiples of, for one checkpoint: from its VAE's and
+        transformer's configs (their config.json read as dicts, or the loaded modules' ``.config``),
+        so the pre-load check and ``latent_shape`` compute it the same way. None when a key is missing."""
+        raise NotImplementedError  # abstract
+
+    @staticmethod
+    def unsupported(model_index: Mapping) -> str | None:
+        """Why this adapter cannot serve a pipeline of its class whose ``model_index.json`` (or loaded
+        ``pipeline.config``) is ``model_index``; None when it can."""
+        return None
+
     def encode(self, prompts: list[str], negative_prompts: list[str] | None, guidance_scale: float) -> Conditioning:
         """Text conditioning for ``prompts``; includes the negative branch when CFG is used."""
         raise NotImplementedError  # abstract

@@ -9,18 +9,22 @@ static helpers, so the packing can never drift from diffusers'.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import Tensor
 
+from ..config.sections import MODEL_FAMILIES
 from .base import Conditioning, FlowAdapter
 
 
 class FluxAdapter(FlowAdapter):
     model_type = "flux1"
     pipeline_class = FluxPipeline
+    pixel_factor = MODEL_FAMILIES[model_type].pixel_factor
     # attention projections of the double-stream blocks; the single-stream blocks'
     # to_q/k/v match the same names
     default_lora_targets = [
@@ -29,9 +33,17 @@ class FluxAdapter(FlowAdapter):
     ]
     max_sequence_length = 512  # T5 tokens, the pipeline's default
 
+    @staticmethod
+    def pixel_factor_of(vae: Mapping, transformer: Mapping) -> int | None:
+        # as FluxPipeline: the VAE halves the size at each block after the first, then the pipeline packs
+        # 2x2 latents into one token (the transformer's own patch_size is 1)
+        if "block_out_channels" not in vae:
+            return None
+        return 2 ** (len(vae["block_out_channels"]) - 1) * 2
+
     @property
     def _pixels_per_token(self) -> int:
-        return self.pipeline.vae_scale_factor * 2  # VAE x8, then 2x2 packing
+        return self.pixel_factor_of(self.pipeline.vae.config, self.transformer.config)
 
     @torch.no_grad()
     def encode(self, prompts: list[str], negative_prompts: list[str] | None = None,

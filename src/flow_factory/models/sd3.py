@@ -7,17 +7,21 @@ ODE rollout through this adapter reproduces ``pipeline(...)`` step for step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from diffusers import StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 from torch import Tensor
 
+from ..config.sections import MODEL_FAMILIES
 from .base import Conditioning, FlowAdapter
 
 
 class SD3Adapter(FlowAdapter):
     model_type = "sd3-5"
     pipeline_class = StableDiffusion3Pipeline
+    pixel_factor = MODEL_FAMILIES[model_type].pixel_factor
     # flow_grpo's SD3 targets: the joint attention's image and text projections
     default_lora_targets = [
         "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
@@ -36,10 +40,17 @@ class SD3Adapter(FlowAdapter):
         limit = getattr(getattr(self.pipeline, "tokenizer_3", None), "model_max_length", None)
         return min(self.max_sequence_length, int(limit)) if limit else self.max_sequence_length
 
+    @staticmethod
+    def pixel_factor_of(vae: Mapping, transformer: Mapping) -> int | None:
+        # as StableDiffusion3Pipeline: the VAE halves the size at each block after the first, then the
+        # transformer cuts the latents into patch_size x patch_size patches, so pixels divide by both
+        if "block_out_channels" not in vae or "patch_size" not in transformer:
+            return None
+        return 2 ** (len(vae["block_out_channels"]) - 1) * transformer["patch_size"]
+
     @property
     def _spatial_factor(self) -> int:
-        # latents are patchified by the transformer, so pixels must divide by both
-        return self.pipeline.vae_scale_factor * self.transformer.config.patch_size
+        return self.pixel_factor_of(self.pipeline.vae.config, self.transformer.config)
 
     @torch.no_grad()
     def encode(self, prompts: list[str], negative_prompts: list[str] | None = None,

@@ -8,10 +8,13 @@ uses the negative prompt, "" when none is given. ``decode`` returns videos
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from torch import Tensor
 
+from ..config.sections import MODEL_FAMILIES
 from .base import Conditioning, FlowAdapter
 
 
@@ -19,6 +22,7 @@ class WanT2VAdapter(FlowAdapter):
     model_type = "wan2_t2v"
     pipeline_class = WanPipeline
     is_video = True
+    pixel_factor = MODEL_FAMILIES[model_type].pixel_factor
     # self-attention (attn1) and text cross-attention (attn2) projections of every block
     default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
     # UMT5 tokens: WanPipeline.__call__ pads to 512 (encode_prompt alone to 226); the zero padding
@@ -26,10 +30,29 @@ class WanT2VAdapter(FlowAdapter):
     max_sequence_length = 512
 
     def __init__(self, pipeline, device="cpu", dtype: torch.dtype = torch.float32):
-        if getattr(pipeline, "transformer_2", None) is not None or pipeline.config.get("expand_timesteps", False):
-            raise ValueError("wan2_t2v supports Wan2.1 (one transformer, one timestep per sample); "
-                             "this checkpoint is a Wan2.2 two-expert or TI2V model")
+        problem = self.unsupported(pipeline.config)
+        if problem:
+            raise ValueError(problem)
         super().__init__(pipeline, device, dtype)
+
+    @staticmethod
+    def unsupported(model_index: Mapping) -> str | None:
+        # WanPipeline also loads Wan2.2: a second expert is a (library, class) pair that is not
+        # [null, null], and TI2V models set expand_timesteps (one timestep per latent frame)
+        second = model_index.get("transformer_2") or (None, None)
+        if any(second) or model_index.get("expand_timesteps", False):
+            return ("wan2_t2v supports Wan2.1 (one transformer, one timestep per sample); "
+                    "this checkpoint is a Wan2.2 two-expert or TI2V model")
+        return None
+
+    @staticmethod
+    def pixel_factor_of(vae: Mapping, transformer: Mapping) -> int | None:
+        # as WanPipeline: the VAE's spatial factor (configs saved before diffusers recorded it lack the
+        # key and load with AutoencoderKLWan's default, 8), then the transformer's (frames, height,
+        # width) patches
+        if "patch_size" not in transformer:
+            return None
+        return (vae.get("scale_factor_spatial") or 8) * transformer["patch_size"][1]
 
     @torch.no_grad()
     def encode(self, prompts: list[str], negative_prompts: list[str] | None = None,
@@ -50,7 +73,7 @@ class WanT2VAdapter(FlowAdapter):
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
         temporal = self.pipeline.vae_scale_factor_temporal
         spatial = self.pipeline.vae_scale_factor_spatial
-        f = spatial * self.transformer.config.patch_size[1]
+        f = self.pixel_factor_of(self.pipeline.vae.config, self.transformer.config)
         if num_frames is None or (num_frames - 1) % temporal:
             raise ValueError(f"wan2_t2v is a video model: num_frames must be 1 + a multiple of {temporal} "
                              f"(e.g. 5, 33, 81), got {num_frames}")
