@@ -3,10 +3,103 @@
 ``check_before_loading(cfg)`` is called by the Trainer before the pipeline loads, so a
 wrong folder, a wrong ``model_type`` for it or a resolution the model cannot take is a
 one-line error naming the key or file, not a traceback minutes into a load.
+
+Only JSON is read: the folder's ``model_index.json`` (its ``_class_name`` is the pipeline
+class) and ``vae/`` and ``transformer/config.json`` (the exact size factor; the config
+has already checked the model family's). A hub id is not checked: its files are not
+here, and nothing here may reach the network.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
+from ..config import ConfigError
+from ..config.base import size_problem
+from .base import FlowAdapter
+from .registry import ADAPTERS, get_adapter_class, model_type_for_pipeline
+
+# a hub repo id: org/name, each of letters, digits, '-', '_' and '.'
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
 
 def check_before_loading(cfg) -> None:
-    """Raise ``ValueError`` naming the key or file when the model source cannot serve ``cfg``."""
+    """Raise ``ConfigError`` (a ValueError) naming the key or file if the model source cannot serve ``cfg``."""
+    folder = pipeline_folder(cfg.model.model_name_or_path)
+    if folder is None:
+        return
+    adapter = get_adapter_class(cfg.model.model_type)
+    check_pipeline_class(folder, adapter)
+    check_sizes(folder, adapter, cfg)
+
+
+def pipeline_folder(name_or_path: str) -> Path | None:
+    """The local folder ``model.model_name_or_path`` names, or None for a hub id."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ConfigError(f"model.model_name_or_path: {name_or_path} is a file; expected a diffusers pipeline "
+                          "folder (one holding model_index.json) or a hub id such as org/name")
+    if HUB_ID.fullmatch(name_or_path) and ".." not in name_or_path:
+        return None
+    raise ConfigError(f"model.model_name_or_path: {name_or_path!r} does not exist, and it is not a hub id "
+                      "of the form org/name")
+
+
+def read_json(path: Path) -> dict | None:
+    """The mapping in ``path``; None when there is no such file."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f" ({e.msg} at line {e.lineno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise ConfigError(f"{path}: not valid JSON{where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def check_pipeline_class(folder: Path, adapter: type[FlowAdapter]) -> None:
+    """The folder holds the pipeline class ``adapter`` loads, in a variant it supports."""
+    index_file = folder / "model_index.json"
+    index = read_json(index_file)
+    if index is None:
+        # a common slip: pointing at one component (transformer/) instead of the pipeline
+        parent = folder.resolve().parent
+        hint = f"; did you mean {parent}?" if (parent / "model_index.json").is_file() else ""
+        raise ConfigError(f"{index_file}: not found, so model.model_name_or_path is not a diffusers pipeline "
+                          f"folder{hint}")
+    found, wanted = index.get("_class_name"), adapter.pipeline_class.__name__
+    if found != wanted:
+        fits = model_type_for_pipeline(found) if isinstance(found, str) else None
+        if fits:
+            advice = f"use model.model_type: {fits}"
+        else:
+            known = ", ".join(f"{cls.pipeline_class.__name__} ({name})" for name, cls in ADAPTERS.items())
+            advice = f"no adapter loads it; the adapters load {known}"
+        raise ConfigError(f"{index_file}: holds a {found or 'pipeline with no _class_name'}, but model.model_type "
+                          f"{adapter.model_type!r} loads a {wanted}; {advice}")
+    problem = adapter.unsupported(index)
+    if problem:
+        raise ConfigError(f"{index_file}: {problem}")
+
+
+def check_sizes(folder: Path, adapter: type[FlowAdapter], cfg) -> None:
+    """train / eval resolution against this checkpoint's own factor, when its config files give it."""
+    vae = read_json(folder / "vae" / "config.json") or {}
+    transformer = read_json(folder / "transformer" / "config.json") or {}
+    factor = adapter.pixel_factor_of(vae, transformer)
+    if factor is None:
+        return  # the config's check against the family's factor is all there is
+    sizes = [("train.resolution", cfg.train.resolution)]
+    if cfg.eval.resolution != cfg.train.resolution:  # an unset eval.resolution is train's: report it once
+        sizes.append(("eval.resolution", cfg.eval.resolution))
+    problems = [size_problem(key, value, factor, f"the pipeline in {folder}",
+                             "read from its vae/ and transformer/ config.json") for key, value in sizes]
+    problems = [p for p in problems if p]
+    if problems:
+        raise ConfigError(problems)

@@ -22,3 +22,9 @@ def load_adapter(model_type: str, path, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32) -> FlowAdapter:
     """Load the diffusers pipeline at ``path`` (a local folder or hub id) behind its adapter."""
     return get_adapter_class(model_type).from_pretrained(str(path), device=device, dtype=dtype)
+
+
+def model_type_for_pipeline(class_name: str) -> str | None:
+    """The ``model_type`` whose adapter loads a pipeline of ``class_name`` (model_index.json's
+    ``_class_name``), or None when no adapter does."""
+    return next((name for name, cls in ADAPTERS.items() if cls.pipeline_class.__name__ == class_name), None)
