@@ -1,17 +1,33 @@
 """The FastAPI app around a ``RewardServer``.
 
 POST /score takes a ``ScoreRequest`` and answers ``{"rewards": [...]}``; GET /health says
-what is served and how many requests and batches it has computed.
+what is served, how many requests and batches it has computed, what is waiting, and the
+limits.
+
+Order of work on a request, cheapest check first: the declared body size
+(Content-Length), the bearer token (before any of the body is read, so an unauthenticated
+client cannot make the server read or parse anything), the body's size as it arrives, the
+JSON, each image's header (format, width, height), the request's pixels, then a wait for
+room in the pixels in flight, and only then decoding.
+
+Memory is bounded: a body holds at most ``max_request_bytes``; one request's images at
+most ``max_request_pixels`` (as their headers declare, checked before decoding); and the
+images of all requests decoded and not yet answered at most ``max_pixels_in_flight``: a
+request that would pass it waits until others are answered. PIL keeps 4 bytes a pixel for
+RGB (8 for a moment while another mode is converted).
 
 Concurrent requests are merged: a single worker takes every request waiting in the queue
 (up to ``max_batch_size`` samples, same kwargs, not marked as groups) and computes them in
 one ``compute_reward`` call in a thread, so the event loop keeps accepting requests and a
 model sees larger batches under load. One call runs at a time: models need not be
-thread-safe.
+thread-safe. When a merged call raises, each of its requests is computed again alone, so
+only a request that fails by itself gets an error.
 
-Errors: 401 wrong or missing bearer token, 413 body over the size limit, 422 a payload
-that fails validation (the reason in ``detail``), 500 ``compute_reward`` raised (its
-message in ``detail``). None of them stops the server.
+Errors (``detail`` says what is wrong and what is valid): 401 wrong or missing bearer
+token; 413 body over the byte limit, an image over ``MAX_PIXELS``, or a request's images
+over the pixel limit; 422 a body that is not UTF-8 JSON of the request's shape, or an
+image that is not valid base64 PNG/JPEG/WebP; 500 ``compute_reward`` raised on this
+request alone or returned non-finite rewards. None of them stops the server.
 """
 
 from __future__ import annotations
@@ -23,10 +39,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from .base import RewardServer
-from .wire import ScoreRequest, ScoreResponse, decode_request
+from .wire import MAX_PIXELS, OpenedRequest, ScoreRequest, ScoreResponse, TooManyPixels, open_request
 
 
 class BodyLimit:
@@ -70,9 +86,39 @@ class _TooLarge(Exception):
     pass
 
 
+class PixelBudget:
+    """Pixels decoded and not yet answered, across concurrent requests. ``reserve(n)`` waits
+    until ``n`` more fit under ``limit``. Waiters go in arrival order (asyncio.Lock is FIFO),
+    so a large request is not starved by a stream of small ones."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_use = limit, 0
+        self._turn = asyncio.Lock()
+        self._freed = asyncio.Condition()
+
+    @asynccontextmanager
+    async def reserve(self, pixels: int):
+        if pixels > self.limit:  # would wait forever; create_app keeps the request limit below
+            raise ValueError(f"{pixels} pixels can never fit in a budget of {self.limit}")
+        async with self._turn:
+            async with self._freed:
+                await self._freed.wait_for(lambda: self.in_use + pixels <= self.limit)
+                self.in_use += pixels
+        try:
+            yield
+        finally:
+            async with self._freed:
+                self.in_use -= pixels
+                self._freed.notify_all()
+
+
+class ComputeFailed(Exception):
+    """``compute_reward`` raised on a request computed alone; the message names the error."""
+
+
 @dataclass
 class _Job:
-    args: dict
+    args: dict | None  # the decoded media; dropped once answered, so the pixel budget holds true
     kwargs: dict
     group: bool
     future: asyncio.Future
@@ -81,26 +127,39 @@ class _Job:
     def __post_init__(self):
         self.size = len(self.args["prompts"])
 
+    def answer(self, rewards: list[float] | None = None, error: str | None = None) -> None:
+        self.args = None
+        if self.future.done():  # the client went away
+            return
+        if error is None:
+            self.future.set_result(rewards)
+        else:
+            self.future.set_exception(ComputeFailed(error))
+
 
 class Batcher:
     def __init__(self, server: RewardServer):
         self.server = server
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
-        self.requests = 0
-        self.batches = 0
+        self.requests = 0  # answered with rewards
+        self.batches = 0  # compute_reward calls that returned
 
-    async def submit(self, args: dict, kwargs: dict, group: bool) -> list[float]:
+    def submit(self, args: dict, kwargs: dict, group: bool) -> asyncio.Future:
+        """Queue a request; the future gets its rewards, or ComputeFailed."""
         job = _Job(args, kwargs, group, asyncio.get_running_loop().create_future())
-        await self.queue.put(job)
-        return await job.future
+        self.queue.put_nowait(job)
+        return job.future
 
     async def run(self) -> None:
         while True:
-            jobs = [await self.queue.get()]
-            while not self.queue.empty():
-                jobs.append(self.queue.get_nowait())
-            for batch in self._merge(jobs):
-                await self._compute(batch)
+            await self._compute_waiting()
+
+    async def _compute_waiting(self) -> None:
+        jobs = [await self.queue.get()]
+        while not self.queue.empty():
+            jobs.append(self.queue.get_nowait())
+        for batch in self._merge(jobs):
+            await self._compute(batch)
 
     def _merge(self, jobs: list[_Job]) -> list[list[_Job]]:
         """Consecutive compatible jobs in batches of at most max_batch_size samples."""
@@ -118,22 +177,31 @@ class Batcher:
         return batches
 
     async def _compute(self, batch: list[_Job]) -> None:
+        rewards, error = await self._try_call(batch)
+        if error is None:
+            self.batches += 1
+            self.requests += len(batch)
+            start = 0
+            for job in batch:
+                job.answer(rewards[start:start + job.size])
+                start += job.size
+        elif len(batch) == 1:
+            batch[0].answer(error=error)
+        else:
+            # One request may be what failed: compute each alone, so the others still get rewards
+            # (a training client does not retry a 500, and the batch may hold other runs' requests).
+            for job in batch:
+                await self._compute([job])
+
+    async def _try_call(self, batch: list[_Job]) -> tuple[list[float] | None, str | None]:
+        """(rewards, None) for the batch's requests merged into one call, or (None, the error)."""
         merged = {k: None if batch[0].args[k] is None else [x for j in batch for x in j.args[k]]
                   for k in batch[0].args}
         try:
-            rewards = await asyncio.to_thread(self._call, merged, batch[0].kwargs)
-        except Exception as e:  # noqa: BLE001 - reported to each waiting client
-            for job in batch:
-                if not job.future.done():
-                    job.future.set_exception(e)
-            return
-        self.batches += 1
-        self.requests += len(batch)
-        start = 0
-        for job in batch:
-            if not job.future.done():
-                job.future.set_result(rewards[start:start + job.size])
-            start += job.size
+            return await asyncio.to_thread(self._call, merged, batch[0].kwargs), None
+        except Exception as e:  # noqa: BLE001 - reported to the client(s)
+            # a message, not the exception: its traceback would keep the batch's images alive
+            return None, f"{type(e).__name__}: {e}"
 
     def _call(self, args: dict, kwargs: dict) -> list[float]:
         conds = args.pop("condition_images")
@@ -147,8 +215,29 @@ class Batcher:
         return rewards
 
 
-def create_app(server: RewardServer, token: str | None = None, max_request_bytes: int = 64 * 2**20):
+def parse_request(body: bytes) -> ScoreRequest:
+    """``body`` as a ScoreRequest, or 422 naming what is wrong with it."""
+    try:
+        return ScoreRequest.model_validate_json(body)
+    except ValidationError as e:
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as u:
+            raise HTTPException(422, f"body is not UTF-8 (byte {body[u.start]:#04x} at offset {u.start}); "
+                                     "send a JSON object encoded as UTF-8") from None
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}"
+                             for err in e.errors(include_url=False, include_input=False))
+        raise HTTPException(422, f"{problems} (expected a JSON object with keys {sorted(ScoreRequest.model_fields)}, "
+                                 f"see flow_factory.reward_server.wire.ScoreRequest)") from None
+
+
+def create_app(server: RewardServer, token: str | None = None, max_request_bytes: int = 64 * 2**20,
+               max_request_pixels: int = 128 * 10**6, max_pixels_in_flight: int = 256 * 10**6):
+    if not 0 < max_request_pixels <= max_pixels_in_flight:
+        raise ValueError(f"need 0 < max_request_pixels <= max_pixels_in_flight (a request must fit alone), got "
+                         f"{max_request_pixels} and {max_pixels_in_flight}")
     batcher = Batcher(server)
+    budget = PixelBudget(max_pixels_in_flight)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -168,21 +257,50 @@ def create_app(server: RewardServer, token: str | None = None, max_request_bytes
     @app.get("/health")
     async def health():
         return {"status": "ok", "reward": server.name or type(server).__name__,
-                "requests": batcher.requests, "batches": batcher.batches}
+                "requests": batcher.requests, "batches": batcher.batches, "waiting": batcher.queue.qsize(),
+                "pixels_in_flight": budget.in_use,
+                "limits": {"request_bytes": max_request_bytes, "image_pixels": MAX_PIXELS,
+                           "request_pixels": max_request_pixels, "pixels_in_flight": max_pixels_in_flight}}
 
-    @app.post("/score", response_model=ScoreResponse, dependencies=[Depends(authorise)])
-    async def score(req: ScoreRequest):
+    def check_pixels(opened: OpenedRequest) -> None:
+        if opened.pixels > max_request_pixels:
+            raise HTTPException(413, f"the request's images hold {opened.pixels} pixels, over the limit of "
+                                     f"{max_request_pixels} pixels per request (ff-reward-server "
+                                     f"--max-request-mpx); send fewer or smaller images per request "
+                                     f"(e.g. a smaller batch_size)")
+
+    async def decode_and_score(opened: OpenedRequest, req: ScoreRequest) -> list[float]:
         try:
-            args = await asyncio.to_thread(decode_request, req)
+            args = await asyncio.to_thread(opened.decode)
         except ValueError as e:
             raise HTTPException(422, str(e)) from None
+        answer = batcher.submit(args, dict(req.kwargs), req.group)
+        del args  # only the queued job holds the images now; it drops them once answered
         try:
-            rewards = await batcher.submit(args, dict(req.kwargs), req.group)
-        except Exception as e:  # noqa: BLE001
-            return JSONResponse({"detail": f"compute_reward failed: {type(e).__name__}: {e}"}, status_code=500)
+            return await answer
+        except ComputeFailed as e:
+            raise HTTPException(500, f"compute_reward failed: {e}") from None
+
+    # The body is read inside the handler, not declared as a parameter: FastAPI would read
+    # and parse a declared body before running the authorise dependency.
+    @app.post("/score", response_model=ScoreResponse, dependencies=[Depends(authorise)],
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": ScoreRequest.model_json_schema()}}}})
+    async def score(request: Request):
+        req = parse_request(await request.body())
+        try:
+            opened = await asyncio.to_thread(open_request, req)
+        except TooManyPixels as e:
+            raise HTTPException(413, str(e)) from None
+        except ValueError as e:
+            raise HTTPException(422, str(e)) from None
+        check_pixels(opened)
+        async with budget.reserve(opened.pixels):
+            rewards = await decode_and_score(opened, req)
         if not all(math.isfinite(r) for r in rewards):
-            return JSONResponse({"detail": f"compute_reward returned non-finite rewards {rewards}"}, status_code=500)
+            raise HTTPException(500, f"compute_reward returned non-finite rewards {rewards}")
         return {"rewards": rewards}
 
     app.state.batcher = batcher
+    app.state.pixel_budget = budget
     return BodyLimit(app, max_request_bytes)

@@ -1,8 +1,9 @@
 """The JSON that client and server exchange, and its checks.
 
 Media travel as base64 PNG (lossless for the uint8 images rewards see) or JPEG/WebP;
-nothing a client sends is executed or unpickled: it is JSON, base64 and image decoding
-with a pixel limit.
+nothing a client sends is executed or unpickled: it is JSON, base64 and image decoding.
+Each image's header (format, width, height) is read first, so a request's pixel count is
+checked against the server's limits before any pixel is decoded (``open_request``).
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+from dataclasses import dataclass
 from typing import Any, Union
 
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ALLOWED_FORMATS = {"PNG", "JPEG", "WEBP"}
-MAX_PIXELS = 4096 * 4096  # per image; beyond this decoding is refused (decompression bombs)
+MAX_PIXELS = 4096 * 4096  # per image, read from its header: a larger one is refused before decoding
 JsonScalar = Union[str, int, float, bool, None]
 
 
@@ -52,32 +54,94 @@ def encode_image(image: Image.Image, fmt: str = "PNG") -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def decode_image(data: str, where: str) -> Image.Image:
-    """An RGB image, or ValueError naming ``where`` (e.g. ``images[3]``) and what is wrong."""
+class TooManyPixels(ValueError):
+    """Images that would decode to more pixels than a limit allows (the server answers 413)."""
+
+
+@dataclass
+class EncodedImage:
+    """One image as sent: its compressed bytes and the size its header declares. Nothing is
+    decoded yet, so a request's pixel count is known before any memory goes to pixels."""
+
+    where: str  # e.g. ``images[3]``, for error messages
+    raw: bytes
+    width: int
+    height: int
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
+
+    def decode(self) -> Image.Image:
+        """The RGB image, or ValueError naming ``where``."""
+        try:
+            image = Image.open(io.BytesIO(self.raw))
+            image.load()  # decodes fully: truncated data fails here
+            # kept as decoded when already RGB: converting would hold a second copy meanwhile
+            return image if image.mode == "RGB" else image.convert("RGB")
+        except Exception as e:  # noqa: BLE001 - PIL raises many types for corrupt data
+            raise ValueError(f"{self.where}: not a readable image ({type(e).__name__}: {e})") from None
+
+
+def read_header(data: str, where: str) -> EncodedImage:
+    """``data`` (base64) checked as far as its header: format and size. ValueError naming
+    ``where`` and what is wrong; TooManyPixels for an image over ``MAX_PIXELS``."""
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"{where}: not valid base64 ({e})") from None
     try:
-        with Image.open(io.BytesIO(raw)) as image:
-            if image.format not in ALLOWED_FORMATS:
-                raise ValueError(f"{where}: image format {image.format} not accepted; send "
-                                 f"{sorted(ALLOWED_FORMATS)}")
-            if image.width * image.height > MAX_PIXELS:
-                raise ValueError(f"{where}: {image.width}x{image.height} is over the {MAX_PIXELS}-pixel limit")
-            return image.convert("RGB")  # decodes fully: truncated data fails here
-    except ValueError:
-        raise
+        with Image.open(io.BytesIO(raw)) as image:  # reads the header only
+            fmt, (width, height) = image.format, image.size
+    except Image.DecompressionBombError as e:
+        raise TooManyPixels(f"{where}: {e}") from None
     except Exception as e:  # noqa: BLE001 - PIL raises many types for corrupt data
         raise ValueError(f"{where}: not a readable image ({type(e).__name__}: {e})") from None
+    if fmt not in ALLOWED_FORMATS:
+        raise ValueError(f"{where}: image format {fmt} not accepted; send {sorted(ALLOWED_FORMATS)}")
+    if width * height > MAX_PIXELS:
+        raise TooManyPixels(f"{where}: {width}x{height} is over the {MAX_PIXELS}-pixel limit per image "
+                            f"(4096x4096); send smaller images")
+    return EncodedImage(where, raw, width, height)
 
 
-def decode_request(req: ScoreRequest) -> dict[str, Any]:
-    """The arguments of ``compute_reward`` (except the request's own kwargs)."""
-    images = None if req.images is None else [decode_image(d, f"images[{i}]") for i, d in enumerate(req.images)]
-    videos = None if req.videos is None else [
-        [decode_image(d, f"videos[{i}][{j}]") for j, d in enumerate(frames)] for i, frames in enumerate(req.videos)]
-    conds = None if req.condition_images is None else [
-        [decode_image(d, f"condition_images[{i}][{j}]") for j, d in enumerate(c)]
-        for i, c in enumerate(req.condition_images)]
-    return {"prompts": list(req.prompts), "images": images, "videos": videos, "condition_images": conds}
+@dataclass
+class OpenedRequest:
+    """A request whose images' headers were read: ``pixels`` is known, nothing is decoded."""
+
+    prompts: list[str]
+    images: list[EncodedImage] | None
+    videos: list[list[EncodedImage]] | None
+    condition_images: list[list[EncodedImage]] | None
+
+    @property
+    def pixels(self) -> int:
+        """What the images take once decoded, in pixels (PIL stores 4 bytes a pixel for RGB)."""
+        return sum(image.pixels for image in self._all_images())
+
+    def _all_images(self):
+        yield from self.images or []
+        for frames in (self.videos or []) + (self.condition_images or []):
+            yield from frames
+
+    def decode(self) -> dict[str, Any]:
+        """The arguments of ``compute_reward`` (except the request's own kwargs)."""
+        def each(items):
+            return None if items is None else [image.decode() for image in items]
+
+        return {"prompts": list(self.prompts), "images": each(self.images),
+                "videos": None if self.videos is None else [each(frames) for frames in self.videos],
+                "condition_images": None if self.condition_images is None else [
+                    each(c) for c in self.condition_images]}
+
+
+def open_request(req: ScoreRequest) -> OpenedRequest:
+    """Every image of ``req`` read as far as its header (see ``read_header``)."""
+    def nested(lists, name):
+        return None if lists is None else [[read_header(d, f"{name}[{i}][{j}]") for j, d in enumerate(items)]
+                                           for i, items in enumerate(lists)]
+
+    images = None if req.images is None else [read_header(d, f"images[{i}]") for i, d in enumerate(req.images)]
+    return OpenedRequest(list(req.prompts), images, nested(req.videos, "videos"),
+                         nested(req.condition_images, "condition_images"))
+
