@@ -3,6 +3,10 @@
 NAME is a ``RewardServer`` subclass (``pkg.module.Class``: only that module is
 imported, so it runs without torch when it does not need it), a built-in reward name
 (``PickScore``, ``CLIP``, ...) or a reward model class path.
+
+The bearer token comes from ``--token-file PATH``, ``$FF_REWARD_SERVER_TOKEN`` or
+``--token`` (which ``ps`` shows to every user of the machine); the limits on bodies and
+decoded pixels are described in ``app.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import importlib
 import json
 import os
 import sys
+from pathlib import Path
 
 from .base import RewardServer
 
@@ -43,25 +48,58 @@ def build_server(reward: str, options: dict) -> RewardServer:
     return RewardModelServer(reward, **options)
 
 
+def read_token(given: str | None, path: Path | None, error) -> str | None:
+    """The token from --token, else --token-file, else $FF_REWARD_SERVER_TOKEN; None when none is set."""
+    if given is not None and path is not None:
+        error("give --token or --token-file, not both")
+    if path is not None:
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            error(f"--token-file {path}: cannot read it ({e})")
+        if not token or any(c.isspace() for c in token):
+            error(f"--token-file {path}: expected one token without spaces, got "
+                  f"{'an empty file' if not token else 'text with spaces or several lines'}")
+        return token
+    return given or os.environ.get("FF_REWARD_SERVER_TOKEN") or None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="ff-reward-server", description=__doc__.split("\n\n")[0])
     p.add_argument("--reward", required=True, help="built-in reward name or pkg.module.Class")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--token", default=os.environ.get("FF_REWARD_SERVER_TOKEN"),
-                   help="require 'Authorization: Bearer TOKEN' (default: $FF_REWARD_SERVER_TOKEN, else none)")
-    p.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body accepted")
+    p.add_argument("--token", help="require 'Authorization: Bearer TOKEN'. Every user of the machine sees it "
+                   "in `ps`: prefer --token-file or $FF_REWARD_SERVER_TOKEN")
+    p.add_argument("--token-file", type=Path, metavar="PATH",
+                   help="read the token from this file (surrounding whitespace stripped)")
+    p.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body accepted (default 64)")
+    p.add_argument("--max-request-mpx", type=float, default=128.0,
+                   help="megapixels (10^6) the images of one request may hold once decoded, as their headers "
+                        "declare; more is refused with 413 before decoding (default 128: 4 bytes a pixel, 512 MB)")
+    p.add_argument("--max-inflight-mpx", type=float, default=256.0,
+                   help="megapixels decoded across all requests being served; a request that would pass it "
+                        "waits for others to be answered (default 256: about 1 GB; at least --max-request-mpx)")
     p.add_argument("--option", action="append", type=parse_option, default=[], metavar="KEY=VALUE",
                    help="constructor option of the reward (repeatable), e.g. --option device=cuda")
     args = p.parse_args(argv)
+    if args.max_inflight_mpx < args.max_request_mpx:
+        p.error(f"--max-inflight-mpx {args.max_inflight_mpx:g} is below --max-request-mpx "
+                f"{args.max_request_mpx:g}: a request must fit alone")
+    if min(args.max_request_mb, args.max_request_mpx) <= 0:
+        p.error("--max-request-mb and --max-request-mpx must be > 0")
+    token = read_token(args.token, args.token_file, p.error)
 
     import uvicorn
 
     from .app import create_app
 
     server = build_server(args.reward, dict(args.option))
-    app = create_app(server, token=args.token, max_request_bytes=int(args.max_request_mb * 2**20))
-    print(f"ff-reward-server: serving {server.name or type(server).__name__} on http://{args.host}:{args.port}",
+    app = create_app(server, token=token, max_request_bytes=int(args.max_request_mb * 2**20),
+                     max_request_pixels=int(args.max_request_mpx * 10**6),
+                     max_pixels_in_flight=int(args.max_inflight_mpx * 10**6))
+    print(f"ff-reward-server: serving {server.name or type(server).__name__} on http://{args.host}:{args.port}"
+          f" ({'bearer token required' if token else 'no token: anyone who can connect may score'})",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
