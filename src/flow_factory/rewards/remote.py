@@ -5,10 +5,13 @@ JSON: POST ``{server_url}/score``, see ``flow_factory.reward_server.wire``).
 request; ``RemoteGroupwiseRewardModel`` sends each group as one request marked as a
 group, which the server computes alone. Images travel as PNG (lossless: the server sees
 exactly the uint8 pixels a local reward would). Pair with ``async_reward: true`` to
-overlap requests with sampling.
+overlap requests with sampling. An answer whose rewards are not all finite numbers
+(``NaN``, ``Infinity``, a string, null, a bool) is an error naming the server's URL.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -46,11 +49,30 @@ class _RemoteReward:
         if condition_images is not None:
             payload["condition_images"] = [[enc(c) for c in conds] for conds in condition_images]
         body = self.client.post("/score", payload)
+        return RewardModelOutput(rewards=torch.tensor(self._rewards_in(body, len(prompt)), dtype=torch.float32))
+
+    def _rewards_in(self, body, n: int) -> list[float]:
+        """The ``n`` rewards of a /score answer, or RemoteRewardError naming the server and the bad value.
+        Python's json reads ``NaN`` and ``Infinity``: one of them would reach the loss, so each is checked."""
+        url = f"{self.client.base_url}/score"
         rewards = body.get("rewards") if isinstance(body, dict) else None
-        if not isinstance(rewards, list) or len(rewards) != len(prompt):
-            raise RemoteRewardError(f"{self.client.base_url}/score answered {str(body)[:200]}; expected "
-                                    f"{{'rewards': [{len(prompt)} numbers]}}")
-        return RewardModelOutput(rewards=torch.tensor(rewards, dtype=torch.float32))
+        if not isinstance(rewards, list) or len(rewards) != n:
+            raise RemoteRewardError(f"{url} answered {str(body)[:200]}; expected {{'rewards': [{n} numbers]}}")
+        for i, reward in enumerate(rewards):
+            if not _finite_number(reward):
+                raise RemoteRewardError(f"{url} answered rewards[{i}] = {repr(reward)[:80]} "
+                                        f"({type(reward).__name__}); expected a finite number for each "
+                                        f"of the {n} samples")
+        return rewards
+
+
+def _finite_number(value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond the float range
+        return False
 
 
 @register_reward("remote")
