@@ -53,7 +53,7 @@ def batch_gradient(trainer: Trainer, seed: int) -> tuple[torch.Tensor, float]:
     """Gradient of one epoch-0 batch sampled with ``seed`` (same prompts, other noise); its mean reward."""
     trainer.seed = seed  # the prompt draw was seeded at construction; noise keys read this seed
     rollouts = trainer.sample_epoch(0)
-    advantages = trainer.compute_advantages(rollouts)
+    advantages = trainer.compute_advantages(rollouts, epoch=0)
     algorithm = trainer.algorithm
     trainer.optimizer.zero_grad()
     trainer.adapter.transformer.train()
@@ -75,6 +75,7 @@ def measure(config: Path, algorithm: str, reward: str, batches: int, overrides: 
     trainer = Trainer(cfg)
     start = time.perf_counter()
     grads, rewards = zip(*(batch_gradient(trainer, 1000 + b) for b in range(batches)))
+    trainer.close()  # the next cell claims the same run folder
     cos = torch.stack([torch.nn.functional.cosine_similarity(a, b, dim=0)
                        for a, b in itertools.combinations(grads, 2)])
     n = cfg.samples_per_epoch

@@ -187,7 +187,7 @@ def test_defaults_are_filled_and_resolved():
     assert (ev.resolution, ev.num_inference_steps, ev.guidance_scale) == (512, 10, 4.5)  # train's
     assert ev.per_device_batch_size == 4 and ev.seed == 42
     assert cfg.log.logging_backend == "tensorboard" and cfg.log.save_dir == "saves"
-    stamp = r"\d{8}_\d{6}"
+    stamp = r"\d{8}_\d{6}_[0-9a-f]{4}"  # seconds, then 4 random hex digits
     assert re.fullmatch(rf"sd3-5_lora_grpo_{stamp}", cfg.log.run_name)
     assert cfg.rewards[0].name == "PickScore" and cfg.rewards[0].weight == 1.0
     assert cfg.eval_rewards is None
@@ -277,7 +277,7 @@ def test_unknown_keys_suggest_the_close_match(override, message):
 def test_unknown_key_without_close_match_lists_the_section():
     msg = problem_of(overrides=["log.colour=blue"])
     assert msg == ("log.colour: unknown key; valid keys of log: run_name, project, logging_backend, "
-                   "save_dir, save_freq, save_model_only")
+                   "save_dir, save_freq, save_model_only, overwrite")
     assert problem_of(overrides=["zzz=1"]).startswith("zzz: unknown key; valid keys at the top level: launcher,")
 
 

@@ -72,6 +72,7 @@ def test_off_policy_rollouts_use_the_ema_weights(tmp_path, tiny_sd3_path):
         config = decoupled_config(tmp_path, "sd3-5", tiny_sd3_path, "nft", "ODE", ema_decay=0.9,
                                   off_policy=off_policy)
         config["log"]["logging_backend"] = "none"
+        config["log"]["run_name"] = f"off_policy_{off_policy}"  # both live at once: one run folder each
         return Trainer(parse_config(config))
 
     on, off = trainer(False), trainer(True)

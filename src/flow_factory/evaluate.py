@@ -100,7 +100,13 @@ def main(argv=None) -> int:
     if args.checkpoint and not Path(args.checkpoint).is_dir():
         print(f"ff-eval: --checkpoint {args.checkpoint}: no such folder", file=sys.stderr)
         return 2
-    summary, rollouts = evaluate_config(cfg, args.checkpoint)
+    from .trainer.guards import NonFiniteError
+
+    try:
+        summary, rollouts = evaluate_config(cfg, args.checkpoint)
+    except (FileNotFoundError, NonFiniteError) as e:
+        print(f"ff-eval: {e}", file=sys.stderr)
+        return 2
     print(format_table(summary))
     families = by_family(rollouts.prompts, rollouts.rewards)
     if families:

@@ -62,7 +62,13 @@ def main(argv=None) -> int:
     from .sampling_tools import load_for_sampling, sample_prompts
     from .trainer.grid import sample_grid
 
-    adapter = load_for_sampling(args.model_type, args.model, args.checkpoint)
+    from .trainer.guards import NonFiniteError
+
+    try:
+        adapter = load_for_sampling(args.model_type, args.model, args.checkpoint)
+    except (FileNotFoundError, NonFiniteError) as e:
+        print(f"ff-sample: {e}", file=sys.stderr)
+        return 2
     rollouts = sample_prompts(adapter, items, seed=args.seed, num_steps=args.steps,
                               guidance_scale=args.guidance_scale, height=args.resolution, width=args.resolution,
                               batch_size=args.batch_size, num_frames=args.num_frames)

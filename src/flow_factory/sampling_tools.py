@@ -8,9 +8,12 @@ test prompt, and their numbers agree.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .dynamics.ode import ODE
+from .trainer.guards import check_pipeline_finite
 from .trainer.sampling import Rollouts, collect_rollouts
 from .trainer.timer import PhaseTimer
 
@@ -47,15 +50,18 @@ def load_for_sampling(model_type: str, model_path, checkpoint=None, device=None)
     with the pipeline's own ``load_lora_weights``) or ``transformer/`` (full weights), as
     ``ff-train`` writes them under ``checkpoints/epoch_N``.
     """
-    from pathlib import Path
-
     from .models import load_adapter
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     adapter = load_adapter(model_type, model_path, device)
-    if checkpoint is None:
-        return adapter
-    ckpt = Path(checkpoint)
+    if checkpoint is not None:
+        _apply_checkpoint(adapter, Path(checkpoint))
+    check_pipeline_finite(adapter.pipeline, f"{model_path}" + (f" with checkpoint {checkpoint}" if checkpoint else ""))
+    adapter.transformer.eval()
+    return adapter
+
+
+def _apply_checkpoint(adapter, ckpt: Path) -> None:
     if (ckpt / "pytorch_lora_weights.safetensors").is_file():
         adapter.pipeline.load_lora_weights(str(ckpt))
     elif (ckpt / "transformer").is_dir():
@@ -64,5 +70,3 @@ def load_for_sampling(model_type: str, model_path, checkpoint=None, device=None)
     else:
         raise FileNotFoundError(f"checkpoint {ckpt}: expected pytorch_lora_weights.safetensors (LoRA) or a "
                                 f"transformer/ folder (full fine-tuning), as ff-train writes under checkpoints/epoch_N")
-    adapter.transformer.eval()
-    return adapter

@@ -10,6 +10,7 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from .config import ConfigError, load_config
 
@@ -45,11 +46,33 @@ def main(argv=None) -> int:
         print(cfg.to_yaml(), end="")
         return 0
     if cfg.num_processes > 1 and "WORLD_SIZE" not in os.environ:
-        return subprocess.call(relaunch_command(cfg, argv))
+        # the resolved run name travels along, so every process agrees on a default one
+        return subprocess.call(relaunch_command(cfg, argv + [f"log.run_name={cfg.log.run_name}"]))
 
-    from .trainer import Trainer  # heavy imports only once the config is known to be good
+    # heavy imports only once the config is known to be good
+    from .data import PromptFileError
+    from .trainer import Trainer
+    from .trainer.checkpoint import CheckpointError
+    from .trainer.guards import NonFiniteError
+    from .trainer.interrupt import TrainingInterrupted
+    from .trainer.run_folder import RunFolderError
 
-    history = Trainer(cfg).train()
+    try:
+        history = Trainer(cfg).train()
+    except ConfigError as err:  # what only the model folder tells (preflight)
+        print(f"ff-train: config error: {err}", file=sys.stderr)
+        return 2
+    except (CheckpointError, RunFolderError, PromptFileError) as err:
+        print(f"ff-train: error: {err}", file=sys.stderr)
+        return 2
+    except NonFiniteError as err:
+        print(f"ff-train: stopped: {err}", file=sys.stderr)
+        return 1
+    except TrainingInterrupted as stop:
+        run_dir = Path(stop.checkpoint).parent.parent
+        print(f"ff-train: {stop}. Resume with:\n  ff-train {args.config} model.resume_path={run_dir} "
+              f"log.run_name={cfg.log.run_name}", file=sys.stderr)
+        return 128 + stop.signum
     if history and int(os.environ.get("RANK", "0")) == 0:
         last = {k: round(v, 4) for k, v in history[-1].items() if k.startswith("reward/") and k.endswith("/mean")}
         print(f"ff-train: done after {history[-1]['epoch'] + 1} epochs; last rewards {last}")

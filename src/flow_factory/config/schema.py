@@ -16,6 +16,7 @@ checks and the training loop cannot disagree:
 
 from __future__ import annotations
 
+import secrets
 from datetime import datetime
 from typing import Literal
 
@@ -129,7 +130,8 @@ class Config(Section):
             if getattr(ev, key) is None:
                 setattr(ev, key, getattr(train, key))
         if self.log.run_name is None:
-            stamp = datetime.now().strftime("%Y%m%d_%H%M%S")
+            # two runs started in the same second must not share a folder
+            stamp = f"{datetime.now().strftime('%Y%m%d_%H%M%S')}_{secrets.token_hex(2)}"
             self.log.run_name = f"{self.model.model_type}_{self.model.finetune_type}_{train.trainer_type}_{stamp}"
 
     # ------------------------------------------------------------------ checks

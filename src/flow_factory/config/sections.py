@@ -69,7 +69,9 @@ class ModelConfig(Section):
         expects="'default', 'all' or a list of module names")
     target_components: Literal["transformer"] = setting(
         "transformer", "which network is trained (Flow-Factory compatibility; only transformer)")
-    resume_path: str | None = setting(None, "checkpoint folder to resume from; null = start fresh")
+    resume_path: str | None = setting(
+        None, "resume from a checkpoint folder (checkpoints/epoch_N), a run folder (its newest complete "
+        "checkpoint) or 'latest' (this run's newest); null = start fresh")
     resume_type: Literal["lora", "full", "state"] | None = setting(
         None, "what resume_path holds; null = infer from finetune_type")
     master_weight_dtype: Literal["float32", "float16", "bfloat16"] = setting(
@@ -164,13 +166,15 @@ class EvalConfig(Section):
 
 class LogConfig(Section):
     run_name: str | None = setting(
-        None, "run folder name; null = {model_type}_{finetune_type}_{trainer_type}_{timestamp}")
+        None, "run folder name; null = {model_type}_{finetune_type}_{trainer_type}_{timestamp}_{4 random hex}")
     project: str = setting("Flow-Factory", "project name for the tracker")
     logging_backend: Literal["tensorboard", "wandb", "swanlab", "none"] = setting(
         "tensorboard", "where metrics go: tensorboard, wandb, swanlab or none")
     save_dir: str = setting("saves", "parent folder of run folders (checkpoints, samples, logs)")
     save_freq: NonNegativeInt = setting(0, "save a checkpoint every this many epochs; 0 = only at the end")
     save_model_only: bool = setting(False, "checkpoints hold the weights only, not the optimizer state")
+    overwrite: bool = setting(False, "replace the run folder when it already holds another run "
+                              "(its checkpoints are deleted); false = refuse")
 
     @field_validator("logging_backend", mode="before")
     @classmethod

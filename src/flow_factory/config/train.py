@@ -66,6 +66,9 @@ class TrainConfig(Section):
     adam_weight_decay: float = setting(1e-4, "AdamW decoupled weight decay", ge=0)
     adam_epsilon: float = setting(1e-8, "AdamW epsilon", gt=0)
     max_grad_norm: float = setting(1.0, "clip the gradient's global norm to this", gt=0)
+    max_nonfinite_in_a_row: NonNegativeInt = setting(
+        3, "a NaN / inf reward, advantage or gradient norm skips its update; this many skips in a row "
+        "stop the run (0 = stop at the first)")
 
     clip_range: float = setting(1e-4, "PPO clip range of the likelihood ratio", gt=0)
     adv_clip_range: float = setting(5.0, "advantages are clipped to [-adv_clip_range, adv_clip_range]", gt=0)

@@ -25,6 +25,14 @@ import torch
 from torch import Tensor
 
 
+class PromptFileError(ValueError):
+    """A prompt file that cannot be read; the message names the file and the line."""
+
+
+class MissingPromptFile(PromptFileError, FileNotFoundError):
+    """No file for a split in the dataset folder."""
+
+
 @dataclass(frozen=True)
 class PromptItem:
     prompt: str
@@ -42,7 +50,7 @@ def _read_utf8(path: Path) -> str:
         # everything before the bad byte decoded; counted as splitlines counts, so the line number
         # matches the other errors of this file ("?" stands in for the bad byte)
         lines = (data[: e.start].decode("utf-8") + "?").splitlines()
-        raise ValueError(f"{path}:{len(lines)}: not UTF-8 text (byte 0x{data[e.start]:02x} at column "
+        raise PromptFileError(f"{path}:{len(lines)}: not UTF-8 text (byte 0x{data[e.start]:02x} at column "
                          f"{len(lines[-1])}); save the file as UTF-8") from None
 
 
@@ -54,7 +62,7 @@ def _content_lines(path: Path) -> list[tuple[int, str]]:
     out = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
-            raise ValueError(f"{path}:{number}: empty prompt (blank line before the end of the file)")
+            raise PromptFileError(f"{path}:{number}: empty prompt (blank line before the end of the file)")
         out.append((number, line.strip()))
     return out
 
@@ -65,19 +73,19 @@ def _parse_jsonl(path: Path) -> list[PromptItem]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+            raise PromptFileError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object with a 'prompt' key, "
+            raise PromptFileError(f"{path}:{number}: expected a JSON object with a 'prompt' key, "
                              f"got {type(row).__name__}")
         if "prompt" not in row:
-            raise ValueError(f"{path}:{number}: missing 'prompt' key (keys: {sorted(row)})")
+            raise PromptFileError(f"{path}:{number}: missing 'prompt' key (keys: {sorted(row)})")
         prompt, negative = row["prompt"], row.get("negative_prompt")
         if not isinstance(prompt, str):
-            raise ValueError(f"{path}:{number}: 'prompt' must be a string, got {type(prompt).__name__}")
+            raise PromptFileError(f"{path}:{number}: 'prompt' must be a string, got {type(prompt).__name__}")
         if not prompt.strip():
-            raise ValueError(f"{path}:{number}: empty prompt")
+            raise PromptFileError(f"{path}:{number}: empty prompt")
         if negative is not None and not isinstance(negative, str):
-            raise ValueError(f"{path}:{number}: 'negative_prompt' must be a string or null, "
+            raise PromptFileError(f"{path}:{number}: 'negative_prompt' must be a string or null, "
                              f"got {type(negative).__name__}")
         items.append(PromptItem(prompt.strip(), negative))
     return items
@@ -95,11 +103,11 @@ def load_prompts(dataset_dir: str | Path, split: str = "train", max_size: int | 
     candidates = [directory / f"{split}.jsonl", directory / f"{split}.txt"]
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
-        raise FileNotFoundError(f"no {split} prompts in {directory}: looked for "
+        raise MissingPromptFile(f"no {split} prompts in {directory}: looked for "
                                 f"{' and '.join(p.name for p in candidates)}")
     items = _parse_jsonl(path) if path.suffix == ".jsonl" else _parse_txt(path)
     if not items:
-        raise ValueError(f"{path}: no prompts in the file")
+        raise PromptFileError(f"{path}: no prompts in the file")
     return items[:max_size] if max_size is not None else items
 
 

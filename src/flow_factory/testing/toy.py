@@ -22,6 +22,7 @@ from ..dynamics import make_dynamics
 from ..models.base import Conditioning, FlowAdapter
 from ..rollout import sample_trajectory
 from ..trainer.ema import WeightCopy
+from ..trainer.guards import NonFiniteGuard
 from ..trainer.optimize import optimize_epoch
 from ..trainer.policy import AdapterPolicy
 
@@ -120,5 +121,5 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
         advantages = combine_advantages({"r": rewards}, {"r": 1.0}, group_ids, "sum", False)
         optimize_epoch(algorithm, policy, rollouts, advantages, accelerator=acc, optimizer=optimizer,
                        params=params, denoiser=adapter.transformer, batch_size=n, num_inner_epochs=1,
-                       accumulation=1, max_grad_norm=1.0, seed=seed, epoch=epoch)
+                       accumulation=1, max_grad_norm=1.0, seed=seed, epoch=epoch, guard=NonFiniteGuard(0))
     return history

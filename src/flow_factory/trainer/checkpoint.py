@@ -4,45 +4,199 @@ Layout of ``<run_dir>/checkpoints/epoch_<N>/`` (N = epochs completed):
 - LoRA: ``pytorch_lora_weights.safetensors`` in the diffusers format, so a plain
   ``pipe.load_lora_weights(dir)`` loads it; full fine-tuning: ``transformer/``
   (``save_pretrained``), loadable with ``<TransformerClass>.from_pretrained``.
-- ``optimizer.pt`` (AdamW moments) and ``trainer_state.json`` (epochs done, step).
+- ``optimizer.pt`` (AdamW moments), ``ema.pt`` when an EMA is kept, and
+  ``trainer_state.json`` (epochs done, step, histories, what was trained, and the size
+  of every other file of the folder).
 Sampling randomness is seeded per epoch, so nothing else is needed to resume exactly.
+
+A checkpoint is never seen half-written. It is written into ``.epoch_<N>.partial``
+beside its final place, every file is flushed to disk, ``trainer_state.json`` comes
+last, and one ``rename`` publishes the folder (as accelerate and torchtune do for their
+checkpoints, a rename within a file system is atomic). A process killed at any point
+leaves either the previous checkpoints alone or the new one complete; a ``.partial``
+folder left by a kill is removed by the next save. ``find_checkpoint`` accepts only a
+folder whose files all have the sizes ``trainer_state.json`` lists.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
-from ..models.lora import load_lora_state, save_lora
+from ..models.lora import LORA_WEIGHT_NAME, load_lora_state, save_lora
 
 STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+CHECKPOINTS = "checkpoints"
+PARTIAL = ".partial"
 
 
-def save_checkpoint(out_dir: Path, adapter, finetune_type: str, optimizer, state: dict) -> Path:
+class CheckpointError(ValueError):
+    """A resume source that is missing, incomplete, foreign or does not fit this run."""
+
+
+# ------------------------------------------------------------------ writing
+def save_checkpoint(out_dir: Path, adapter, finetune_type: str, optimizer, state: dict,
+                    extra: dict | None = None) -> Path:
+    """Write the checkpoint atomically to ``out_dir``; ``extra``: file name -> object for ``torch.save``."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    params = [p for p in adapter.transformer.parameters() if p.requires_grad]
+    bad = sum(int(not torch.isfinite(p).all()) for p in params)
+    if bad:  # the optimisation loop skips non-finite steps; reaching here is a bug, never a checkpoint
+        raise FloatingPointError(f"refusing to save {out_dir}: {bad} trained tensors hold NaN or inf")
+    tmp = out_dir.with_name(f".{out_dir.name}{PARTIAL}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a process killed during an earlier save
+    tmp.mkdir(parents=True)
     if finetune_type == "lora":
-        save_lora(type(adapter.pipeline), adapter.transformer, out_dir)
+        save_lora(type(adapter.pipeline), adapter.transformer, tmp)
     else:
-        adapter.transformer.save_pretrained(out_dir / "transformer")
-    torch.save(optimizer.state_dict(), out_dir / "optimizer.pt")
-    (out_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+        adapter.transformer.save_pretrained(tmp / "transformer")
+    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    for name, obj in (extra or {}).items():
+        torch.save(obj, tmp / name)
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    state = {**state, "finetune_type": finetune_type, "files": files}
+    _sync_tree(tmp)
+    write_atomic(tmp / STATE_FILE, json.dumps(state, indent=2))
+    _publish(tmp, out_dir)
     return out_dir
 
 
-def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=None) -> dict:
-    """Restore weights (and optimizer state when present); returns the trainer state."""
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """``path`` holds the old content or the new, never a mix (write beside it, flush, rename)."""
     path = Path(path)
+    tmp = path.with_name(f".{path.name}{PARTIAL}")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sync_tree(folder: Path) -> None:
+    # rename is atomic for the names, not for the data: flush the data first, so a machine
+    # that loses power right after the rename does not publish empty files
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    if out_dir.exists():  # the same epoch saved again (e.g. the final save): swap, then drop the old
+        old = out_dir.with_name(f".{out_dir.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out_dir)
+    fd = os.open(out_dir.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself survives a power loss
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ finding and checking
+def read_state(path: Path) -> dict:
+    """The trainer state of a complete checkpoint folder, or ``CheckpointError`` naming what is missing."""
+    path = Path(path)
+    state_file = path / STATE_FILE
     if not path.is_dir():
-        raise FileNotFoundError(f"model.resume_path: {path} is not a folder")
+        raise CheckpointError(f"{path} is not a folder")
+    if path.name.endswith(PARTIAL):
+        raise CheckpointError(f"{path} is a save that was interrupted before it was published")
+    if not state_file.is_file():
+        raise CheckpointError(f"{path} has no {STATE_FILE}: not a complete ff-train checkpoint "
+                              f"(a save that was interrupted, or a folder ff-train did not write)")
+    try:
+        state = json.loads(state_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{state_file} is not valid JSON ({e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("epoch"), int):
+        raise CheckpointError(f"{state_file} does not hold an ff-train trainer state (no integer 'epoch')")
+    files = state.get("files")
+    if files is None:  # written before checkpoints listed their files: check what they always held
+        files = {name: None for name in (OPTIMIZER_FILE,)}
+        weights = [LORA_WEIGHT_NAME, "transformer"]
+        if not any((path / w).exists() for w in weights):
+            raise CheckpointError(f"{path} holds neither {weights[0]} (LoRA) nor {weights[1]}/ (full weights)")
+    problems = []
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            problems.append(f"{name} is missing")
+        elif size is not None and f.stat().st_size != size:
+            problems.append(f"{name} has {f.stat().st_size} bytes, {size} were written")
+    if problems:
+        raise CheckpointError(f"{path} is incomplete: {'; '.join(problems)}")
+    return state
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """``epoch_N`` folders of a run, oldest first (complete or not)."""
+    folder = Path(run_dir) / CHECKPOINTS
+    found = [p for p in folder.glob("epoch_*") if p.is_dir() and p.name[len("epoch_"):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len("epoch_"):]))
+
+
+def find_checkpoint(resume_path: str | Path, run_dir: Path) -> Path:
+    """The checkpoint folder ``model.resume_path`` names: a checkpoint itself, a run folder (its newest
+    complete checkpoint), or ``latest`` (this run's newest complete checkpoint)."""
+    key = "model.resume_path"
+    if str(resume_path) == "latest":
+        path = Path(run_dir)
+        if not (path / CHECKPOINTS).is_dir():
+            raise CheckpointError(f"{key}: latest: this run's folder {path} holds no checkpoints/; set "
+                                  "log.run_name (and log.save_dir) to those of the run to resume")
+    else:
+        path = Path(resume_path).expanduser()
+        if not path.exists():
+            raise CheckpointError(f"{key}: {path} does not exist")
+    if (path / STATE_FILE).exists() or not (path / CHECKPOINTS).is_dir():
+        try:
+            read_state(path)
+        except CheckpointError as e:
+            raise CheckpointError(f"{key}: {e}; name a checkpoints/epoch_N folder, a run folder or 'latest'") from None
+        return path
+    skipped = []
+    for candidate in reversed(list_checkpoints(path)):
+        try:
+            read_state(candidate)
+            return candidate
+        except CheckpointError as e:
+            skipped.append(str(e))
+    why = f" ({'; '.join(skipped)})" if skipped else ""
+    raise CheckpointError(f"{key}: run folder {path} holds no complete checkpoint{why}")
+
+
+# ------------------------------------------------------------------ loading
+def check_fits(path: Path, state: dict, finetune_type: str) -> None:
+    """A LoRA checkpoint resumes only a LoRA run, full weights only a full fine-tune."""
+    saved_type = state.get("finetune_type") or ("lora" if (Path(path) / LORA_WEIGHT_NAME).exists() else "full")
+    if saved_type != finetune_type:
+        raise CheckpointError(f"model.resume_path: {path} holds a {saved_type} checkpoint, but "
+                              f"model.finetune_type is {finetune_type!r}; set model.finetune_type: {saved_type}")
+
+
+def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=None) -> dict:
+    """Restore weights (and optimizer state); returns the trainer state. Raises ``CheckpointError``."""
+    path = Path(path)
+    state = read_state(path)
+    check_fits(path, state, finetune_type)
     if finetune_type == "lora":
         load_lora_state(adapter.transformer, path)
     else:
         source = type(adapter.transformer).from_pretrained(path / "transformer", dtype=torch.float32)
         adapter.transformer.load_state_dict(source.state_dict())
-    if optimizer is not None and (path / "optimizer.pt").exists():
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-    state_file = path / STATE_FILE
-    return json.loads(state_file.read_text()) if state_file.exists() else {"epoch": 0, "global_step": 0}
+    bad = [n for n, p in adapter.transformer.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+    if bad:
+        raise CheckpointError(f"model.resume_path: {path} holds NaN or inf in {len(bad)} tensors (e.g. {bad[0]})")
+    if optimizer is not None and (path / OPTIMIZER_FILE).exists():
+        optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+    return state

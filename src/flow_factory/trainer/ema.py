@@ -101,10 +101,6 @@ class WeightCopy:
             w.copy_(saved)
 
 
-def save_ema(ema: WeightCopy, out_dir: Path) -> None:
-    torch.save(ema.state_dict(), Path(out_dir) / EMA_FILE)
-
-
 def load_ema(ema: WeightCopy, checkpoint_dir: Path) -> bool:
     """Restore the EMA from a checkpoint folder; False when it holds none."""
     path = Path(checkpoint_dir) / EMA_FILE

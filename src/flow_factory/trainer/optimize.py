@@ -3,27 +3,34 @@
 The algorithm says which samples train together (``training_units``) and what
 micro-batches a chunk of them makes (``micro_batches``: one per trained SDE step for
 GRPO, one per drawn training timestep for NFT / AWM / DPO); this loop shuffles,
-accumulates gradients, clips, steps, and aggregates the metrics.
+accumulates gradients, clips, steps, and aggregates the metrics. A step whose gradient
+norm is NaN or inf is skipped and counted by the ``NonFiniteGuard`` (``guards.py``).
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 
 import torch
 
+from .guards import NonFiniteGuard, all_finite
 from .seeding import generator
 
 
 def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, accelerator, optimizer,
                    params: list, denoiser, batch_size: int, num_inner_epochs: int, accumulation: int,
-                   max_grad_norm: float, seed: int, epoch: int) -> tuple[dict[str, float], int]:
-    """Returns the epoch's mean (``_min`` / ``_max``: extreme) metrics and the optimizer steps taken."""
+                   max_grad_norm: float, seed: int, epoch: int,
+                   guard: NonFiniteGuard) -> tuple[dict[str, float], int]:
+    """Returns the epoch's mean (``_min`` / ``_max``: extreme) metrics and the optimizer steps taken.
+
+    Metrics that are NaN or inf are left out of the means; ``skipped_updates`` counts the
+    optimizer steps skipped for a non-finite gradient."""
     acc = accelerator
     units = algorithm.training_units(rollouts.group_ids, advantages)
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
-    micro, steps = 0, 0
+    micro, steps, skipped = 0, 0, 0
     for inner in range(num_inner_epochs):
         order = torch.randperm(len(units), generator=generator("shuffle", seed, epoch, inner, acc.process_index))
         for b, start in enumerate(range(0, len(units), batch_size)):
@@ -40,12 +47,25 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                 micro += 1
                 metrics["loss"] = loss.detach()
                 if micro % accumulation == 0:
-                    metrics["grad_norm"] = acc.clip_grad_norm_(params, max_grad_norm)
-                    optimizer.step()
+                    metrics["grad_norm"] = grad_norm = acc.clip_grad_norm_(params, max_grad_norm)
+                    if torch.isfinite(grad_norm):
+                        optimizer.step()
+                        steps += 1
+                        guard.passed()
+                        if not all_finite(params):  # finite gradients, yet an overflow in the step
+                            raise FloatingPointError(
+                                f"epoch {epoch}: the optimizer step made trained weights NaN or inf "
+                                f"(gradient norm {float(grad_norm):.3g}); lower train.learning_rate")
+                    else:
+                        skipped += 1
+                        optimizer.zero_grad(set_to_none=True)  # before a raise, too
+                        guard.skip(f"epoch {epoch}: optimizer step with a non-finite gradient norm "
+                                   f"(loss {float(loss.detach()):.4g})")
                     optimizer.zero_grad(set_to_none=True)
-                    steps += 1
                 for k, v in metrics.items():
                     v = float(v)
+                    if not math.isfinite(v):
+                        continue
                     if k.endswith("_min"):
                         sums[k] = min(sums.get(k, v), v)
                     elif k.endswith("_max"):
@@ -53,4 +73,6 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                     else:
                         sums[k] = sums.get(k, 0.0) + v
                         counts[k] = counts.get(k, 0) + 1
-    return {f"train/{k}": (v / counts[k] if k in counts else v) for k, v in sums.items()}, steps
+    out = {f"train/{k}": (v / counts[k] if k in counts else v) for k, v in sums.items()}
+    out["train/skipped_updates"] = skipped
+    return out, steps

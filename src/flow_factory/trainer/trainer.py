@@ -6,6 +6,7 @@ behind ``Algorithm.loss``; this file only orders the phases of an epoch.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from contextlib import nullcontext
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
 from ..advantages import combine_advantages
@@ -26,12 +27,15 @@ from ..models import load_adapter
 from ..models.lora import apply_lora
 from ..models.preflight import check_before_loading
 from ..rewards import RewardSet
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, check_fits, find_checkpoint, load_checkpoint, read_state, save_checkpoint, write_atomic
 from .curves import plot_curves
-from .ema import WeightCopy, ema_decay_at, load_ema, save_ema
+from .ema import EMA_FILE, WeightCopy, ema_decay_at, load_ema
 from .grid import caption, sample_grid
+from .guards import NonFiniteGuard, all_finite, check_pipeline_finite, nonfinite_rewards
+from .interrupt import StopFlag, TrainingInterrupted
 from .optimize import optimize_epoch
 from .policy import AdapterPolicy
+from .run_folder import RunFolder, RunFolderError
 from .sampling import Rollouts, collect_rollouts
 from .seeding import generator
 from .timer import PhaseTimer
@@ -44,17 +48,35 @@ class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg
         train, model = cfg.train, cfg.model
+        check_before_loading(cfg)  # the pipeline folder fits model_type and resolution: reads JSON only
         self.backend = check_backend(cfg.log.logging_backend)
-        self.run_dir = Path(cfg.log.save_dir).expanduser() / cfg.log.run_name
         on_cpu = not torch.cuda.is_available()
         precision = "no" if on_cpu else cfg.mixed_precision  # bf16 kernels crash some CPUs; fp32 there
-        self.accelerator = Accelerator(mixed_precision=precision, log_with=self.backend,
-                                       project_dir=str(self.run_dir), cpu=on_cpu)
+        save_dir = Path(cfg.log.save_dir).expanduser()
+        self.accelerator = Accelerator(mixed_precision=precision, log_with=self.backend, cpu=on_cpu,
+                                       project_dir=str(save_dir / cfg.log.run_name))
+        # a default run name holds a timestamp each process drew itself: the main process's wins
+        self.run_dir = save_dir / self._from_main(lambda: cfg.log.run_name)
+        project = self.accelerator.project_configuration
+        project.project_dir = project.logging_dir = str(self.run_dir)
         self.seed = train.seed if train.seed is not None else cfg.seed
         set_seed(self.seed)  # LoRA's initial A matrices come from the global generator
         self.timer = PhaseTimer()
+        self.stop = StopFlag()
+        self.guard = NonFiniteGuard(train.max_nonfinite_in_a_row)
 
-        # cheap things first, so a bad dataset or reward fails before the model loads
+        # cheap things first, so a bad checkpoint, run folder, dataset or reward fails before the model loads
+        self.resume_from, resumed = None, {"epoch": 0, "global_step": 0}
+        if model.resume_path:
+            self.resume_from = find_checkpoint(model.resume_path, self.run_dir)
+            resumed = read_state(self.resume_from)
+            check_fits(self.resume_from, resumed, model.finetune_type)
+            if resumed["epoch"] >= train.max_epochs:
+                raise CheckpointError(f"model.resume_path: {self.resume_from} has {resumed['epoch']} epochs done "
+                                      f"and train.max_epochs is {train.max_epochs}: nothing to train; set "
+                                      f"train.max_epochs above {resumed['epoch']}")
+        self.run_folder = RunFolder(self.run_dir)
+        self._from_main(lambda: self.run_folder.claim(self.resume_from, resumed["epoch"], cfg.log.overwrite))
         self.train_prompts = load_prompts(cfg.data.dataset_dir, "train", cfg.data.max_dataset_size)
         self.test_prompts = (load_prompts(cfg.data.dataset_dir, "test", cfg.data.max_dataset_size)
                              if cfg.eval.eval_freq else [])
@@ -62,10 +84,10 @@ class Trainer:
                                     train.group_size, self.seed)
         self.rewards = RewardSet.from_configs(cfg.rewards)
         self.eval_rewards = RewardSet.from_configs(cfg.eval_rewards) if cfg.eval_rewards else self.rewards
-        check_before_loading(cfg)
 
         dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
         self.adapter = load_adapter(model.model_type, model.model_name_or_path, self.accelerator.device, dtype)
+        check_pipeline_finite(self.adapter.pipeline, f"model.model_name_or_path: {model.model_name_or_path}")
         self.dynamics = make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level)
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
         # the reference is the starting weights: taken before any resume
@@ -90,13 +112,28 @@ class Trainer:
         self.epoch, self.global_step = 0, 0
         self.history: list[dict] = []  # one record of training metrics per epoch
         self.eval_history: list[dict] = []  # eval rewards, keyed by epochs completed
-        if model.resume_path:
-            state = load_checkpoint(model.resume_path, self.adapter, model.finetune_type, self.optimizer)
+        if self.resume_from is not None:
+            state = load_checkpoint(self.resume_from, self.adapter, model.finetune_type, self.optimizer)
             self.epoch, self.global_step = state["epoch"], state["global_step"]
             self.history, self.eval_history = state.get("history", []), state.get("eval_history", [])
-            if self.ema is not None and not load_ema(self.ema, model.resume_path):
+            if self.ema is not None and not load_ema(self.ema, self.resume_from):
                 logger.warning("model.resume_path %s holds no EMA state (ema.pt); the EMA restarts from the "
-                               "resumed weights", model.resume_path)
+                               "resumed weights", self.resume_from)
+            logger.info("resuming from %s (%d epochs done)", self.resume_from, self.epoch)
+
+    def _from_main(self, fn):
+        """``fn()`` on the main process, its result (or its RunFolderError) on every process."""
+        result = error = None
+        if self.accelerator.is_main_process:
+            try:
+                result = fn()
+            except RunFolderError as e:
+                error = str(e)
+        if self.accelerator.num_processes > 1:
+            result, error = broadcast_object_list([result, error])
+        if error is not None:
+            raise RunFolderError(error)
+        return result
 
     def _make_trainable(self) -> list[torch.nn.Parameter]:
         model, transformer = self.cfg.model, self.adapter.transformer
@@ -142,14 +179,21 @@ class Trainer:
                 timer=self.timer, record_means=self.algorithm.records_step_means, reward_set=self.rewards)
         return rollouts
 
-    def compute_advantages(self, rollouts: Rollouts) -> torch.Tensor:
-        """Over the global batch (all ranks), then this rank's share."""
+    def compute_advantages(self, rollouts: Rollouts, epoch: int) -> torch.Tensor | None:
+        """Over the global batch (all ranks), then this rank's share; None (and a counted skip)
+        when a reward or an advantage is NaN or inf."""
         gather = self.accelerator.gather
         rewards = {k: gather(v) for k, v in rollouts.rewards.items()}
-        group_ids = gather(rollouts.group_ids.to(self.accelerator.device))
-        adv = combine_advantages(rewards, self.rewards.weights, group_ids,
-                                 self.cfg.train.advantage_aggregation, self.cfg.train.global_std)
-        return adv[self._local_share(len(adv))]
+        problem = nonfinite_rewards(rewards)
+        if problem is None:
+            group_ids = gather(rollouts.group_ids.to(self.accelerator.device))
+            adv = combine_advantages(rewards, self.rewards.weights, group_ids,
+                                     self.cfg.train.advantage_aggregation, self.cfg.train.global_std)
+            if all_finite([adv]):
+                return adv[self._local_share(len(adv))]
+            problem = "advantages are NaN or inf (rewards too large to normalise?)"
+        self.guard.skip(f"epoch {epoch}: {problem}; the epoch's update is skipped")
+        return None
 
     def optimize(self, rollouts: Rollouts, advantages: torch.Tensor, epoch: int) -> dict[str, float]:
         train = self.cfg.train
@@ -159,7 +203,7 @@ class Trainer:
             optimizer=self.optimizer, params=self.params, denoiser=self.adapter.denoiser,
             batch_size=train.per_device_batch_size, num_inner_epochs=train.num_inner_epochs,
             accumulation=self.cfg.gradient_accumulation, max_grad_norm=train.max_grad_norm,
-            seed=self.seed, epoch=epoch)
+            seed=self.seed, epoch=epoch, guard=self.guard)
         self.global_step += steps
         self.adapter.transformer.eval()
         if self.ema is not None and (epoch + 1) % train.ema_update_interval == 0:
@@ -172,7 +216,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, epoch: int) -> dict[str, float]:
         """ODE samples of the test prompts at the eval resolution; rewards, and a grid saved as PNG."""
-        cfg, ev = self.cfg, self.cfg.eval
+        ev = self.cfg.eval
         items = self.test_prompts[: ev.num_samples] if ev.num_samples else self.test_prompts
         share = self._local_share(len(items))
         height, width = ev.height_width
@@ -200,24 +244,47 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
+        """Train to ``max_epochs``. SIGINT / SIGTERM end it with a checkpoint of the last finished
+        epoch and ``TrainingInterrupted``; the run folder is released however it ends."""
+        try:
+            with self.stop.installed():
+                return self._train()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release the run folder and the rewards' thread pools (``train`` does it when it ends)."""
+        self.rewards.close()
+        self.eval_rewards.close()
+        self.run_folder.release()
+
+    def _train(self) -> list[dict]:
         cfg, acc = self.cfg, self.accelerator
         if self.backend:
             acc.init_trackers(cfg.log.project, config=flat_hparams(cfg.model_dump(mode="json")))
         bar = tqdm(range(self.epoch, cfg.train.max_epochs), initial=self.epoch, total=cfg.train.max_epochs,
                    desc="epochs", disable=not acc.is_main_process)
+        # the stop flag is read where the weights are those of a finished epoch
         for epoch in bar:
             record = {"epoch": epoch}
             if cfg.eval.eval_freq and epoch % cfg.eval.eval_freq == 0:
                 bar.set_postfix_str("eval")
                 self.evaluate(epoch)
+            if self.stop.raised(acc):
+                break
             self.timer.reset()
             with self.timer.phase("epoch"):
                 bar.set_postfix_str("sampling")
                 rollouts = self.sample_epoch(epoch)
-                advantages = self.compute_advantages(rollouts)
+                if self.stop.raised(acc):
+                    break
+                advantages = self.compute_advantages(rollouts, epoch)
                 bar.set_postfix_str("training")
-                with self.timer.phase("training"):
-                    record.update(self.optimize(rollouts, advantages, epoch))
+                if advantages is not None:
+                    with self.timer.phase("training"):
+                        record.update(self.optimize(rollouts, advantages, epoch))
+                else:
+                    record["train/skipped_updates"] = cfg.train.gradient_step_per_epoch
             record.update(self._epoch_metrics(rollouts, advantages))
             self.epoch = epoch + 1
             self.history.append(record)
@@ -225,6 +292,13 @@ class Trainer:
             bar.set_postfix_str(f"reward {self._headline(record):.4f}")
             if self._save_due():
                 self.save()
+            if self.stop.raised(acc):
+                break
+        if self.stop.signum is not None:
+            checkpoint = self.save()
+            acc.wait_for_everyone()
+            acc.end_training()
+            raise TrainingInterrupted(self.stop.signum, checkpoint or self._checkpoint_dir())
         if cfg.eval.eval_freq and not any(e["epoch"] == self.epoch for e in self.eval_history):
             self.evaluate(self.epoch)  # the final weights are always evaluated
         if not self._save_due():
@@ -239,15 +313,20 @@ class Trainer:
     def _save_due(self) -> bool:
         return bool(self.cfg.log.save_freq) and self.epoch % self.cfg.log.save_freq == 0
 
-    def _epoch_metrics(self, rollouts: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
+    def _epoch_metrics(self, rollouts: Rollouts, advantages: torch.Tensor | None) -> dict[str, float]:
         metrics = {}
         for name, scores in rollouts.rewards.items():
             scores = self.accelerator.gather(scores)
-            metrics[f"reward/{name}/mean"] = scores.mean().item()
-            metrics[f"reward/{name}/std"] = scores.std(unbiased=False).item()
-        adv = self.accelerator.gather(advantages)
-        metrics.update({"advantage/mean": adv.mean().item(), "advantage/std": adv.std(unbiased=False).item(),
-                        "advantage/abs_max": adv.abs().max().item()})
+            finite = scores[torch.isfinite(scores)]  # a skipped epoch still plots its finite rewards
+            if len(finite):
+                metrics[f"reward/{name}/mean"] = finite.mean().item()
+                metrics[f"reward/{name}/std"] = finite.std(unbiased=False).item()
+            if len(finite) < len(scores):
+                metrics[f"reward/{name}/nonfinite"] = len(scores) - len(finite)
+        if advantages is not None:
+            adv = self.accelerator.gather(advantages)
+            metrics.update({"advantage/mean": adv.mean().item(), "advantage/std": adv.std(unbiased=False).item(),
+                            "advantage/abs_max": adv.abs().max().item()})
         seconds = dict(self.timer.seconds)
         total = seconds.pop("epoch")
         seconds["other"] = total - sum(seconds.values())
@@ -259,15 +338,21 @@ class Trainer:
         return sum(v * self.rewards.weights[k.split("/")[1]] for k, v in record.items()
                    if k.startswith("reward/") and k.endswith("/mean"))
 
+    def _checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints" / f"epoch_{self.epoch}"
+
     def save(self) -> Path | None:
+        """Checkpoint the weights after ``self.epoch`` epochs (atomic: see checkpoint.py)."""
         if not self.accelerator.is_main_process:
             return None
-        out = self.run_dir / "checkpoints" / f"epoch_{self.epoch}"
-        state = {"epoch": self.epoch, "global_step": self.global_step,
-                 "history": self.history, "eval_history": self.eval_history}
-        save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, self.optimizer, state)
-        if self.ema is not None:
-            save_ema(self.ema, out)
+        out = self._checkpoint_dir()
+        try:
+            read_state(out)  # this epoch is already saved (an interrupt right after a save): keep it
+        except CheckpointError:
+            state = {"epoch": self.epoch, "global_step": self.global_step, "model_type": self.cfg.model.model_type,
+                     "history": self.history, "eval_history": self.eval_history}
+            extra = {EMA_FILE: self.ema.state_dict()} if self.ema is not None else None
+            save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, self.optimizer, state, extra)
         self._plot_rewards()
         return out
 
@@ -275,8 +360,10 @@ class Trainer:
         series: dict[str, list] = {}
         for record in self.history + self.eval_history:
             for k, v in record.items():
-                if k.startswith(("reward/", "eval/reward/")) and not k.endswith("/std"):
+                if k.startswith("eval/reward/") or (k.startswith("reward/") and k.endswith("/mean")):
                     series.setdefault(k, []).append((record["epoch"], v))
-        plot_curves(series, "reward per epoch").save(self.run_dir / "reward_curve.png")
-        (self.run_dir / "history.json").write_text(
-            json.dumps({"train": self.history, "eval": self.eval_history}, indent=1))
+        png = io.BytesIO()
+        plot_curves(series, "reward per epoch").save(png, format="PNG")
+        write_atomic(self.run_dir / "reward_curve.png", png.getvalue())
+        write_atomic(self.run_dir / "history.json",
+                     json.dumps({"train": self.history, "eval": self.eval_history}, indent=1))

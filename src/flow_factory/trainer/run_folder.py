@@ -1,0 +1,107 @@
+"""The folder of one run (``log.save_dir/log.run_name``), claimed before any model loads.
+
+Claiming it checks what would otherwise fail after hours of training, and keeps two runs
+from mixing their files:
+- the folder can be created and written (a probe file, ``run.json``, says who runs in it);
+- a folder that already holds a run (anything but ``run.json`` and ``.lock``) is never
+  reused silently: only a resume from one of its own checkpoints continues in it, and
+  ``log.overwrite: true`` replaces it;
+- a resume from an older checkpoint of the same folder, with later ones beside it, is
+  refused: its next saves would overwrite them (resume into a new ``log.run_name``);
+- ``.lock`` is held with ``flock`` while the run lives, so a second process that tries the
+  same folder is told which process has it. The kernel drops the lock when the process
+  dies, so a killed run never leaves a stale lock behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+from .checkpoint import list_checkpoints, write_atomic
+
+LOCK_FILE = ".lock"
+INFO_FILE = "run.json"
+
+
+class RunFolderError(RuntimeError):
+    """The run folder cannot be used; the message says why and what to do instead."""
+
+
+class RunFolder:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._lock = None
+
+    def claim(self, resume_from: Path | None = None, resumed_epoch: int = 0, overwrite: bool = False) -> None:
+        """Create (or take over) the folder and lock it; ``RunFolderError`` when it cannot be used.
+
+        ``resume_from``: the checkpoint folder the run resumes from (``resumed_epoch`` epochs done)."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunFolderError(f"log.save_dir: cannot create the run folder {self.path} ({e.strerror})") from None
+        self._take_lock()
+        # a run that wrote nothing but its run.json (stopped before its first log or save) is not kept
+        held = [p.name for p in self.path.iterdir() if p.name not in (LOCK_FILE, INFO_FILE)]
+        if held:
+            self._check_reuse(held, resume_from, resumed_epoch, overwrite)
+        try:
+            write_atomic(self.path / INFO_FILE, json.dumps({
+                "pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "command": sys.argv}, indent=1))
+        except OSError as e:
+            self.release()
+            raise RunFolderError(f"log.save_dir: cannot write in {self.path} ({e.strerror})") from None
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the file drops the flock
+            self._lock = None
+
+    def _take_lock(self) -> None:
+        try:
+            handle = open(self.path / LOCK_FILE, "a+")
+        except OSError as e:
+            raise RunFolderError(f"log.save_dir: cannot write in {self.path} ({e.strerror})") from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise RunFolderError(f"log.run_name: {self.path} is in use by a live run ({self._owner()}); "
+                                 "choose another log.run_name or wait for it to end") from None
+        self._lock = handle
+
+    def _owner(self) -> str:
+        try:
+            info = json.loads((self.path / INFO_FILE).read_text())
+            return f"pid {info['pid']} on {info['host']}, started {info['started']}"
+        except (OSError, ValueError, KeyError):
+            return "owner unknown"
+
+    def _check_reuse(self, held: list[str], resume_from: Path | None, resumed_epoch: int, overwrite: bool) -> None:
+        inside = resume_from is not None and self.path.resolve() in Path(resume_from).resolve().parents
+        if inside:
+            later = [p.name for p in list_checkpoints(self.path) if int(p.name[len("epoch_"):]) > resumed_epoch]
+            if later:
+                self.release()
+                raise RunFolderError(
+                    f"model.resume_path: {resume_from} is older than {', '.join(later)} of the same run, which "
+                    f"the resumed run would overwrite; resume into a new log.run_name to branch from it, or "
+                    f"resume from the latest (model.resume_path: {self.path})")
+            return
+        if overwrite:
+            for name in held:
+                target = self.path / name
+                shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
+            return
+        self.release()
+        raise RunFolderError(
+            f"log.run_name: {self.path} already holds a run ({', '.join(sorted(held)[:4])}); resume it with "
+            f"model.resume_path={self.path}, choose another log.run_name, or set log.overwrite: true to replace it")
