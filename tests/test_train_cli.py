@@ -1,16 +1,21 @@
 """`ff-train` end to end on tiny SD3, FLUX and Wan pipelines saved to a temp folder."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from helpers_runs import TINY_MODELS, tiny_run_config, write_config
 
 from flow_factory.models import get_adapter_class
+from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput
 from flow_factory.train import main
+
+TESTS_DIR = Path(__file__).resolve().parent
 
 
 def _free_port() -> int:
@@ -100,23 +105,92 @@ def test_print_config_shows_resolved_defaults(tmp_path, tiny_sd3_path, capsys):
     assert "learning_rate: 0.0005" in out and "dynamics_type: Flow-SDE" in out and "kl_beta:" in out
 
 
-def test_two_processes_make_the_same_update_as_one(tmp_path, tiny_sd3_path):
-    """DESIGN invariant 4: the same global batch on 1 and on 2 processes (accelerate launch,
-    gloo on CPU) gives the same advantages and the same LoRA, up to float reduction order."""
+# --- one process and two make the same update (DESIGN invariant 4) -----------------------------
+
+U = 2.0 ** -24  # float32 unit roundoff
+
+# AdamW with an epsilon far above sqrt(v) is momentum SGD: the denominator sqrt(v_hat) + eps rounds to
+# eps exactly while sqrt(v_hat) < ulp(1e8) / 2 = 4 (gradient entries here are < 1e-2), so a step is
+# (lr / eps) * m_hat, linear in the gradient. Plain Adam's m / sqrt(v) is ~sign(g) at the first step:
+# it turns a rounding-level difference of a small gradient entry into a full-size difference of a
+# weight. lr / eps = 10 moves the LoRA about as far as Adam at lr 1e-3; no weight decay (it scales with lr).
+LINEAR_STEP = {"learning_rate": 1e9, "adam_epsilon": 1e8, "adam_weight_decay": 0.0}
+EPOCHS, SAMPLES, STEPS = 2, 8, 3  # 2 epochs of 2 prompts x 4 samples, 3 steps each, every step trained
+# The longest float32 sum behind one LoRA gradient entry runs over rows: every sample, at every
+# trained step, in both halves of CFG, at every token of the text stream (77 CLIP + 256 T5; the image
+# stream has 4 x 4 = 16); the linear step then adds the epochs' gradients.
+TERMS = EPOCHS * SAMPLES * STEPS * 2 * (77 + 256)
+# The two runs do the same arithmetic, rounded differently: each process shuffles its own
+# micro-batches and the all-reduce adds two halves, so the sums are taken in other orders; and one
+# process reads its weights from the memory-mapped file while a distributed run copies them to
+# "cpu:0", so SIMD kernels see other alignments and round each forward and backward differently.
+# A sum of n terms, in any order, is within (n - 1) u sum|t| of the exact sum, so two orders differ by
+# at most 2 (n - 1) u sum|t|: 2 n u of the sum when the terms do not cancel. GRPO's terms have random
+# signs (advantages are +-, SDE noise is +-), so sum|t| ~ sqrt(n) |sum t|, but then the rounding errors
+# have random signs too and add up to ~sqrt(2 n) u sum|t|, again ~2 n u of the sum. The weights' change
+# is a fixed multiple of that sum (linear step), so the two runs' LoRAs may differ by 2 n u = 3.8e-3 of
+# how far the weights moved. Measured here: 0.6e-5 to 4.6e-5 (5 seeds, ATEN_CPU_CAPABILITY avx2 and
+# default); an update that really differs, by 2 % in the wrong variant below, shows as 2e-2.
+TOLERANCE = 2 * TERMS * U
+
+
+class MeanBrightness(PointwiseRewardModel):
+    """The mean pixel value, named by class path (``test_train_cli.MeanBrightness``) in the
+    two-process runs. Smooth in the image: samples that differ by rounding get rewards that differ
+    by rounding; JPEG size quantises to bytes and can turn 1e-7 into a different reward (and
+    advantage)."""
+
+    required_fields = ("image",)
+    use_tensor_inputs = True
+
+    def __call__(self, prompt=None, image=None, video=None, condition_images=None, condition_videos=None):
+        return RewardModelOutput(rewards=image.float().mean(dim=(1, 2, 3)))
+
+
+def _train_in_subprocess(folder: Path, model_path, processes: int, **train) -> dict:
+    """The real CLI in its own process (``accelerate launch`` for 2, gloo on CPU) with a deadline:
+    a distributed hang fails, it does not stall CI. Returns the final LoRA."""
     from safetensors.torch import load_file
 
-    weights = {}
-    for processes in (1, 2):
-        folder = tmp_path / f"p{processes}"
-        config = tiny_run_config(folder, "sd3-5", tiny_sd3_path, max_epochs=2, group_size=4)
-        config["num_processes"] = processes
-        config["main_process_port"] = _free_port()  # two test runs at once must not share a port
-        config["eval"]["eval_freq"] = 0
-        # the real CLI in its own process, with a deadline: a distributed hang fails, it does not stall CI
-        command = [sys.executable, "-m", "flow_factory.train", str(write_config(folder, config))]
-        subprocess.run(command, check=True, timeout=300, capture_output=True)
-        weights[processes] = load_file(folder / "saves" / "run" / "checkpoints" / "epoch_2"
-                                       / "pytorch_lora_weights.safetensors")
-    assert max(float(v.abs().max()) for v in weights[1].values()) > 1e-3  # it trained
-    for key, value in weights[1].items():
-        torch.testing.assert_close(weights[2][key], value, atol=1e-6, rtol=0)
+    config = tiny_run_config(folder, "sd3-5", model_path, max_epochs=EPOCHS, group_size=4, **{**LINEAR_STEP, **train})
+    config["num_processes"] = processes
+    config["main_process_port"] = _free_port()  # two test runs at once must not share a port
+    config["eval"]["eval_freq"] = 0
+    config["rewards"] = [{"name": "brightness", "reward_model": "test_train_cli.MeanBrightness"}]
+    # one thread in every process of both runs: no thread-count-dependent kernel splits
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "flow_factory.train", str(write_config(folder, config))]
+    result = subprocess.run(command, env=env, timeout=300, capture_output=True, text=True)
+    assert result.returncode == 0, f"{processes} process(es): exit {result.returncode}\n{result.stderr[-4000:]}"
+    return load_file(folder / "saves" / "run" / "checkpoints" / f"epoch_{EPOCHS}" / "pytorch_lora_weights.safetensors")
+
+
+def _difference_over_movement(reference: dict, other: dict) -> tuple[float, float]:
+    """(largest |other - reference| / how far ``reference`` moved, how far it moved). LoRA's B
+    matrices start at zero, so their largest entry is how far the weights moved."""
+    assert reference.keys() == other.keys() and reference
+    moved = max(float(v.abs().max()) for k, v in reference.items() if "lora_B" in k)
+    difference = max(float((other[k].double() - v.double()).abs().max()) for k, v in reference.items())
+    return difference / moved, moved
+
+
+def test_two_processes_make_the_same_update_as_one(tmp_path, tiny_sd3_path):
+    """DESIGN invariant 4: the same global batch on 1 and on 2 processes gives the same LoRA after 2
+    epochs (the same advantages, the same averaged gradient, the same second-epoch prompts), up to
+    float32 rounding (TOLERANCE, derived above); and a 2-process run that really makes a different
+    update is rejected."""
+    one = _train_in_subprocess(tmp_path / "p1", tiny_sd3_path, 1)
+    two = _train_in_subprocess(tmp_path / "p2", tiny_sd3_path, 2)
+    relative, moved = _difference_over_movement(one, two)
+    assert moved > 1e-4, f"training did not move the LoRA (largest B entry {moved:.2e})"
+    assert relative <= TOLERANCE, (f"1 and 2 processes differ by {relative:.2e} of how far the weights moved "
+                                   f"(float32 rounding allows {TOLERANCE:.2e})")
+
+    # the deliberately wrong variant: 2 processes whose update is 2 % larger. The comparison rejects
+    # it and measures it (the first epoch's change is 1.02x, the second's nearly)
+    wrong = _train_in_subprocess(tmp_path / "wrong", tiny_sd3_path, 2,
+                                 learning_rate=1.02 * LINEAR_STEP["learning_rate"])
+    relative_wrong, _ = _difference_over_movement(one, wrong)
+    assert relative_wrong > TOLERANCE, f"a 2 % larger update passed as the same ({relative_wrong:.2e})"
+    assert 0.01 < relative_wrong < 0.04, relative_wrong
