@@ -3,19 +3,29 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+LOCK   := constraints.txt
 
-.PHONY: demo tiny-demo test install clean
+.PHONY: demo tiny-demo test install lock clean
 
 # The venv sees the interpreter's site-packages, so a torch the user already has
 # (CUDA build included) is imported and kept. Only when no torch is importable do
 # we pin the CPU-friendly wheel; an unpinned torch would pull GBs of CUDA packages.
-$(STAMP): pyproject.toml
+# Everything else comes at the versions of the lock (constraints.txt, which leaves
+# torch and what only torch needs alone), installed into the venv over any other
+# version the interpreter has; the last line checks that they are what is installed.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -c $(LOCK) "torch==2.13.0"
+	$(PY) -m pip install -c $(LOCK) -e ".[dev]"
+	$(PY) scripts/lock.py --check $(LOCK)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# rewrite the lock: the newest versions pyproject.toml allows, resolved in a fresh venv
+# without system packages (a few minutes); then `make test` and commit constraints.txt
+lock:
+	$(PYTHON) scripts/lock.py --refresh $(LOCK)
 
 # GRPO on the committed pretrained ShapeBench model, held-out accuracy before / after (~9 min)
 demo: $(STAMP)
