@@ -115,6 +115,18 @@ def test_a_non_finite_gradient_skips_that_step(tmp_path, tiny_sd3_path, monkeypa
     assert _all_finite(_lora(tmp_path / "saves" / "run", 2))
 
 
+def test_a_remote_reward_answering_nan_stops_the_run_naming_the_server(tmp_path, tiny_sd3_path, capsys):
+    from test_reward_server_limits import answering
+
+    with answering(b'{"rewards": [NaN, 1.0]}') as url:
+        config = _config(tmp_path, tiny_sd3_path, max_epochs=2, per_device_batch_size=2)
+        config["rewards"] = [{"name": "judge", "reward_model": "remote", "server_url": url, "batch_size": 2}]
+        assert _train(tmp_path, config) == 1
+    err = capsys.readouterr().err
+    assert f"ff-train: reward failed: {url}/score answered" in err and "rewards[0] = nan" in err
+    assert not (tmp_path / "saves" / "run" / "checkpoints").exists()
+
+
 def test_a_base_model_with_non_finite_weights_is_refused_before_training(tmp_path, tiny_sd3_path, capsys):
     import shutil
 

@@ -51,6 +51,8 @@ def main(argv=None) -> int:
 
     # heavy imports only once the config is known to be good
     from .data import PromptFileError
+    from .rewards.async_pool import RewardError
+    from .rewards.http_client import RemoteRewardError
     from .trainer import Trainer
     from .trainer.checkpoint import CheckpointError
     from .trainer.guards import NonFiniteError
@@ -67,6 +69,9 @@ def main(argv=None) -> int:
         return 2
     except NonFiniteError as err:
         print(f"ff-train: stopped: {err}", file=sys.stderr)
+        return 1
+    except (RewardError, RemoteRewardError) as err:  # they name the reward, or the server's URL
+        print(f"ff-train: reward failed: {err}", file=sys.stderr)
         return 1
     except TrainingInterrupted as stop:
         run_dir = Path(stop.checkpoint).parent.parent
