@@ -77,8 +77,25 @@ def closure() -> dict[str, str]:
     return found
 
 
+def torch_floor_problems(pins: dict[str, str]) -> list[str]:
+    """Locked packages whose torch requirement excludes the oldest torch pyproject.toml allows:
+    with such a lock, pip would replace a user's older torch (a CUDA build) with the newest."""
+    project = [Requirement(r) for r in metadata.distribution(PROJECT).requires or []]
+    floors = [s.version for r in project if canonical(r.name) == "torch" for s in r.specifier if s.operator == ">="]
+    problems = []
+    for name in pins:
+        for line in metadata.distribution(name).requires or []:
+            req = Requirement(line)
+            if (canonical(req.name) == "torch" and (req.marker is None or req.marker.evaluate({"extra": ""}))
+                    and floors and not req.specifier.contains(floors[0], prereleases=True)):
+                problems.append(f"{name}=={pins[name]} requires {req}, pyproject.toml allows torch>={floors[0]}")
+    return problems
+
+
 def write(path: Path) -> None:
     pins = closure()
+    for problem in torch_floor_problems(pins):
+        print(f"lock: warning: {problem}; raise the floor there, or keep the older package", file=sys.stderr)
     header = [
         "# The exact versions the test suite runs with; `make` installs with",
         '#   pip install -c constraints.txt -e ".[dev]"',
