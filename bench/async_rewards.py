@@ -20,9 +20,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from flow_factory.config import parse_config  # noqa: E402
-from flow_factory.reward_server.launch import free_port, start_server, stop_server  # noqa: E402
 from flow_factory.testing import build_tiny_pipeline  # noqa: E402
 from flow_factory.trainer import Trainer  # noqa: E402
+
+from reward_servers import free_port, start_server, stop_server  # noqa: E402
 
 
 def make_config(tmp: Path, model: str, url: str, args, run: str, is_async: bool) -> dict:
@@ -69,7 +70,7 @@ def main() -> None:
     args = p.parse_args()
 
     port = free_port()
-    server = start_server("flow_factory.reward_server.examples.LatencyServer", port,
+    server = start_server("reward_servers.LatencyServer", port,
                           "--option", f"latency={args.latency}")
     try:
         with tempfile.TemporaryDirectory() as tmp:

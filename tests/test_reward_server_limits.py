@@ -26,12 +26,13 @@ from PIL import Image
 
 from flow_factory.reward_server import RewardServer
 from flow_factory.reward_server.app import create_app
-from flow_factory.reward_server.launch import free_port, start_server, stop_server
 from flow_factory.reward_server.wire import MAX_PIXELS, encode_image
 from flow_factory.rewards.http_client import RemoteRewardError
 from flow_factory.rewards.remote import RemotePointwiseRewardModel
 
-ECHO = "flow_factory.reward_server.examples.MeanPixelServer"
+from reward_servers import free_port, start_server, stop_server
+
+ECHO = "reward_servers.MeanPixelServer"  # bench/reward_servers.py
 
 
 # ---------------------------------------------------------------- helpers

@@ -14,13 +14,14 @@ import pytest
 import torch
 from PIL import Image
 
-from flow_factory.reward_server.launch import free_port, start_server, stop_server
 from flow_factory.reward_server.wire import encode_image
 from flow_factory.rewards import RewardInputs, RewardSet
 from flow_factory.rewards.http_client import RemoteRewardError
 from flow_factory.rewards.remote import RemoteGroupwiseRewardModel, RemotePointwiseRewardModel
 
-ECHO = "flow_factory.reward_server.examples.MeanPixelServer"
+from reward_servers import child_env, free_port, start_server, stop_server
+
+ECHO = "reward_servers.MeanPixelServer"  # bench/reward_servers.py
 TOKEN = "s3cret"
 
 
@@ -171,7 +172,8 @@ def test_serving_a_plain_reward_server_imports_no_torch():
             "from flow_factory.reward_server.app import create_app; "
             f"create_app(build_server('{ECHO}', {{}})); "
             "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=child_env()).stdout
     assert out.strip() == "[]"
 
 

@@ -11,10 +11,11 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 
-from flow_factory.reward_server.launch import free_port
 from flow_factory.rewards import RewardSet
 from flow_factory.rewards.vlm.base import UnscorableReply
 from flow_factory.rewards.vlm.rubric import parse_aspect_scores
+
+from reward_servers import free_port
 
 # prompt -> what the fake VLM answers (a top_logprobs list, or the reply's text)
 LOGPROBS = {
