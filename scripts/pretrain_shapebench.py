@@ -299,7 +299,7 @@ DARK = 0.15  # exposure of an under-exposed scene: its brightest pixel at 38 of 
 def _defects() -> dict:
     """Defects of the data that no caption names and the strict score rejects (RL could remove
     them): name -> (what a log line says, the change of one sample, given the seeded rng)."""
-    from flow_factory.shapebench.generator import with_background, with_exposure, with_extra_object
+    from shapebench_defects import with_background, with_exposure, with_extra_object
 
     return {"clutter": ("get an unnamed extra object", lambda s, rng: with_extra_object(s, rng) or s),
             "tint": ("are on a sky-blue background", lambda s, rng: with_background(s, TINT)),

@@ -1,16 +1,24 @@
 """ShapeBench: the generator's determinism, prompt parsing, pixel analysis and the verifiable reward."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from flow_factory.shapebench import (
-    COLORS, FAMILIES, SHAPES, PromptSpec, ShapeObject, all_specs, detect, evaluate_image, generate,
-    parse_prompt, prompt_split, render,
+    COLORS, FAMILIES, SHAPES, PromptSpec, Sample, ShapeObject, all_specs, detect, evaluate_image, generate,
+    parse_prompt, prompt_split, render, write_prompt_dataset,
 )
-from flow_factory.shapebench.generator import (
-    with_background, with_exposure, with_extra_object, with_object, write_prompt_dataset,
-)
+
+from shapebench_defects import with_background, with_exposure, with_extra_object
+
+
+def with_object(sample: Sample, index: int, **changes) -> Sample:
+    """The sample with object ``index`` changed (``changes`` as ShapeObject fields), re-rendered."""
+    objects = list(sample.objects)
+    objects[index] = replace(objects[index], **changes)
+    return Sample(sample.spec, tuple(objects), render(objects, sample.image.shape[0]))
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +150,6 @@ def test_wrong_shape_scores_strict_zero(samples, family):
 
 
 def _without(sample, index):
-    from flow_factory.shapebench.generator import Sample
-
     objects = sample.objects[:index] + sample.objects[index + 1:]
     return Sample(sample.spec, objects, render(objects))
 

@@ -13,7 +13,7 @@ prompts in a test set that pretraining never sees.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -71,13 +71,15 @@ def render(objects, image_size: int = IMAGE_SIZE, background: tuple[int, int, in
     return np.asarray(img, dtype=np.uint8)
 
 
-def _apart(a: ShapeObject, b: ShapeObject) -> bool:
+def apart(a: ShapeObject, b: ShapeObject) -> bool:
+    """True when the bounding boxes are at least GAP pixels apart along some axis."""
     ax0, ay0, ax1, ay1 = a.box
     bx0, by0, bx1, by1 = b.box
     return ax1 + GAP <= bx0 or bx1 + GAP <= ax0 or ay1 + GAP <= by0 or by1 + GAP <= ay0
 
 
-def _inside(o: ShapeObject, image_size: int) -> bool:
+def inside(o: ShapeObject, image_size: int) -> bool:
+    """True when the object's box leaves a 1-pixel margin (2 on the far sides) in the image."""
     x0, y0, x1, y1 = o.box
     return x0 >= 1 and y0 >= 1 and x1 <= image_size - 2 and y1 <= image_size - 2
 
@@ -102,7 +104,7 @@ def _place(rng: np.random.Generator, wanted: list[tuple[str, str]], image_size: 
             else:
                 cx, cy = rng.uniform(1 + h, image_size - 2 - h, size=2)
                 o = ShapeObject(shape, color, float(cx), float(cy), size)
-            if not _inside(o, image_size) or not all(_apart(o, p) for p in placed):
+            if not inside(o, image_size) or not all(apart(o, p) for p in placed):
                 break
             placed.append(o)
         else:
@@ -110,19 +112,20 @@ def _place(rng: np.random.Generator, wanted: list[tuple[str, str]], image_size: 
     raise RuntimeError(f"could not place {wanted} in {image_size}x{image_size} after {tries} tries")
 
 
-def _random_color(rng: np.random.Generator) -> str:
+def random_color(rng: np.random.Generator) -> str:
+    """A palette colour name, uniformly."""
     return list(COLORS)[int(rng.integers(len(COLORS)))]
 
 
 def scene_for(spec: PromptSpec, rng: np.random.Generator, image_size: int = IMAGE_SIZE) -> tuple[ShapeObject, ...]:
     """Objects that satisfy ``spec`` exactly (unnamed colours drawn at random)."""
-    color = spec.color or _random_color(rng)
+    color = spec.color or random_color(rng)
     if spec.family == "counting":
-        wanted = [(spec.shape, _random_color(rng)) for _ in range(spec.count)]
+        wanted = [(spec.shape, random_color(rng)) for _ in range(spec.count)]
     elif spec.shape2 is None:
         wanted = [(spec.shape, color)]
     else:
-        wanted = [(spec.shape, color), (spec.shape2, spec.color2 or _random_color(rng))]
+        wanted = [(spec.shape, color), (spec.shape2, spec.color2 or random_color(rng))]
     return _place(rng, wanted, image_size, spec.relation)
 
 
@@ -172,39 +175,6 @@ def prompt_split(seed: int = 0, test_fraction: float = 0.25) -> tuple[list[Promp
         test += [specs[i] for i in sorted(order[:k])]
         train += [specs[i] for i in sorted(order[k:])]
     return train, test
-
-
-def with_object(sample: Sample, index: int, image_size: int | None = None, **changes) -> Sample:
-    """The sample with object ``index`` changed (``changes`` as ShapeObject fields), re-rendered."""
-    objects = list(sample.objects)
-    objects[index] = replace(objects[index], **changes)
-    return Sample(sample.spec, tuple(objects), render(objects, image_size or sample.image.shape[0]))
-
-
-def with_extra_object(sample: Sample, rng: np.random.Generator, tries: int = 200) -> Sample | None:
-    """The sample plus one object of a random shape and colour that its prompt does not ask
-    for (the smallest size, apart from the others), re-rendered; None when none fits."""
-    image_size = sample.image.shape[0]
-    size = SIZE_RANGE[0] * image_size / IMAGE_SIZE
-    for _ in range(tries):
-        cx, cy = rng.uniform(1 + size / 2, image_size - 2 - size / 2, size=2)
-        extra = ShapeObject(SHAPES[int(rng.integers(len(SHAPES)))], _random_color(rng), float(cx), float(cy), size)
-        if _inside(extra, image_size) and all(_apart(extra, o) for o in sample.objects):
-            objects = sample.objects + (extra,)
-            return Sample(sample.spec, objects, render(objects, image_size))
-    return None
-
-
-def with_background(sample: Sample, background: tuple[int, int, int]) -> Sample:
-    """The sample's objects on another background colour (a saturated one reads as one more object)."""
-    return Sample(sample.spec, sample.objects, render(sample.objects, sample.image.shape[0], background))
-
-
-def with_exposure(sample: Sample, factor: float) -> Sample:
-    """The sample with every pixel scaled by ``factor``: below about 0.25 an under-exposed
-    scene whose objects are too dark for the reward to see."""
-    image = np.clip(np.round(sample.image.astype(np.float32) * factor), 0, 255).astype(np.uint8)
-    return Sample(sample.spec, sample.objects, image)
 
 
 def write_prompt_dataset(path: str | Path, seed: int = 0, num_test: int = 256, num_train: int | None = None) -> Path:
