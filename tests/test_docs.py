@@ -8,6 +8,8 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
+
 from flow_factory.config import reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,3 +99,24 @@ def test_model_guide_example_reproduces_the_pipeline(monkeypatch, tiny_sd3_path)
     assert images.shape == (2, 3, 64, 64) and 0 <= images.min() and images.max() <= 1
     torch.testing.assert_close(images, shipped.decode(final), rtol=0, atol=0)
     assert adapter.pixel_factor_of(adapter.pipeline.vae.config, adapter.transformer.config) == cls.pixel_factor
+
+
+def test_reward_guide_example_scores_through_a_config(monkeypatch):
+    """The guide's reward, named by its class path in a reward entry with its own option, scores images."""
+    import torch
+
+    from flow_factory.rewards import PointwiseRewardModel, RewardSet
+
+    (code,) = python_blocks(DOCS / "guides" / "adding-a-reward.md")
+    guide = run_block(code, "ff_guide_reward", monkeypatch)
+    assert issubclass(guide.Brightness, PointwiseRewardModel)
+    images = torch.stack([torch.full((3, 8, 8), 0.4), torch.full((3, 8, 8), 0.9), torch.rand(3, 8, 8)])
+
+    rewards = RewardSet.from_configs([{"name": "brightness", "reward_model": "ff_guide_reward.Brightness",
+                                       "target": 0.4, "batch_size": 2}])
+    scores = rewards(["a", "b", "c"], images=images)["brightness"]
+    expected = -(images.mean(dim=(1, 2, 3)) - 0.4).abs()
+    torch.testing.assert_close(scores, expected)
+    assert abs(scores[0]) < 1e-6 and scores[1] < scores[0]
+    with pytest.raises(TypeError, match="targt"):  # a misspelt option fails at the constructor
+        RewardSet.from_configs([{"reward_model": "ff_guide_reward.Brightness", "targt": 0.4}])
