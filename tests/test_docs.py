@@ -120,3 +120,34 @@ def test_reward_guide_example_scores_through_a_config(monkeypatch):
     assert abs(scores[0]) < 1e-6 and scores[1] < scores[0]
     with pytest.raises(TypeError, match="targt"):  # a misspelt option fails at the constructor
         RewardSet.from_configs([{"reward_model": "ff_guide_reward.Brightness", "targt": 0.4}])
+
+
+def test_dynamics_guide_example_keeps_the_marginals(monkeypatch):
+    """The guide's dynamics: registered it is made by name, a = 0 is the ODE step, its recomputed
+    log-prob equals the recorded one with a finite gradient, and the guide's marginal check passes."""
+    import torch
+
+    from flow_factory.dynamics import DYNAMICS, ODE, Dynamics, make_dynamics
+
+    dynamics_code, check_code = python_blocks(DOCS / "guides" / "adding-a-dynamics.md")
+    guide = run_block(dynamics_code, "ff_guide_dynamics", monkeypatch)
+    check = run_block(check_code, "ff_guide_dynamics_check", monkeypatch)
+    cls = guide.SigmaSDE
+    assert issubclass(cls, Dynamics) and cls.stochastic and cls.name not in DYNAMICS
+    monkeypatch.setitem(DYNAMICS, cls.name, cls)  # what adding it to dynamics/__init__.py does
+    dynamics = make_dynamics(cls.name, 0.7)
+
+    gen = torch.Generator().manual_seed(0)
+    x, v = torch.randn(3, 2, 4, 4, generator=gen), torch.randn(3, 2, 4, 4, generator=gen)
+    for sigma, sigma_next in ((1.0, 0.9), (0.6, 0.5), (0.1, 0.0), (torch.tensor([1.0, 0.5, 0.1]),
+                                                                 torch.tensor([0.9, 0.3, 0.0]))):
+        ode = ODE().step(x, v, sigma, sigma_next).sample
+        assert torch.equal(cls(0.0).step(x, v, sigma, sigma_next, generator=gen).sample, ode)
+        out = dynamics.step(x, v, sigma, sigma_next, generator=gen)
+        v_train = v.clone().requires_grad_(True)
+        mean, std = dynamics.mean_and_std(x, v_train, sigma, sigma_next)
+        log_prob = dynamics.log_prob(out.sample, mean, std)
+        torch.testing.assert_close(log_prob, out.log_prob, rtol=0, atol=1e-6)
+        log_prob.sum().backward()
+        assert torch.isfinite(v_train.grad).all()
+    check.check_marginals(dynamics)
