@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -38,7 +37,8 @@ from flow_factory.config import load_config  # noqa: E402
 from flow_factory.trainer import Trainer  # noqa: E402
 from flow_factory.trainer.seeding import generator  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# a sibling module: python puts bench/ on sys.path for `python bench/gradient_snr.py`, pytest's
+# pythonpath (pyproject.toml) for the tests
 from shapebench_compare import ALGORITHMS, CONFIG  # noqa: E402
 
 # rewards by name: the ShapeBench pair from its module, a built-in by its registry name

@@ -1,4 +1,4 @@
-"""Side by side on the toy 2-D flow (flow_factory.testing.toy): each algorithm's mean reward
+"""Side by side on the toy 2-D flow (bench/toy.py): each algorithm's mean reward
 before / after 30 epochs (3 seeds) and its seconds per epoch, relative to grpo.
 
     python bench/toy_algorithms.py
@@ -6,7 +6,7 @@ before / after 30 epochs (3 seeds) and its seconds per epoch, relative to grpo.
 
 import time
 
-from flow_factory.testing.toy import train_toy
+from toy import train_toy
 
 CASES = {"grpo": {"clip_range": 0.2}, "grpo-guard": {"clip_range": 1e-2}, "nft": {}, "awm": {},
          "dpo": {"beta": 200.0, "lr": 1e-2}, "nft (DPM-Solver++2M rollouts)": {"dynamics": "DPM-Solver++2M"}}

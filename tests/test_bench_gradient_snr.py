@@ -1,27 +1,15 @@
 """bench/gradient_snr.py measures what it says: batches differ only by their noise, and the
 gradient is the algorithm's loss gradient over every trained parameter."""
 
-import importlib.util
-from pathlib import Path
-
+import gradient_snr as bench
 import torch
 from helpers_runs import tiny_run_config, write_config
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "gradient_snr.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("gradient_snr", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_same_seed_same_gradient_other_seed_other_noise(tmp_path, tiny_sd3_path):
     from flow_factory.config import load_config
     from flow_factory.trainer import Trainer
 
-    bench = _bench()
     config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path, group_size=4, per_device_batch_size=4)
     path = write_config(tmp_path, config)
     trainer = Trainer(load_config(path, ["log.logging_backend=none"]))

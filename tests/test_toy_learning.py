@@ -1,6 +1,6 @@
 """Every algorithm learns: a small MLP velocity field on 2-D data, reward -|x0 - TARGET|^2
 (optimum 0), trained through the real rollout, dynamics, algorithm, AdapterPolicy and the
-shared optimize_epoch loop (flow_factory.testing.toy). 30 epochs of 64 samples, 3 seeds.
+shared optimize_epoch loop (bench/toy.py). 30 epochs of 64 samples, 3 seeds.
 
 The untrained model samples about N(0, I): a mean reward near -5. The margins are well
 under what every seed reaches (measured: grpo, grpo-guard, nft, awm end above -0.2;
@@ -8,7 +8,7 @@ dpo, which only sees each group's best and worst sample, gains 1.4 to 2.0)."""
 
 import pytest
 
-from flow_factory.testing.toy import train_toy
+from toy import train_toy
 
 CASES = {
     "grpo": ({"clip_range": 0.2}, 3.0),

@@ -1,4 +1,5 @@
-"""A toy flow model for learning tests and benches: seconds on a CPU.
+"""A toy flow model for learning tests and benches: seconds on a CPU. Used by
+tests/test_toy_learning.py and bench/toy_algorithms.py.
 
 ``ToyAdapter`` is a real ``FlowAdapter`` around a small MLP velocity field on 2-D
 "latents", so the real rollout loop, dynamics, algorithms, ``AdapterPolicy`` (full
@@ -16,15 +17,15 @@ import torch
 from accelerate import Accelerator
 from torch import Tensor, nn
 
-from ..advantages import combine_advantages
-from ..algorithms import make_algorithm
-from ..dynamics import make_dynamics
-from ..models.base import Conditioning, FlowAdapter
-from ..rollout import sample_trajectory
-from ..trainer.ema import WeightCopy
-from ..trainer.guards import NonFiniteGuard
-from ..trainer.optimize import optimize_epoch
-from ..trainer.policy import AdapterPolicy
+from flow_factory.advantages import combine_advantages
+from flow_factory.algorithms import make_algorithm
+from flow_factory.dynamics import make_dynamics
+from flow_factory.models.base import Conditioning, FlowAdapter
+from flow_factory.rollout import sample_trajectory
+from flow_factory.trainer.ema import WeightCopy
+from flow_factory.trainer.guards import NonFiniteGuard
+from flow_factory.trainer.optimize import optimize_epoch
+from flow_factory.trainer.policy import AdapterPolicy
 
 TARGET = torch.tensor([1.5, -1.0])
 
