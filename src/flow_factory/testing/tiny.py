@@ -1,10 +1,10 @@
 """Tiny, randomly initialised diffusers pipelines built from config, offline.
 
 They have the real pipelines' structure (same classes, same text encoders and
-tokenizers, same VAE layout and scheduler) at a few hundred kilobytes, so the
-tests, the demo and the benchmarks exercise the real code paths without
-downloading weights. Every build is seeded: the same call gives the same
-weights, byte for byte, without touching the caller's global RNG.
+tokenizers, same VAE layout and scheduler) at a few hundred kilobytes, so tests
+(the project's and yours), ``make tiny-demo`` and the benchmarks exercise the real
+code paths without downloading weights. Every build is seeded: the same call gives
+the same weights, byte for byte, without touching the caller's global RNG.
 
 Sizes that matter to callers: images 64x64 (latents 16x8x8); Wan videos of
 ``1 + 4k`` frames at multiples of 16 pixels (e.g. 5 frames at 32x32 -> latents
