@@ -151,3 +151,45 @@ def test_dynamics_guide_example_keeps_the_marginals(monkeypatch):
         log_prob.sum().backward()
         assert torch.isfinite(v_train.grad).all()
     check.check_marginals(dynamics)
+
+
+def test_algorithm_guide_example_weights_better_samples_more(monkeypatch):
+    """The guide's algorithm, registered, is made by name from a real TrainConfig, makes one
+    micro-batch per training timestep, and its loss is the formula in its docstring."""
+    import torch
+
+    from flow_factory.algorithms import ALGORITHMS, DecoupledAlgorithm, make_algorithm
+    from flow_factory.config import TrainConfig
+    from flow_factory.dynamics import ODE
+
+    (code,) = python_blocks(DOCS / "guides" / "adding-an-algorithm.md")
+    cls = run_block(code, "ff_guide_algorithm", monkeypatch).RewardWeightedRegression
+    assert issubclass(cls, DecoupledAlgorithm) and cls.name not in ALGORITHMS
+    monkeypatch.setitem(ALGORITHMS, cls.name, cls)  # what adding it to algorithms/__init__.py does
+    cfg = TrainConfig(trainer_type="nft", num_inference_steps=4, kl_beta=0.1, adv_clip_range=2.0)
+    algorithm = make_algorithm(cls.name, cfg, ODE())
+    assert algorithm.needs_reference
+
+    gen = torch.Generator().manual_seed(0)
+    rollouts = types.SimpleNamespace(latents=torch.randn(4, 5, 2, 3, generator=gen), sigmas=torch.linspace(1, 0, 5),
+                                     log_probs=torch.zeros(4, 4), sde_steps=[], means=None,
+                                     cond={"c": torch.randn(4, 1, 1, generator=gen)})
+    advantages = torch.tensor([3.0, -1.0, 0.5, -2.5])
+    units = algorithm.training_units(torch.tensor([0, 0, 1, 1]), advantages)
+    batches = list(algorithm.micro_batches(rollouts, advantages, units, torch.Generator().manual_seed(1)))
+    assert len(batches) == algorithm.num_timesteps == 3  # int(4 steps x timestep_range 0.9)
+
+    weights = torch.nn.Parameter(torch.tensor(0.3))
+    policy = types.SimpleNamespace(velocity=lambda x, sigma, cond: weights * x + cond["c"],
+                                   reference_velocity=lambda x, sigma, cond: 0.5 * x)
+    batch = batches[0]
+    loss, metrics = algorithm.loss(policy, batch)
+    w = torch.exp(advantages.clamp(-2, 2) / 2)
+    w = w / w.mean()
+    v = policy.velocity(batch.x_t, batch.sigma, batch.cond)
+    error = ((v - (batch.noise - batch.x0)) ** 2).mean(dim=(1, 2))
+    kl = ((v - 0.5 * batch.x_t) ** 2).mean(dim=(1, 2)).mean()
+    torch.testing.assert_close(loss, (w * error).mean() + 0.1 * kl)
+    assert w[0] > w[2] > w[1] > w[3] and metrics["weight_max"] == w.max()
+    loss.backward()
+    assert torch.isfinite(weights.grad)
