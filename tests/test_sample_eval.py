@@ -8,10 +8,11 @@ import torch
 import yaml
 from PIL import Image
 
-from flow_factory.evaluate import by_family
 from flow_factory.evaluate import main as ff_eval
 from flow_factory.sample import main as ff_sample
 from flow_factory.shapebench import evaluate_image
+
+import shapebench_families  # scripts/
 
 PROMPTS = ["a photo of a red circle", "a photo of two squares", "a photo of a circle left of a triangle"]
 
@@ -97,12 +98,16 @@ def test_ff_eval_prints_a_table_and_writes_json_that_match_the_images(tmp_path, 
         assert result["rewards"][name]["n"] == 3
         assert f"{name} " in table and f"{result['rewards'][name]['mean']:.4f}" in table
     assert Image.open(tmp_path / "g.png").width == 3 * 256
-    # one prompt per family here, so each family's mean is that sample's score
-    assert list(result["by_family"]) == ["counting", "colors", "position"]
+    assert "family" not in table  # ff-eval knows no benchmark: ShapeBench's table is a script's
+    # scripts/shapebench_families.py reads the JSON; one prompt per family here, so each
+    # family's mean is that sample's score
+    assert shapebench_families.main([str(out)]) == 0
+    family_table = capsys.readouterr().out
+    families = shapebench_families.by_family(result["samples"])
+    assert list(families) == ["counting", "colors", "position"]  # FAMILIES order
     for sample, family in zip(result["samples"], ("colors", "counting", "position")):
-        assert result["by_family"][family]["strict"] == sample["strict"]
-        assert result["by_family"][family]["n"] == 1
-    assert "position" in table and "family" in table
+        assert families[family] == {"strict": sample["strict"], "jpeg": sample["jpeg"], "n": 1}
+        assert f"{family} " in family_table and f"{sample['strict']:.4f}" in family_table
     # ff-eval seeds sample i as ff-sample does with the same seed: the strict scores are those of its images
     ff_sample([str(tiny_sd3_path), "--prompts", *PROMPTS, "--out", str(tmp_path / "s"), "--steps", "4", "--seed", "5",
                "--batch-size", "2"])
@@ -111,14 +116,18 @@ def test_ff_eval_prints_a_table_and_writes_json_that_match_the_images(tmp_path, 
     assert strict == [s["strict"] for s in result["samples"]]
 
 
-def test_by_family_averages_each_family_and_skips_other_prompts():
-    prompts = ["a photo of a circle", "a photo of two squares", "a photo of a square"]
-    scores = {"strict": torch.tensor([1.0, 1.0, 0.0]), "partial": torch.tensor([1.0, 0.5, 0.25])}
-    assert by_family(prompts, scores) == {
+def test_shapebench_families_averages_each_family_and_names_a_prompt_of_another_benchmark(tmp_path, capsys):
+    samples = [{"prompt": "a photo of a circle", "strict": 1.0, "partial": 1.0},
+               {"prompt": "a photo of two squares", "strict": 1.0, "partial": 0.5},
+               {"prompt": "a photo of a square", "strict": 0.0, "partial": 0.25}]
+    assert shapebench_families.by_family(samples) == {
         "single_object": {"strict": 0.5, "partial": 0.625, "n": 2},
         "counting": {"strict": 1.0, "partial": 0.5, "n": 1},
     }
-    assert by_family(prompts + ["a cat on a sofa"], {k: torch.cat([v, v[:1]]) for k, v in scores.items()}) is None
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({"samples": samples + [{"prompt": "a cat on a sofa", "strict": 0.0, "partial": 0.0}]}))
+    assert shapebench_families.main([str(path)]) == 2
+    assert "not a ShapeBench prompt: 'a cat on a sofa'" in capsys.readouterr().err
 
 
 def test_ff_eval_reports_a_config_error(tmp_path, tiny_sd3_path, capsys):

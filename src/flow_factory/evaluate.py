@@ -6,9 +6,9 @@ the eval settings (ODE, ``eval.resolution``, ``eval.num_inference_steps``,
 ``eval.guidance_scale``, noise seeded by ``eval.seed``) through the same components as
 the Trainer's eval, so the numbers match a run's ``eval/reward/*`` at that checkpoint.
 Prints a table (reward, mean, std, min, max, n) and writes it as JSON with each
-sample's scores; ``--grid`` also saves a sample grid PNG. When every test prompt is a
-ShapeBench prompt, it also prints and saves each reward's mean per prompt family, as
-GenEval reports its tasks (``by_family`` in the JSON).
+sample's prompt and scores, from which a benchmark can make its own tables (the
+repository's scripts/shapebench_families.py: ShapeBench's per family); ``--grid`` also
+saves a sample grid PNG.
 """
 
 from __future__ import annotations
@@ -45,38 +45,11 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def by_family(prompts: list[str], scores: dict) -> dict[str, dict[str, float]] | None:
-    """{family: {reward: mean, "n": count}} in FAMILIES order, or None unless every prompt is ShapeBench's."""
-    from .shapebench.prompts import FAMILIES, prompt_family
-
-    families = [prompt_family(p) for p in prompts]
-    if not families or None in families:
-        return None
-    out = {}
-    for family in FAMILIES:
-        rows = [i for i, f in enumerate(families) if f == family]
-        if rows:
-            out[family] = {name: s[rows].mean().item() for name, s in scores.items()} | {"n": len(rows)}
-    return out
-
-
-def format_family_table(table: dict[str, dict[str, float]]) -> str:
-    names = [k for k in next(iter(table.values())) if k != "n"]
-    width = max(len("family"), *(len(f) for f in table))
-    cols = [max(9, len(n)) for n in names]
-    lines = [f"{'family':<{width}}  " + "  ".join(f"{n:>{c}}" for n, c in zip(names, cols)) + f"  {'n':>5}"]
-    for family, row in table.items():
-        lines.append(f"{family:<{width}}  " + "  ".join(f"{row[n]:>{c}.4f}" for n, c in zip(names, cols))
-                     + f"  {row['n']:>5d}")
-    return "\n".join(lines)
-
-
 def evaluate_config(cfg, checkpoint=None):
     """(summary, rollouts) of ``cfg``'s eval rewards on its test prompts."""
     from .data import load_prompts
     from .rewards import RewardSet
     from .sampling_tools import load_for_sampling, sample_prompts
-    from .shapebench import reward as _shapebench  # noqa: F401  registers the shapebench names
 
     ev = cfg.eval
     items = load_prompts(cfg.data.dataset_dir, "test", cfg.data.max_dataset_size)
@@ -108,17 +81,13 @@ def main(argv=None) -> int:
         print(f"ff-eval: {e}", file=sys.stderr)
         return 2
     print(format_table(summary))
-    families = by_family(rollouts.prompts, rollouts.rewards)
-    if families:
-        print(format_family_table(families))
     default_dir = Path(args.checkpoint) if args.checkpoint else Path(cfg.log.save_dir) / cfg.log.run_name
     out = Path(args.out) if args.out else default_dir / "eval.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     samples = [{"prompt": p, **{k: v[i].item() for k, v in rollouts.rewards.items()}}
                for i, p in enumerate(rollouts.prompts)]
     out.write_text(json.dumps({"config": str(args.config), "checkpoint": args.checkpoint,
-                               "model": cfg.model.model_name_or_path, "rewards": summary, "by_family": families,
-                               "samples": samples},
+                               "model": cfg.model.model_name_or_path, "rewards": summary, "samples": samples},
                               indent=1))
     if args.grid:
         from .trainer.grid import caption, sample_grid
