@@ -27,104 +27,18 @@ Three stages, each seeded from ``--seed``:
 A stage stops after its step budget or its minutes, whichever comes first. With the
 default step budgets, no time limit and the default thread counts (2 for each stage:
 float sums come out differently with another count), the weights are reproduced from the
-seed; the defaults, then 8000 steps more with ``--init-from``, then 5000 more on fresh
-scenes made assets/shapebench/sd3 (below: "the committed model"). A continued run loads
-the whole saved pipeline (VAE, latent factors, text encoders), draws its batches from
-another seed, and with another ``--seed`` trains on other scenes. (It once rebuilt the
-text encoders from ``--seed``: 8000 steps with ``--seed 1`` then trained the transformer
-against other random encoders, test.txt strict 0.262 -> 0.141, single objects 0.13.)
-Two 200-step runs of stage 2 at 2 threads wrote byte-identical weights (one beside a
-2-thread job); the first model, made at 1 thread, was reproduced whole, file for file.
+seed; the three commands above, in turn, made assets/shapebench/sd3. A continued run
+(``--init-from``) loads the whole saved pipeline (VAE, latent factors, text encoders),
+draws its batches from another seed, and with another ``--seed`` trains on other scenes.
 
-The committed model, made in three runs (2 threads): the defaults (96 min, partly beside
-other jobs): VAE 1200 steps, reconstructions strict 1.000; a 4 x 128 transformer (2.3M
-parameters, lr 7e-4, EMA 0.998) 16000 steps at 0.27-0.34 s on 40000 scenes, 40 % of them
-on a sky-blue background no caption names (``--tint 0.4``: a defect for RL to remove, as RL
-fine-tuning removes a style or an exposure nobody asked for), loss 0.31; on
-examples/data/shapebench_prompts/test.txt at cfg 2: 42 % of the samples on sky blue,
-strict 0.215 / partial 0.616, strict 0.358 on the white ones (single object 0.85, colours
-0.69, two objects 0.30, counting 0.20, colour attribution 0.08, position 0.05); held-out
-from ``generate``: strict 0.191 / partial 0.598. Then ``--init-from`` it, ``--steps 8000``
-(45 min, 0.32 s a step, loss 0.30 -> 0.29): 42 % on sky blue, strict 0.262 / partial 0.680,
-0.423 on the white ones (single object 0.93, colours 0.78, two objects 0.23, counting 0.23,
-colour attribution 0.14, position 0.00); held-out from ``generate``: 0.219 / 0.626. Then
-``--init-from`` that, ``--seed 1`` (40000 fresh scenes), ``--tint 0.5`` (more room for RL:
-the demo's gain is about the sky share times the accuracy on white), ``--cosine``, 5000
-steps (27 min, 0.31 s a step, loss 0.285): 53 % on sky blue, strict 0.219 / partial 0.670,
-0.450 on the white ones (single object 0.81, colours 0.71, two objects 0.53, counting 0.30,
-colour attribution 0.25, position 0.00); held-out from ``generate``: 0.203 / 0.650. 10.7 MB.
+The text encoders are in eval mode, as at inference (``build_pipeline``): T5's dropout
+must be off when its training embeddings are cached, since it is off when the model is
+sampled. ``--tint``, ``--dark`` and ``--clutter`` put a data defect into a share of the
+scenes (``scripts/shapebench_defects.py``): something no caption names, for RL to remove.
 
-The text encoders are put in eval mode as at inference (build_pipeline). Every model in
-the list below was made before that line: it cached its T5 embeddings with T5's dropout
-(0.1) on and was sampled with it off. The first committed model (4 x 64, commit 928e52b's
-script and weights) rerun with the fix (``--vae-from`` its VAE, 8682 steps at 2 threads,
-20 min): test.txt strict 0.242 (0.207 before; single object 0.70, colours 0.58, counting
-0.07, colour attribution 0.07, position 0.02, two objects 0.00), held-out from ``generate``
-0.273 (0.262); 20 or 40 Euler steps instead of 10: 0.262, 0.246.
-
-Measured on the project's 2-core CPU (fp32):
-* seconds per training step at batch 64, 2 threads, machine otherwise nearly idle:
-  transformer 4 layers x width 64 (0.59M params) 0.469 s with 256 T5 tokens, 0.119 s
-  with 16; 4 x 128 (2.3M) 0.266 s; 6 x 96 (2.0M) 0.371 s (16 tokens). VAE at batch 64
-  on 64x64 images 0.88 s; at batch 32 on 32x32 crops 0.14 s.
-* stage 1: 1200 VAE steps in 160 s; reconstructions of 256 fresh scenes score strict
-  0.996, partial 0.996.
-* stage 2, two runs side by side at 1 thread each (31 min each, 20000 training
-  images, latents + embeddings cached in 90 s): 4 x 64, lr 1e-3, EMA 0.999 reached
-  8682 steps (0.22 s/step; loss 2.4 -> 0.33); 4 x 128, lr 7e-4, EMA 0.998 reached
-  3628 steps (0.53 s/step; loss 0.35).
-* held-out strict / partial accuracy (256 samples from ``generate(256, seed + 5)`` on
-  the held-out prompts, 10 Euler steps, noise seeds 0..255):
-  4 x 64: cfg 1.0 0.180 / 0.446, cfg 2.0 0.262 / 0.523, cfg 3.0 0.242 / 0.531;
-  4 x 128: cfg 1.0 0.199 / 0.385, cfg 3.0 0.238 / 0.433 (scored before the strict score
-  demanded "nothing but the named objects", so an upper bound).
-  Chance: VAE-decoded Gaussian latents score strict 0.0, partial 0.52.
-  The 4 x 64 run was the first committed model (3.8 MB; made in two runs, stage 1
-  with ``--steps 0 --vae-out`` and stage 2 with ``--vae-from``, ``--width 64 --lr 1e-3
-  --ema 0.999 --steps 8682 --images 20000 --tint 0 --threads 1``); at the demo's cfg 2.0 it
-  scored strict 0.207 on examples/data/shapebench_prompts/test.txt (256 lines). A one-run
-  reproduction with those settings (42 min beside another job) wrote every safetensors file
-  byte-identical (sha256), with the same held-out score (cfg 2: strict 0.262, partial 0.523).
-Earlier variants, all with the first model's settings unless said (and the T5 dropout):
-* ``--clutter 0.4`` (one unnamed extra object in 40 % of the stage-2 scenes, a data defect
-  that the strict score rejects and RL might remove; stage 2 only, on the first model's VAE
-  with ``--vae-from``, ``--threads 2 --minutes 36 --steps 1000000 --images 40000``;
-  measured with a first form of the clutter defect that drew the placement slightly
-  differently): 14519 steps at 0.15 s, loss 0.36; held-out strict 0.211 / partial 0.550
-  at cfg 2; on test.txt strict 0.215, 40 of 256 samples failing on the extra object alone.
-  Not committed: 120 epochs of the demo's GRPO on ``shapebench_strict`` moved the training
-  strict 0.25 -> 0.33 and held-out strict only 0.215 -> 0.242 (docs/DESIGN.md).
-* global defects, both stages (``--threads 2 --steps 14000 --images 40000``, 35 min each,
-  alone on the machine; not committed; docs/DESIGN.md, "A defect GRPO removes"):
-  ``--tint 0.5`` (sky-blue background): VAE reconstructions keep it (corner 124/178/253);
-  on test.txt at cfg 2, 53 % of samples on sky blue, strict 0.102, 0.207 on white.
-  ``--dark 0.45`` (exposure 0.15): VAE reconstructions of dark scenes stay under the
-  reward's value threshold (brightest pixel 61); 48 % of samples dark, strict 0.117,
-  0.224 on the others (held-out from ``generate``: cfg 2 0.102, cfg 4.5 0.105); the
-  demo's GRPO on it: dark 48 % -> 3 %, strict 0.117 -> 0.156, lit samples 0.224 -> 0.161.
-  The same dark data on a 4 x 96 transformer (``--width 96 --lr 8e-4 --minutes 48``, the
-  dark run's VAE): 13271 steps at 0.21 s, loss 0.327 (4 x 64: 0.342), 6.7 MB; 47 % dark,
-  strict 0.109, 0.207 on the others: width and steps did not raise the accuracy.
-* ``--shift 1`` against the default 3 (the first VAE, 1 thread each side by side,
-  ``--minutes 10``, 2868 steps): held-out strict at cfg 2 0.031 against 0.078.
-* ``--patch 1`` (256 image tokens of 4 x 4 pixels instead of 64 of 8 x 8; with ``--tint 0.4``,
-  both stages, ``--threads 2 --steps 8000 --images 40000``, 64 min): 0.42-0.46 s per step
-  (3.7x patch 2), loss 0.360 at step 6550 (patch 2: 0.355); on test.txt at cfg 2 strict
-  0.051, 48 % on sky blue, 0.090 on white (single object 0.14: many white samples hold no
-  object at all). At this step budget patch 1 is worse, and it would make every sampling
-  step of the demo 3.7x slower as well.
-* ``--cosine`` (learning rate decayed to 0 at the step budget; ``--tint 0.4`` on the
-  ``--tint 0.5`` run's VAE, ``--threads 2 --steps 14000 --images 40000``, 31 min): loss 0.335
-  at the end (constant lr, the tint 0.5 run: 0.332); on test.txt at cfg 2 41 % on sky blue,
-  strict 0.113, 0.185 on white (single object 0.71, colours 0.21, position 0.14, two objects
-  0.04, counting 0.04, colour attribution 0.0): no better than a constant rate.
-* ``--train-text`` (the three text encoders trained with the transformer, EMA included;
-  otherwise the first model's settings on its VAE, ``--threads 2 --minutes 30``): 0.24 s
-  per step, 7284 steps, loss 0.352; held-out strict at cfg 2 0.191 (the first model:
-  0.262), on test.txt 0.129 (0.207; single object 0.40, colours 0.33, the other families
-  0.00-0.02): trained encoders did not help at this budget.
-* the earlier smoke run with 256 T5 tokens (load average about 4 from other work):
-  51 VAE + 51 transformer steps took 468 s and scored 0.0 strict.
+The runs of this script, their settings and scores (the committed model's three runs,
+the first committed model, the variants tried and not kept) are in
+docs/experiments/shapebench.md, section 1.
 """
 
 from __future__ import annotations
