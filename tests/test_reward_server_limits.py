@@ -26,9 +26,9 @@ from PIL import Image
 
 from flow_factory.reward_server import RewardServer
 from flow_factory.reward_server.app import create_app
-from flow_factory.reward_server.wire import MAX_PIXELS, encode_image
 from flow_factory.rewards.http_client import RemoteRewardError
 from flow_factory.rewards.remote import RemotePointwiseRewardModel
+from flow_factory.wire import MAX_PIXELS, encode_image
 
 from reward_servers import free_port, start_server, stop_server
 

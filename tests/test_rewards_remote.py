@@ -14,10 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
-from flow_factory.reward_server.wire import encode_image
 from flow_factory.rewards import RewardInputs, RewardSet
 from flow_factory.rewards.http_client import RemoteRewardError
 from flow_factory.rewards.remote import RemoteGroupwiseRewardModel, RemotePointwiseRewardModel
+from flow_factory.wire import encode_image
 
 from reward_servers import child_env, free_port, start_server, stop_server
 

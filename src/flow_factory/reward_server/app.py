@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from fastapi import Depends, FastAPI, HTTPException, Request
 from pydantic import ValidationError
 
+from ..wire import MAX_PIXELS, OpenedRequest, ScoreRequest, ScoreResponse, TooManyPixels, open_request
 from .base import RewardServer
-from .wire import MAX_PIXELS, OpenedRequest, ScoreRequest, ScoreResponse, TooManyPixels, open_request
 
 
 class BodyLimit:
@@ -228,7 +228,7 @@ def parse_request(body: bytes) -> ScoreRequest:
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}"
                              for err in e.errors(include_url=False, include_input=False))
         raise HTTPException(422, f"{problems} (expected a JSON object with keys {sorted(ScoreRequest.model_fields)}, "
-                                 f"see flow_factory.reward_server.wire.ScoreRequest)") from None
+                                 f"see flow_factory.wire.ScoreRequest)") from None
 
 
 def create_app(server: RewardServer, token: str | None = None, max_request_bytes: int = 64 * 2**20,

@@ -1,5 +1,5 @@
 """Rewards computed by a reward server (``ff-reward-server``, or anything speaking its
-JSON: POST ``{server_url}/score``, see ``flow_factory.reward_server.wire``).
+JSON: POST ``{server_url}/score``, see ``flow_factory.wire``).
 
 ``RemotePointwiseRewardModel`` sends each chunk of ``batch_size`` samples as one
 request; ``RemoteGroupwiseRewardModel`` sends each group as one request marked as a
@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..reward_server.wire import encode_image
+from ..wire import ScoreRequest, encode_image
 from .base import GroupwiseRewardModel, PointwiseRewardModel, RewardModelOutput
 from .http_client import JsonClient, RemoteRewardError
 from .registry import register_reward
@@ -40,15 +40,15 @@ class _RemoteReward:
         self.image_format = image_format.upper()
 
     def __call__(self, prompt, image=None, video=None, condition_images=None) -> RewardModelOutput:
-        enc = lambda im: encode_image(im, self.image_format)  # noqa: E731
-        payload = {"prompts": list(prompt), "group": self._group, "kwargs": self.request_kwargs}
-        if image is not None:
-            payload["images"] = [enc(im) for im in image]
-        if video is not None:
-            payload["videos"] = [[enc(f) for f in frames] for frames in video]
-        if condition_images is not None:
-            payload["condition_images"] = [[enc(c) for c in conds] for conds in condition_images]
-        body = self.client.post("/score", payload)
+        def each(images):
+            return None if images is None else [encode_image(im, self.image_format) for im in images]
+
+        # built with the server's own request model: a payload it would refuse fails here, before sending
+        request = ScoreRequest(prompts=list(prompt), group=self._group, kwargs=self.request_kwargs,
+                               images=each(image), videos=None if video is None else [each(f) for f in video],
+                               condition_images=None if condition_images is None else [
+                                   each(c) for c in condition_images])
+        body = self.client.post("/score", request.model_dump(exclude_none=True))
         return RewardModelOutput(rewards=torch.tensor(self._rewards_in(body, len(prompt)), dtype=torch.float32))
 
     def _rewards_in(self, body, n: int) -> list[float]:

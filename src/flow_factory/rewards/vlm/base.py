@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from PIL import Image
 
-from ...reward_server.wire import encode_image
+from ...wire import encode_image
 from ..base import PointwiseRewardModel, RewardModelOutput
 from ..http_client import JsonClient
 

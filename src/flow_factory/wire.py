@@ -1,4 +1,10 @@
-"""The JSON that client and server exchange, and its checks.
+"""The reward server's wire format: the JSON that a remote reward (the client, in
+``flow_factory.rewards``) and ``ff-reward-server`` (``flow_factory.reward_server``) exchange,
+and its checks.
+
+It lives outside both packages, and imports neither torch nor either of them, so each side
+imports it without importing the other: the server runs where torch is not installed, and
+the rewards never depend on the server.
 
 Media travel as base64 PNG (lossless for the uint8 images rewards see) or JPEG/WebP;
 nothing a client sends is executed or unpickled: it is JSON, base64 and image decoding.
