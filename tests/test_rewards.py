@@ -1,6 +1,7 @@
 """Rewards: the call contract (chunking, groups, fields, PIL vs tensor), the registry,
 jpeg_compressibility against an independent computation, and RewardSet."""
 
+import importlib.util
 import io
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from flow_factory.rewards import (
     resolve_reward_class,
 )
 from flow_factory.rewards.jpeg_compressibility import JpegCompressibility
-from flow_factory.rewards.registry import scan_registrations
+from flow_factory.rewards.registry import BUILTIN_REWARDS
 
 CALLS: list[dict] = []  # what each test reward was called with
 
@@ -242,15 +243,21 @@ def test_register_reward_refuses_a_taken_name():
         register_reward("jpeg_compressibility")(PromptLength)
 
 
-def test_scan_finds_registrations_without_importing(tmp_path):
-    (tmp_path / "heavy.py").write_text(textwrap.dedent("""
-        import surely_not_installed_pkg  # importing this file would fail
+def test_every_builtin_name_points_at_a_class_of_its_module():
+    """Read as source, not imported: the table must not need transformers to be checked."""
+    for name, path in BUILTIN_REWARDS.items():
+        assert name == name.lower(), name  # looked up lower-cased
+        module, _, cls = path.partition(":")
+        source = importlib.util.find_spec(module).origin
+        with open(source, encoding="utf-8") as f:
+            assert f"\nclass {cls}(" in f.read(), f"{name}: no class {cls} in {source}"
 
-        @register_reward("Fancy")
-        class FancyReward(PointwiseRewardModel):
-            pass
-    """))
-    assert scan_registrations(tmp_path, "pkg.rewards") == {"fancy": "pkg.rewards.heavy:FancyReward"}
+
+def test_a_user_registration_adds_a_name(user_module):
+    from my_rewards_mod import Constant
+
+    register_reward("my_constant")(Constant)
+    assert resolve_reward_class("My_Constant") is Constant
 
 
 def test_resolving_a_builtin_imports_only_its_module():

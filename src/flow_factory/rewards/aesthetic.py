@@ -17,7 +17,6 @@ import torch
 
 from .base import PointwiseRewardModel, RewardModelOutput
 from .clip_common import flatten_media, image_embeddings, load_clip, mean_per_sample
-from .registry import register_reward
 
 AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
 
@@ -52,7 +51,6 @@ def load_linear_chain(path: str | Path) -> list[tuple[torch.Tensor, torch.Tensor
     return chain
 
 
-@register_reward("aesthetic")
 class Aesthetic(PointwiseRewardModel):
     required_fields = ("image", "video")
 

@@ -7,12 +7,10 @@ import torch
 
 from .base import PointwiseRewardModel, RewardModelOutput
 from .clip_common import flatten_media, image_embeddings, load_clip, mean_per_sample, text_embeddings
-from .registry import register_reward
 
 CLIP_MODEL = "openai/clip-vit-large-patch14"
 
 
-@register_reward("CLIP")
 class ClipScore(PointwiseRewardModel):
     required_fields = ("prompt", "image", "video")
 

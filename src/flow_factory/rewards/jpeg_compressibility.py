@@ -14,7 +14,6 @@ import torch
 from PIL import Image
 
 from .base import PointwiseRewardModel, RewardModelOutput
-from .registry import register_reward
 
 
 def jpeg_size_kb(image: Image.Image, quality: int = 95) -> float:
@@ -23,7 +22,6 @@ def jpeg_size_kb(image: Image.Image, quality: int = 95) -> float:
     return buffer.tell() / 1000
 
 
-@register_reward("jpeg_compressibility")
 class JpegCompressibility(PointwiseRewardModel):
     required_fields = ("image", "video")
     use_tensor_inputs = False

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from .base import PointwiseRewardModel, RewardModelOutput
-from .registry import register_reward
 
 INSTALL = "pip install paddleocr paddlepaddle"
 
@@ -60,7 +59,6 @@ def paddle_text(result) -> str:
     return "".join(text for _, (text, conf) in (lines or []) if conf > 0)
 
 
-@register_reward("ocr")
 class OcrReward(PointwiseRewardModel):
     required_fields = ("prompt", "image")
 

@@ -12,7 +12,6 @@ import torch
 
 from .base import GroupwiseRewardModel, PointwiseRewardModel, RewardModelOutput
 from .clip_common import flatten_media, image_embeddings, load_clip, mean_per_sample, text_embeddings
-from .registry import register_reward
 
 PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
 PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
@@ -44,14 +43,11 @@ class _PickScorer:
         return mean_per_sample(per_picture, owner, len(prompt))
 
 
-@register_reward("PickScore")
 class PickScore(_PickScorer, PointwiseRewardModel):
     def __call__(self, prompt, image=None, video=None) -> RewardModelOutput:
         return RewardModelOutput(rewards=self.pickscores(prompt, image, video))
 
 
-@register_reward("PickScore_Rank")
-@register_reward("PickScoreRank")  # Flow-Factory's other spelling
 class PickScoreRank(_PickScorer, GroupwiseRewardModel):
     def __call__(self, prompt, image=None, video=None) -> RewardModelOutput:
         n = len(prompt)

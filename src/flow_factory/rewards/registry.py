@@ -4,30 +4,42 @@ A config's ``reward_model`` is either a registered name (case-insensitive, as in
 Flow-Factory: ``PickScore`` and ``pickscore`` are the same) or a class path,
 ``package.module.ClassName`` or ``package.module:ClassName``.
 
-Built-in rewards register themselves with ``@register_reward("name")``. To find a
-built-in without importing every reward module (and with them transformers,
-open_clip, OCR engines, ...), the package's source files are scanned for that
-decorator: resolving a name imports only the one module that defines it.
+The built-in rewards are the table ``BUILTIN_REWARDS``: a name and where its class is,
+as text. Resolving a name imports only that one module, so a run never pays for (or
+needs) the dependencies of rewards it does not use: transformers, open_clip, OCR engines.
+A reward shipped elsewhere in the package (``shapebench``) is a line of the same table.
+A user's own reward needs no registration (give its class path), or registers a short
+name with ``@register_reward("name")`` in a module the run imports.
 """
 
 from __future__ import annotations
 
-import ast
 import difflib
 import importlib
-from pathlib import Path
 
 from .base import BaseRewardModel, GroupwiseRewardModel, PointwiseRewardModel
 
-_PACKAGE = __name__.rsplit(".", 1)[0]  # flow_factory.rewards
-_PACKAGE_DIR = Path(__file__).parent
-# built-in rewards that live beside the package they belong to, found the same way
-_BUILTIN_SOURCES = [(_PACKAGE_DIR, _PACKAGE),
-                    (_PACKAGE_DIR.parent / "shapebench", _PACKAGE.rsplit(".", 1)[0] + ".shapebench")]
+# lower-cased name -> "module:Class"; adding a built-in reward is adding its line here
+BUILTIN_REWARDS: dict[str, str] = {
+    "pickscore": "flow_factory.rewards.pickscore:PickScore",
+    "pickscore_rank": "flow_factory.rewards.pickscore:PickScoreRank",
+    "pickscorerank": "flow_factory.rewards.pickscore:PickScoreRank",  # Flow-Factory's other spelling
+    "clip": "flow_factory.rewards.clip_score:ClipScore",
+    "aesthetic": "flow_factory.rewards.aesthetic:Aesthetic",
+    "jpeg_compressibility": "flow_factory.rewards.jpeg_compressibility:JpegCompressibility",
+    "ocr": "flow_factory.rewards.ocr:OcrReward",
+    "remote": "flow_factory.rewards.remote:RemotePointwiseRewardModel",
+    "remote_groupwise": "flow_factory.rewards.remote:RemoteGroupwiseRewardModel",
+    "vllm_evaluate": "flow_factory.rewards.vlm.yes_no:YesNoJudge",
+    "rational_rewards_t2i": "flow_factory.rewards.vlm.rubric:RubricT2IJudge",
+    "rational_rewards_edit": "flow_factory.rewards.vlm.rubric:RubricEditJudge",
+    # the verifiable reward of the ShapeBench benchmark (flow_factory/shapebench)
+    "shapebench": "flow_factory.shapebench.reward:ShapeBenchReward",
+    "shapebench_strict": "flow_factory.shapebench.reward:ShapeBenchStrictReward",
+}
 
-# lower-cased name -> "module:QualName"; filled by the decorator and the source scan
-_REGISTRY: dict[str, str] = {}
-_scanned = False
+# names registered at run time by @register_reward, same form
+_USER_REWARDS: dict[str, str] = {}
 
 
 def register_reward(name: str):
@@ -36,49 +48,22 @@ def register_reward(name: str):
     def decorate(cls: type) -> type:
         path = f"{cls.__module__}:{cls.__qualname__}"
         key = name.lower()
-        if _REGISTRY.get(key, path) != path:
-            raise ValueError(f"reward name {name!r} is already registered to {_REGISTRY[key]}, "
-                             f"cannot register {path}")
-        _REGISTRY[key] = path
+        taken = registered_rewards().get(key, path)
+        if taken != path:
+            raise ValueError(f"reward name {name!r} is already registered to {taken}, cannot register {path}")
+        _USER_REWARDS[key] = path
         return cls
 
     return decorate
 
 
-def scan_registrations(package_dir: Path | str, package: str) -> dict[str, str]:
-    """``{name: "package.module:Class"}`` for every ``@register_reward("name")`` class
-    in the ``.py`` files under ``package_dir`` (sub-packages included), read as text,
-    never imported."""
-    found: dict[str, str] = {}
-    for path in sorted(Path(package_dir).rglob("*.py")):
-        module = ".".join([package, *path.relative_to(package_dir).with_suffix("").parts])
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        except SyntaxError:
-            continue  # a broken file fails loudly when (and only if) it is imported
-        for node in tree.body:
-            if not isinstance(node, ast.ClassDef):
-                continue
-            for deco in node.decorator_list:
-                if (isinstance(deco, ast.Call) and getattr(deco.func, "id", None) == "register_reward"
-                        and deco.args and isinstance(deco.args[0], ast.Constant)
-                        and isinstance(deco.args[0].value, str)):
-                    found[deco.args[0].value.lower()] = f"{module}:{node.name}"
-    return found
-
-
 def registered_rewards() -> dict[str, str]:
     """Every known name and the class path it stands for."""
-    global _scanned
-    if not _scanned:
-        for package_dir, package in _BUILTIN_SOURCES:
-            for key, path in scan_registrations(package_dir, package).items():
-                _REGISTRY.setdefault(key, path)
-        _scanned = True
-    return dict(_REGISTRY)
+    return BUILTIN_REWARDS | _USER_REWARDS
 
 
 def _split_class_path(path: str) -> tuple[str, str]:
+    """``"pkg.mod:Class"`` or ``"pkg.mod.Class"`` -> ``("pkg.mod", "Class")``."""
     if ":" in path:
         module, _, attr = path.partition(":")
     else:
@@ -141,4 +126,3 @@ def resolve_reward_class(name_or_path: str | type) -> type[BaseRewardModel]:
         raise TypeError(f"reward {shown!r} ({cls.__qualname__}) must subclass PointwiseRewardModel "
                         f"or GroupwiseRewardModel, not BaseRewardModel directly")
     return cls
-

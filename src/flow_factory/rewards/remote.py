@@ -18,7 +18,6 @@ import torch
 from ..wire import ScoreRequest, encode_image
 from .base import GroupwiseRewardModel, PointwiseRewardModel, RewardModelOutput
 from .http_client import JsonClient, RemoteRewardError
-from .registry import register_reward
 
 
 class _RemoteReward:
@@ -75,12 +74,10 @@ def _finite_number(value) -> bool:
         return False
 
 
-@register_reward("remote")
 class RemotePointwiseRewardModel(_RemoteReward, PointwiseRewardModel):
     """Scores each sample on a remote reward server (``ff-reward-server``)."""
 
 
-@register_reward("remote_groupwise")
 class RemoteGroupwiseRewardModel(_RemoteReward, GroupwiseRewardModel):
     """Sends each whole group to a remote reward server in one request."""
 

@@ -15,10 +15,8 @@ The partial score keeps GenEval's clause mean. The RewardSet keeps one score per
 * ``shapebench_strict`` (ShapeBenchStrictReward): the 0/1 score, the one to report.
 
 Each also returns the other score and the per-clause results in ``extra_info``.
-Names: ``flow_factory.rewards``' registry finds built-ins by scanning its own
-folder, so a config names these by class path
-(``flow_factory.shapebench.reward.ShapeBenchReward``) unless this module was
-imported first, which registers the short names.
+Names: both are lines of ``flow_factory.rewards.registry.BUILTIN_REWARDS``, so a
+config names them without importing anything first.
 
 Positions follow GenEval: "A left of B" holds when some A's centroid is at least
 ``RELATION_MARGIN`` pixels (at 64 px, scaled with the image) left of some B's;
@@ -33,7 +31,6 @@ import numpy as np
 import torch
 
 from ..rewards.base import PointwiseRewardModel, RewardModelOutput, to_uint8_hwc
-from ..rewards.registry import register_reward
 from .analysis import Detection, detect
 from .prompts import PromptSpec, parse_prompt
 
@@ -118,14 +115,12 @@ class _ShapeBenchBase(PointwiseRewardModel):
                         "extra_objects": [v.extra_objects for v in verdicts]})
 
 
-@register_reward("shapebench")
 class ShapeBenchReward(_ShapeBenchBase):
     """Mean of the prompt's clause scores, in [0, 1]."""
 
     score_name = "partial"
 
 
-@register_reward("shapebench_strict")
 class ShapeBenchStrictReward(_ShapeBenchBase):
     """1 when every clause of the prompt holds, else 0."""
 

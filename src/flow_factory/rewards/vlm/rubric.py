@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import re
 
-from ..registry import register_reward
 from .base import UnscorableReply, VLMJudge, image_part, reply_text
 
 T2I_ASPECTS = {"alignment": 1.0, "quality": 1.0, "aesthetics": 1.0}
@@ -100,7 +99,6 @@ class RubricJudge(VLMJudge):
         return aggregate(scores, self.weights, self.lo, self.hi)
 
 
-@register_reward("rational_rewards_t2i")
 class RubricT2IJudge(RubricJudge):
     required_fields = ("prompt", "image")
     DEFAULT_ASPECTS, DEFAULT_RUBRIC = T2I_ASPECTS, T2I_RUBRIC
@@ -111,7 +109,6 @@ class RubricT2IJudge(RubricJudge):
         return self.score_each(len(prompt), lambda i: self.judge([image[i]], prompt[i]))
 
 
-@register_reward("rational_rewards_edit")
 class RubricEditJudge(RubricJudge):
     required_fields = ("prompt", "image", "condition_images")
     DEFAULT_ASPECTS, DEFAULT_RUBRIC = EDIT_ASPECTS, EDIT_RUBRIC

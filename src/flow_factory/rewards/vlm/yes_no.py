@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..registry import register_reward
 from .base import UnscorableReply, VLMJudge, image_part
 
 DEFAULT_QUESTION = 'Does this image show "{prompt}"? Answer Yes or No.'
@@ -35,7 +34,6 @@ def yes_probability(body: Any) -> float:
     return p["yes"] / (p["yes"] + p["no"])
 
 
-@register_reward("vllm_evaluate")
 class YesNoJudge(VLMJudge):
     required_fields = ("prompt", "image")
 
