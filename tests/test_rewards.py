@@ -6,17 +6,17 @@ import io
 import subprocess
 import sys
 import textwrap
-from types import SimpleNamespace
 
 import numpy as np
-import pydantic
 import pytest
 import torch
 from PIL import Image
 
+from flow_factory.config import ConfigError, RewardConfig
 from flow_factory.rewards import (
     GroupwiseRewardModel,
     PointwiseRewardModel,
+    RewardInputs,
     RewardModelOutput,
     RewardSet,
     register_reward,
@@ -138,6 +138,19 @@ def test_pil_inputs_are_uint8_rgb_rounded_from_0_1():
     np.testing.assert_array_equal(np.asarray(got["video"][1][3]),
                                   np.rint(videos[1, 3].numpy() * 255).astype(np.uint8).transpose(1, 2, 0))
     assert [[im.size for im in c] for c in got["condition_images"]] == [[(6, 6), (6, 6)], [(4, 4)]]
+
+
+def test_pil_inputs_of_several_sizes_reach_a_tensor_reward_one_size_per_call():
+    """What the reward server hands ``score``: decoded PIL images, sizes mixed by merged requests."""
+    arrays = [np.full((h, w, 3), v, np.uint8) for (h, w), v in [((8, 8), 51), ((6, 4), 102), ((8, 8), 153),
+                                                                ((8, 8), 204), ((6, 4), 255)]]
+    inputs = RewardInputs(list("abcde"), [Image.fromarray(a) for a in arrays])
+    scores = MeanPixel(batch_size=2).score(inputs)
+    assert [tuple(c["image"].shape) for c in CALLS] == [(2, 3, 8, 8), (1, 3, 8, 8), (2, 3, 6, 4)]
+    torch.testing.assert_close(scores, torch.tensor([0.2, 0.4, 0.6, 0.8, 1.0]))
+    CALLS.clear()
+    PilRecorder().score(inputs)
+    assert all(a is b for a, b in zip(CALLS[0]["image"], inputs.image))  # PIL goes through as it is
 
 
 def test_a_reward_returning_the_wrong_count_is_an_error():
@@ -267,49 +280,44 @@ def test_resolving_a_builtin_imports_only_its_module():
             "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     modules, transformers_loaded = out.strip().splitlines()
-    assert modules == str(["flow_factory.rewards.base", "flow_factory.rewards.jpeg_compressibility",
-                           "flow_factory.rewards.registry", "flow_factory.rewards.reward_set"])
+    assert modules == str(["flow_factory.rewards.async_pool", "flow_factory.rewards.base",
+                           "flow_factory.rewards.jpeg_compressibility", "flow_factory.rewards.registry",
+                           "flow_factory.rewards.reward_set"])
     assert transformers_loaded == "False"
 
 
 # --- RewardSet.from_configs ---------------------------------------------------------------
 
 
-class EntryModel(pydantic.BaseModel):
-    """Shaped like the config's reward entry: known fields plus ``kwargs``."""
-
-    model_config = pydantic.ConfigDict(extra="allow")
-    name: str
-    reward_model: str
-    weight: float = 1.0
-    batch_size: int = 16
-    device: str = "cpu"
-    dtype: str = "float32"
-    model_name_or_path: str | None = None
-    kwargs: dict = {}
-
-
-def test_from_configs_accepts_dicts_objects_and_pydantic_entries():
+def test_from_configs_takes_reward_configs_and_mappings_read_by_reward_config():
     path = f"{__name__}.MeanPixel"
     rs = RewardSet.from_configs([
         {"name": "plain", "reward_model": path, "weight": 2.0, "offset": 1.0},
-        SimpleNamespace(name="ns", reward_model=path, weight=0.5, batch_size=4, device="cpu",
-                        dtype="fp32", model_name_or_path=None, kwargs={"offset": 2.0}),
-        EntryModel(name="pyd", reward_model=path, weight=-1.0, kwargs={"offset": 3.0}),
-        EntryModel(name="extra", reward_model=path, offset=4.0),
+        RewardConfig(name="typed", reward_model=path, weight=0.5, batch_size=4, dtype="fp32",
+                     kwargs={"offset": 2.0}),
+        {"name": "old", "reward_model": path, "weight": -1.0, "reward_model_kwargs": {"offset": 3.0}},
     ])
-    assert rs.weights == {"plain": 2.0, "ns": 0.5, "pyd": -1.0, "extra": 1.0}
-    assert rs.models["ns"].batch_size == 4
+    assert rs.weights == {"plain": 2.0, "typed": 0.5, "old": -1.0}
+    assert rs.models["typed"].batch_size == 4 and rs.models["plain"].batch_size == 16  # RewardConfig's default
     images = torch.zeros(2, 3, 4, 4)
     scores = rs(["a", "b"], images=images)
-    assert {k: v.tolist() for k, v in scores.items()} == {
-        "plain": [1.0, 1.0], "ns": [2.0, 2.0], "pyd": [3.0, 3.0], "extra": [4.0, 4.0]}
+    assert {k: v.tolist() for k, v in scores.items()} == {"plain": [1.0, 1.0], "typed": [2.0, 2.0], "old": [3.0, 3.0]}
+    one = RewardSet.from_configs({"reward_model": path})  # one entry alone, named by its reward_model
+    assert one.names == [path]
+
+
+def test_constructor_options_are_every_field_the_set_does_not_read():
+    """A field added to RewardConfig reaches the constructor with no list to update."""
+    config = RewardConfig(name="n", reward_model="remote", weight=2.0, async_reward=True, num_workers=2,
+                          server_url="http://h:1", timeout=5.0, image_format="JPEG")
+    assert config.constructor_options() == {"batch_size": 16, "dtype": "float32", "server_url": "http://h:1",
+                                            "timeout": 5.0, "image_format": "JPEG"}
 
 
 def test_identical_models_are_built_and_scored_once():
     entry = {"reward_model": f"{__name__}.PromptLength", "batch_size": 8, "dtype": "bf16"}
     rs = RewardSet.from_configs([{**entry, "name": "a", "weight": 1.0},
-                                 {**entry, "name": "b", "weight": 3.0, "dtype": torch.bfloat16},
+                                 {**entry, "name": "b", "weight": 3.0, "dtype": "bfloat16"},
                                  {**entry, "name": "c", "batch_size": 4}])
     assert rs.models["a"] is rs.models["b"] and rs.models["c"] is not rs.models["a"]
     scores = rs(["xy", "z"])
@@ -320,10 +328,11 @@ def test_identical_models_are_built_and_scored_once():
 def test_config_errors_name_the_reward():
     with pytest.raises(TypeError, match=r"reward 'j' \(jpeg_compressibility\) could not be built.*qualty"):
         RewardSet.from_configs([{"name": "j", "reward_model": "jpeg_compressibility", "qualty": 80}])
-    with pytest.raises(ValueError, match=r"repeated: \['j'\]"):
+    with pytest.raises(ConfigError, match=r"two entries are named 'j' \(entries 0 and 1\)"):
         RewardSet.from_configs([{"name": "j", "reward_model": "jpeg_compressibility"}] * 2)
-    with pytest.raises(ValueError, match="weight must be finite"):
-        RewardSet.from_configs([{"name": "j", "reward_model": "jpeg_compressibility", "weight": float("nan")}])
+    with pytest.raises(ConfigError, match=r"rewards\[1\]\.weight: expected a number, got nan"):
+        RewardSet.from_configs([{"reward_model": "jpeg_compressibility"},
+                                {"name": "j", "reward_model": "jpeg_compressibility", "weight": float("nan")}])
 
 
 def test_pil_conversion_happens_once_per_batch_for_all_rewards():

@@ -133,7 +133,7 @@ def test_identical_entries_load_one_model_and_different_ones_two(clip_path, monk
     rs = RewardSet.from_configs(same)
     assert len(loads) == 1 and rs.models["a"] is rs.models["b"]
     loads.clear()
-    RewardSet.from_configs([same[0], {**same[1], "dtype": "float64"}])
+    RewardSet.from_configs([same[0], {**same[1], "dtype": "float16"}])
     assert len(loads) == 2
 
 

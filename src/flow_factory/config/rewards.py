@@ -1,22 +1,28 @@
-"""One entry of ``rewards`` / ``eval_rewards``.
+"""One entry of ``rewards`` / ``eval_rewards``: the one parser of reward entries.
 
 Keys this schema does not know are the reward class's own constructor options, so
 they are collected into ``kwargs`` rather than rejected: the reward's ``__init__``
-signature is what catches a misspelt option.
+signature is what catches a misspelt option. ``RewardSet.from_configs`` builds from
+these objects; Python callers that pass mappings have them read here too
+(``parse_reward_entries``), so an entry means the same in YAML and in code.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, model_validator
 
 from .base import Section, canonical_choice, problem, setting, show
+from .errors import ConfigError
+from .explain import explain
 
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
                  "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 # Flow-Factory's older spelling of the options mapping
 KWARGS_KEYS = ("kwargs", "reward_model_kwargs")
+# the fields the RewardSet reads itself; every other field (and kwargs) goes to the reward's constructor
+SET_FIELDS = ("name", "reward_model", "weight", "async_reward", "num_workers")
 
 
 class RewardConfig(Section):
@@ -81,6 +87,13 @@ class RewardConfig(Section):
                           f"(reward {self.name!r}); set async_reward: true or drop num_workers")
         return self
 
+    def constructor_options(self) -> dict[str, Any]:
+        """Keyword arguments of the reward class: every field but ``SET_FIELDS``, null ones left
+        out (the class's default holds), then ``kwargs``. A field added to this schema reaches
+        the constructor without being listed anywhere else."""
+        typed = {k: getattr(self, k) for k in type(self).model_fields if k not in SET_FIELDS and k != "kwargs"}
+        return {k: v for k, v in typed.items() if v is not None} | self.kwargs
+
 
 def as_entry_list(value: Any) -> Any:
     """One mapping is shorthand for a list of one entry; null or {} for none."""
@@ -89,6 +102,28 @@ def as_entry_list(value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
     return value
+
+
+def parse_reward_entries(value: Any) -> list[RewardConfig]:
+    """Reward entries given in code (RewardConfig objects, mappings, or one of them alone)
+    -> RewardConfig objects, checked as the YAML's ``rewards`` is: every problem a line of
+    one ConfigError (``rewards[1].weight: ...``), repeated names refused."""
+    items = as_entry_list(value)
+    data = {"rewards": items if isinstance(items, list) else [items]}
+    try:
+        entries = _RewardList.model_validate(data).rewards
+    except ValidationError as err:
+        raise ConfigError(explain(err, _RewardList, data)) from None
+    repeated = duplicate_names(entries)
+    if repeated:
+        raise ConfigError(f"rewards: {repeated}")
+    return entries
+
+
+class _RewardList(Section):
+    """Wraps a list of entries so that pydantic's error locations read ``rewards[i].key``."""
+
+    rewards: list[RewardConfig] = setting(description="reward entries")
 
 
 def duplicate_names(entries: list[RewardConfig]) -> str | None:

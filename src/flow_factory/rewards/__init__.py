@@ -3,6 +3,12 @@
 Built-in reward modules are not imported here: ``resolve_reward_class`` imports
 only the module of the reward a config names, so a run never pays for (or needs)
 the dependencies of rewards it does not use.
+
+Layers, lowest first (each imports only those before it): ``base`` (the interface and
+the one scoring path, ``model.score``), ``registry`` (names -> classes), ``async_pool``
+(scoring while sampling), ``reward_set`` (building from ``RewardConfig`` entries). The
+reward modules import ``base``; the remote ones also ``flow_factory.wire``, never the
+reward server.
 """
 
 from .base import (
@@ -15,7 +21,7 @@ from .base import (
     videos_to_pil,
 )
 from .registry import register_reward, registered_rewards, resolve_reward_class
-from .reward_set import RewardSet, RewardSpec
+from .reward_set import RewardSet, build_reward
 
 __all__ = [
     "BaseRewardModel",
@@ -24,7 +30,7 @@ __all__ = [
     "RewardInputs",
     "RewardModelOutput",
     "RewardSet",
-    "RewardSpec",
+    "build_reward",
     "images_to_pil",
     "register_reward",
     "registered_rewards",

@@ -1,7 +1,9 @@
 """Scoring one epoch's samples while they are still being sampled.
 
 ``RewardSet.start(group_ids)`` opens a ``RewardJob``; the sampler hands it each decoded
-micro-batch (``add``) and asks for the scores at the end (``finish``).
+micro-batch (``add``) and asks for the scores at the end (``finish``). The job knows the
+set only through what ``start`` gives it: the reward models by name and the thread pools
+of the async ones.
 
 - A reward with ``async_reward: true`` is submitted to its own thread pool
   (``num_workers`` threads) as soon as its inputs are there: a pointwise reward per
@@ -17,16 +19,13 @@ error chained.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from concurrent.futures import Executor, Future
 
 import torch
 from torch import Tensor
 
-from .base import GroupwiseRewardModel, RewardInputs
-
-if TYPE_CHECKING:
-    from .reward_set import RewardSet
+from .base import BaseRewardModel, GroupwiseRewardModel, RewardInputs, score_each_once
 
 
 class RewardError(RuntimeError):
@@ -34,14 +33,18 @@ class RewardError(RuntimeError):
 
 
 class RewardJob:
-    def __init__(self, reward_set: "RewardSet", group_ids: Tensor | None):
-        self.rs = reward_set
+    def __init__(self, models: Mapping[str, BaseRewardModel], pools: Mapping[str, Executor],
+                 group_ids: Tensor | None):
+        """``models``: every reward by name (entries may share an instance); ``pools``: the
+        executor of each async reward, by name (entries sharing an instance share one)."""
+        self.models = dict(models)
         self.group_ids = None if group_ids is None else torch.as_tensor(group_ids).reshape(-1).cpu()
         self._chunks: list[tuple[int, RewardInputs]] = []  # (first index, inputs)
         self._next = 0  # samples are added in order
         # id(model) -> [(indices, future)]
         self._futures: dict[int, list[tuple[Tensor, Future]]] = {}
-        self._async = {id(m): m for name, m in reward_set.models.items() if reward_set.is_async(name)}
+        self._async = {id(self.models[name]): self.models[name] for name in pools}
+        self._pools = {id(self.models[name]): pool for name, pool in pools.items()}
         if self.group_ids is None and any(isinstance(m, GroupwiseRewardModel) for m in self._async.values()):
             raise ValueError("async groupwise rewards need the batch's group_ids up front")
         if self.group_ids is not None:
@@ -66,7 +69,7 @@ class RewardJob:
                 if len(members) == self._group_size[g]:
                     complete.append(g)
         for key, model in self._async.items():
-            pool = self.rs.pool(model)
+            pool = self._pools[key]
             futures = self._futures.setdefault(key, [])
             if isinstance(model, GroupwiseRewardModel):
                 for g in complete:
@@ -84,12 +87,7 @@ class RewardJob:
             local = [i - first for i in indices if first <= i < first + len(chunk)]
             if local:
                 parts.append(chunk.select(local))
-        if len(parts) == 1:
-            return parts[0]
-        cat_t = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])  # noqa: E731
-        cat_l = lambda name: None if getattr(parts[0], name) is None else [x for p in parts for x in getattr(p, name)]  # noqa: E731
-        return RewardInputs([x for p in parts for x in p.prompt], cat_t("image"), cat_t("video"),
-                            cat_l("condition_images"), cat_l("condition_videos"))
+        return parts[0] if len(parts) == 1 else RewardInputs.concat(parts)
 
     def raise_failures(self) -> None:
         """Re-raise the first failed worker, naming its reward(s), and cancel what is pending."""
@@ -98,7 +96,7 @@ class RewardJob:
                 if future.done() and future.exception() is not None:
                     self.cancel()
                     error = future.exception()
-                    names = [n for n, m in self.rs.models.items() if id(m) == key]
+                    names = [n for n, m in self.models.items() if id(m) == key]
                     raise RewardError(f"reward {names[0] if len(names) == 1 else names!r} failed in an async "
                                       f"worker: {type(error).__name__}: {error}") from error
 
@@ -114,10 +112,9 @@ class RewardJob:
         if self.group_ids is not None and n != len(self.group_ids):
             raise ValueError(f"{n} samples added for {len(self.group_ids)} group ids")
         scored: dict[int, Tensor] = {}
-        sync = {name: m for name, m in self.rs.models.items() if id(m) not in self._async}
+        sync = [m for m in self.models.values() if id(m) not in self._async]
         if sync:
-            whole = self._gather(list(range(n)))
-            scored.update(self.rs.score_models(sync, whole, self.group_ids))
+            scored.update(score_each_once(sync, self._gather(list(range(n))), self.group_ids))
         for key, futures in self._futures.items():
             out = torch.zeros(n, dtype=torch.float32)
             for indices, future in futures:
@@ -127,4 +124,4 @@ class RewardJob:
                     self.raise_failures()
                     raise
             scored[key] = out
-        return {name: scored[id(m)].clone() for name, m in self.rs.models.items()}
+        return {name: scored[id(m)].clone() for name, m in self.models.items()}

@@ -24,12 +24,18 @@ use it as a batch without stacking.
 Pointwise models are called on chunks of at most ``batch_size`` samples;
 groupwise models once per group, with the whole group, whatever ``batch_size``.
 Rewards never see gradients: scoring runs under ``torch.no_grad``.
+
+``model.score(inputs, group_ids)`` is the one scoring path: the RewardSet (training and
+evaluation), its async workers and the reward server all call it. The inputs hold tensors
+(from the sampler) or PIL images (from the reward server, which decodes what clients send);
+either way each reward gets the form it asks for, and a tensor-input reward given images of
+several sizes is called once per size (one tensor cannot hold them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -93,25 +99,92 @@ def _condition_videos_to_pil(per_sample: list) -> list[list[list[Image.Image]]]:
     return [[[Image.fromarray(f) for f in to_uint8_hwc(clip)] for clip in conds] for conds in per_sample]
 
 
+def pil_to_tensor(images: Sequence[Image.Image], what: str = "images") -> Tensor:
+    """RGB images of one size -> (n, 3, H, W) float32 in [0, 1]: the inverse of ``images_to_pil``."""
+    sizes = {im.size for im in images}
+    if len(sizes) > 1:
+        raise ValueError(f"{what}: a tensor-input reward needs images of one size, got {sorted(sizes)}")
+    return torch.from_numpy(np.stack([np.asarray(im) for im in images])).permute(0, 3, 1, 2).float() / 255
+
+
+def _videos_to_tensor(videos: list) -> Tensor:
+    return torch.stack([pil_to_tensor(frames, "video frames") for frames in videos])
+
+
+def _condition_images_to_tensor(per_sample: list) -> list[Tensor]:
+    return [pil_to_tensor(conds, "condition_images") for conds in per_sample]
+
+
+def _condition_videos_to_tensor(per_sample: list) -> list[Tensor]:
+    return [_videos_to_tensor(clips) for clips in per_sample]
+
+
+# field -> (tensors to PIL, PIL to tensors), in the layouts of the module docstring's table
+_CONVERT = {
+    "image": (images_to_pil, pil_to_tensor),
+    "video": (videos_to_pil, _videos_to_tensor),
+    "condition_images": (_condition_images_to_pil, _condition_images_to_tensor),
+    "condition_videos": (_condition_videos_to_pil, _condition_videos_to_tensor),
+}
+
+
+def _first_leaf(media: Any) -> Any:
+    """The first image or tensor inside nested lists (None when they are all empty)."""
+    if not isinstance(media, (list, tuple)):
+        return media
+    for item in media:
+        leaf = _first_leaf(item)
+        if leaf is not None:
+            return leaf
+    return None
+
+
+def _holds_pil(media: Any) -> bool:
+    return isinstance(_first_leaf(media), Image.Image)
+
+
+def _take(media: Any, idx: list[int]) -> Any:
+    if media is None:
+        return None
+    if isinstance(media, Tensor):
+        return media[torch.as_tensor(idx, dtype=torch.long, device=media.device)]
+    return [media[i] for i in idx]
+
+
+def _size(media: Any, i: int) -> tuple | None:
+    """Sample ``i``'s picture size (a video's first frame); one stacked tensor has one size."""
+    if media is None:
+        return None
+    if isinstance(media, Tensor):
+        return tuple(media.shape[-2:])
+    leaf = _first_leaf(media[i])
+    return None if leaf is None else leaf.size
+
+
 # --- the inputs of one reward call ----------------------------------------------
 
 
 @dataclass
 class RewardInputs:
-    """A batch of samples to score; every present field has one entry per prompt."""
+    """A batch of samples to score; every present field has one entry per prompt.
+
+    Media are tensors in [0, 1] (``image`` (B, 3, H, W), ``video`` (B, F, 3, H, W), as the
+    sampler makes them) or PIL images (lists as in the module docstring's table, as the
+    reward server decodes them). ``pil`` and ``tensors`` give a field in either form.
+    """
 
     prompt: list[str]
-    image: Tensor | None = None  # (B, 3, H, W) in [0, 1]
-    video: Tensor | None = None  # (B, F, 3, H, W) in [0, 1]
+    image: Tensor | list | None = None
+    video: Tensor | list | None = None
     condition_images: list | None = None  # per sample
     condition_videos: list | None = None  # per sample
     _pil_cache: dict[str, list] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         n = len(self.prompt)
-        if self.image is not None and (self.image.ndim != 4 or self.image.shape[1] != 3):
+        if isinstance(self.image, Tensor) and (self.image.ndim != 4 or self.image.shape[1] != 3):
             raise ValueError(f"images must be (B, 3, H, W), got shape {tuple(self.image.shape)}")
-        if self.video is not None and (self.video.ndim != 5 or self.video.shape[2] != 3):
+        if isinstance(self.video, Tensor) and (self.video.ndim != 5 or self.video.shape[2] != 3):
             raise ValueError(f"videos must be (B, F, 3, H, W), got shape {tuple(self.video.shape)}")
         for name in MEDIA_FIELDS:
             value = getattr(self, name)
@@ -121,25 +194,45 @@ class RewardInputs:
     def __len__(self) -> int:
         return len(self.prompt)
 
-    def select(self, index: Sequence[int] | slice) -> "RewardInputs":
-        idx = list(range(len(self)))[index] if isinstance(index, slice) else list(index)
-        take_t = lambda t: None if t is None else t[torch.as_tensor(idx, dtype=torch.long, device=t.device)]  # noqa: E731
-        take_l = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
-        sub = RewardInputs([self.prompt[i] for i in idx], take_t(self.image), take_t(self.video),
-                           take_l(self.condition_images), take_l(self.condition_videos))
+    def select(self, index: Sequence[int]) -> "RewardInputs":
+        """Samples ``index``, in that order."""
+        idx = list(index)
+        sub = RewardInputs([self.prompt[i] for i in idx], *(_take(getattr(self, name), idx) for name in MEDIA_FIELDS))
         # PIL conversion is done once per batch, not once per chunk or per reward
         sub._pil_cache = {k: [v[i] for i in idx] for k, v in self._pil_cache.items()}
         return sub
 
+    @classmethod
+    def concat(cls, parts: Sequence["RewardInputs"]) -> "RewardInputs":
+        """The samples of ``parts`` one after another; every part holds the same fields in the same form."""
+        def join(name: str):
+            values = [getattr(part, name) for part in parts]
+            if values[0] is None:
+                return None
+            return torch.cat(values) if isinstance(values[0], Tensor) else [x for v in values for x in v]
+
+        return cls([p for part in parts for p in part.prompt], *(join(name) for name in MEDIA_FIELDS))
+
     def pil(self, name: str) -> list | None:
-        if getattr(self, name) is None:
-            return None
+        """Field ``name`` as PIL images; tensors are converted once and kept."""
+        value = getattr(self, name)
+        if value is None or _holds_pil(value):
+            return value
         if name not in self._pil_cache:
-            convert = {"image": images_to_pil, "video": videos_to_pil,
-                       "condition_images": _condition_images_to_pil,
-                       "condition_videos": _condition_videos_to_pil}[name]
-            self._pil_cache[name] = convert(getattr(self, name))
+            self._pil_cache[name] = _CONVERT[name][0](value)
         return self._pil_cache[name]
+
+    def tensors(self, name: str) -> Tensor | list | None:
+        """Field ``name`` as tensors; PIL images are converted at each call, which the scoring
+        makes on one chunk at a time, so the float copies stay small."""
+        value = getattr(self, name)
+        if value is None or not _holds_pil(value):
+            return value
+        return _CONVERT[name][1](value)
+
+    def size_of(self, i: int) -> tuple:
+        """Sample ``i``'s image size and video frame size: samples of one size can share a tensor."""
+        return _size(self.image, i), _size(self.video, i)
 
 
 # --- reward models --------------------------------------------------------------
@@ -175,6 +268,11 @@ class BaseRewardModel:
                  condition_images=None, condition_videos=None) -> RewardModelOutput:
         raise NotImplementedError  # abstract: each reward defines its scoring
 
+    def score(self, inputs: RewardInputs, group_ids: Tensor | None = None) -> Tensor:
+        """(B,) float32 scores on the CPU, in input order. ``group_ids`` (B,) mark which
+        samples share a prompt; only groupwise models read them."""
+        raise NotImplementedError  # Pointwise- and GroupwiseRewardModel define it
+
     def to(self, device: str | torch.device) -> "BaseRewardModel":
         if self.model is not None:
             self.model.to(device)
@@ -192,10 +290,10 @@ class BaseRewardModel:
         """One ``__call__`` on ``inputs`` with only the required fields; -> float32 (n,) on CPU."""
         kwargs = {}
         for name in self.required_fields:
-            if name == "prompt" or self.use_tensor_inputs:
-                kwargs[name] = getattr(inputs, name)
+            if name == "prompt":
+                kwargs[name] = inputs.prompt
             else:
-                kwargs[name] = inputs.pil(name)
+                kwargs[name] = inputs.tensors(name) if self.use_tensor_inputs else inputs.pil(name)
         with torch.no_grad():
             out = self(**kwargs)
         rewards = out.rewards if isinstance(out, RewardModelOutput) else out
@@ -212,12 +310,22 @@ class BaseRewardModel:
 class PointwiseRewardModel(BaseRewardModel):
     """Scores each sample on its own; called on chunks of at most ``batch_size`` samples."""
 
-    def score(self, inputs: RewardInputs) -> Tensor:
-        """(B,) float32 scores, in input order."""
+    def score(self, inputs: RewardInputs, group_ids: Tensor | None = None) -> Tensor:
         self._convert_media(inputs)
-        chunks = [self._score_once(inputs.select(slice(i, i + self.batch_size)))
-                  for i in range(0, len(inputs), self.batch_size)]
-        return torch.cat(chunks) if chunks else torch.zeros(0)
+        scores = torch.zeros(len(inputs), dtype=torch.float32)
+        for chunk in self._chunks(inputs):
+            scores[chunk] = self._score_once(inputs.select(chunk))
+        return scores
+
+    def _chunks(self, inputs: RewardInputs) -> list[list[int]]:
+        """Sample indices in calls of at most ``batch_size``, in order. A tensor-input reward's
+        calls each hold one image size (sizes by first appearance): a stacked batch has one
+        size anyway, the reward server's merged requests may not."""
+        by_size: dict[tuple, list[int]] = {}
+        for i in range(len(inputs)):
+            by_size.setdefault(inputs.size_of(i) if self.use_tensor_inputs else (), []).append(i)
+        step = self.batch_size
+        return [indices[k:k + step] for indices in by_size.values() for k in range(0, len(indices), step)]
 
 
 class GroupwiseRewardModel(BaseRewardModel):
@@ -227,8 +335,10 @@ class GroupwiseRewardModel(BaseRewardModel):
     ``batch_size`` is a hint for the model's own internal batching.
     """
 
-    def score(self, inputs: RewardInputs, group_ids: Tensor) -> Tensor:
-        """(B,) float32 scores; samples sharing a group id are scored in one call."""
+    def score(self, inputs: RewardInputs, group_ids: Tensor | None = None) -> Tensor:
+        """Samples sharing a group id are scored in one call."""
+        if group_ids is None:
+            raise ValueError(f"{type(self).__name__} scores groups of samples: it needs group_ids")
         group_ids = torch.as_tensor(group_ids).reshape(-1).cpu()
         if group_ids.numel() != len(inputs):
             raise ValueError(f"{group_ids.numel()} group ids for {len(inputs)} samples")
@@ -241,3 +351,13 @@ class GroupwiseRewardModel(BaseRewardModel):
         for members in seen.values():
             scores[torch.as_tensor(members)] = self._score_once(inputs.select(members))
         return scores
+
+
+def score_each_once(models: Iterable[BaseRewardModel], inputs: RewardInputs,
+                    group_ids: Tensor | None = None) -> dict[int, Tensor]:
+    """``{id(model): scores}``: an instance that several reward entries share scores the batch once."""
+    scored: dict[int, Tensor] = {}
+    for model in models:
+        if id(model) not in scored:
+            scored[id(model)] = model.score(inputs, group_ids)
+    return scored

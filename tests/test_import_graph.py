@@ -1,0 +1,111 @@
+"""No import cycle between the package's files or between its packages, read from the
+source with ``ast`` (every import counts: inside functions and under TYPE_CHECKING too,
+since those are where cycles hide); the rewards never import the reward server, and the
+reward server and its wire format load without torch."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "flow_factory"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: modules of flow_factory it imports}``. ``from pkg import sub`` is an edge to
+    ``pkg.sub`` when that is a module, else to ``pkg``; a module's own parent packages, which
+    Python imports first, are not edges (every package's __init__ would close a loop)."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    origin = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    origin = node.module or ""
+                for alias in node.names:
+                    sub = f"{origin}.{alias.name}"
+                    targets.add(sub if sub in files else origin)
+        graph[name] = {t for t in targets if t in files and t != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as a path ``[a, b, ..., a]``, or None."""
+    done, on_path = set(), []
+
+    def visit(node):
+        if node in on_path:
+            return on_path[on_path.index(node):] + [node]
+        if node in done:
+            return None
+        on_path.append(node)
+        for target in sorted(graph.get(node, ())):
+            cycle = visit(target)
+            if cycle:
+                return cycle
+        on_path.pop()
+        done.add(node)
+        return None
+
+    for node in sorted(graph):
+        cycle = visit(node)
+        if cycle:
+            return cycle
+    return None
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The same edges between flow_factory's top-level parts (``flow_factory.rewards``,
+    ``flow_factory.wire``, ...)."""
+    top = lambda module: ".".join(module.split(".")[:2])  # noqa: E731
+    out: dict[str, set[str]] = {}
+    for source, targets in graph.items():
+        out.setdefault(top(source), set()).update(top(t) for t in targets if top(t) != top(source))
+    return out
+
+
+def test_the_graph_reader_sees_relative_imports_and_a_cycle():
+    graph = import_graph()
+    assert "flow_factory.rewards.base" in graph["flow_factory.rewards.reward_set"]
+    assert "flow_factory.wire" in graph["flow_factory.rewards.remote"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle_between_files():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycle_between_packages():
+    cycle = find_cycle(package_graph(import_graph()))
+    assert cycle is None, "import cycle between packages: " + " -> ".join(cycle)
+
+
+def test_rewards_never_import_the_reward_server_which_imports_them_only_to_serve_a_model():
+    graph = import_graph()
+    rewards = {m for m in graph if m.startswith("flow_factory.rewards")}
+    server = {m for m in graph if m.startswith("flow_factory.reward_server")}
+    assert not any(t in server for m in rewards for t in graph[m])
+    assert {m for m in server if graph[m] & rewards} == {"flow_factory.reward_server.model_server"}
+    assert not graph["flow_factory.wire"] & (rewards | server)
+
+
+def test_the_reward_server_and_its_wire_format_load_without_torch():
+    code = ("import sys, flow_factory.wire, flow_factory.reward_server.app, flow_factory.reward_server.cli; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('flow_factory.rewards')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
