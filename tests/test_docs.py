@@ -193,3 +193,32 @@ def test_algorithm_guide_example_weights_better_samples_more(monkeypatch):
     assert w[0] > w[2] > w[1] > w[3] and metrics["weight_max"] == w.max()
     loss.backward()
     assert torch.isfinite(weights.grad)
+
+
+# ---------------------------------------------------------------------- links
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a markdown heading: lower case, punctuation dropped, spaces to '-'."""
+    text = heading.strip().lower().replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_links_between_documents_resolve():
+    """Every relative link of the README and docs/ names a file that exists, and an anchor a heading in it."""
+    pages = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto: not checked offline
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", file.read_text(encoding="utf-8"), flags=re.M)
+                if anchor not in {github_anchor(h) for h in headings}:
+                    broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, broken
