@@ -87,13 +87,33 @@ def test_a_missing_tracker_is_a_clear_error(monkeypatch):
     assert check_backend("none") is None
 
 
-def test_a_long_reward_curve_is_drawn_under_its_trailing_mean():
-    from flow_factory.trainer.curves import COLOURS, plot_curves, trailing_mean
+def test_the_reward_curve_is_a_figure_with_labelled_axes_and_a_long_series_under_its_trailing_mean():
+    from flow_factory.trainer.curves import curve_figure, plot_curves, trailing_mean
 
     assert trailing_mean([1.0, 2.0, 3.0, 4.0, 5.0], 3) == [1.0, 1.5, 2.0, 3.0, 4.0]
-    # a reward alternating 0 / 1 every epoch: its mean over 5 epochs stays at 0.4-0.6, mid-plot
-    img = plot_curves({"r": [(e, float(e % 2)) for e in range(100)]}, "t").convert("RGB")
-    full = tuple(int(COLOURS[0][i:i + 2], 16) for i in (1, 3, 5))
-    column = [img.getpixel((340, y)) for y in range(30, 360)]
-    rows = [30 + y for y, px in enumerate(column) if px == full]
-    assert rows and all(150 <= y <= 240 for y in rows)
+    train = [(e, float(e % 2)) for e in range(100)]  # a reward alternating 0 / 1 every epoch
+    evals = [(e, 0.3 + e / 300) for e in range(0, 100, 10)]
+    fig = curve_figure({"reward/r/mean": train, "eval/reward/r": evals}, "reward per epoch")
+    fig.canvas.draw()  # tick labels are made when the figure is drawn
+    (ax,) = fig.axes
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) == ("reward per epoch", "epoch", "reward")
+
+    def labels(axis, lo, hi):  # the numbers written at the ticks inside the axes
+        return [float(label.get_text().replace("\N{MINUS SIGN}", "-"))
+                for tick, label in zip(axis.get_majorticklocs(), axis.get_majorticklabels()) if lo <= tick <= hi]
+
+    epochs, rewards = labels(ax.xaxis, *ax.get_xlim()), labels(ax.yaxis, *ax.get_ylim())
+    assert len(epochs) >= 3 and all(e == int(e) for e in epochs) and epochs[0] <= 0 and epochs[-1] >= 90
+    assert len(rewards) >= 3 and rewards[0] <= 0 and rewards[-1] >= 1
+
+    # 100 noisy points: drawn faint, under their mean over 5 epochs (which stays at 0.4-0.6);
+    # the 10 eval points: a line with markers; the legend names the two series
+    raw, mean, ev = ax.get_lines()
+    assert list(raw.get_xdata()) == list(range(100)) and list(raw.get_ydata()) == [v for _, v in train]
+    assert list(mean.get_ydata()) == trailing_mean([v for _, v in train], 5)
+    assert all(0.4 <= y <= 0.6 for y in mean.get_ydata()[4:])
+    assert raw.get_color() == mean.get_color() and raw.get_alpha() < 1
+    assert mean.get_linewidth() > raw.get_linewidth()
+    assert list(zip(ev.get_xdata(), ev.get_ydata())) == evals and ev.get_marker() == "o"
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["reward/r/mean (mean of 5 epochs)", "eval/reward/r"]
+    assert plot_curves({"reward/r/mean": train}, "t").size == (640, 400)
