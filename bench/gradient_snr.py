@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from flow_factory.config import load_config  # noqa: E402
 from flow_factory.trainer import Trainer  # noqa: E402
-from flow_factory.trainer.seeding import generator  # noqa: E402
+from flow_factory.seeding import generator  # noqa: E402
 
 # a sibling module: python puts bench/ on sys.path for `python bench/gradient_snr.py`, pytest's
 # pythonpath (pyproject.toml) for the tests

@@ -20,10 +20,10 @@ from torch import Tensor, nn
 from flow_factory.advantages import combine_advantages
 from flow_factory.algorithms import make_algorithm
 from flow_factory.dynamics import make_dynamics
+from flow_factory.guards import NonFiniteGuard
 from flow_factory.models.base import Conditioning, FlowAdapter
 from flow_factory.rollout import sample_trajectory
 from flow_factory.trainer.ema import WeightCopy
-from flow_factory.trainer.guards import NonFiniteGuard
 from flow_factory.trainer.optimize import optimize_epoch
 from flow_factory.trainer.policy import AdapterPolicy
 
@@ -69,7 +69,7 @@ def toy_reward(x0: Tensor) -> Tensor:
 
 
 @dataclass
-class ToyRollouts:  # what optimize_epoch and the algorithms read (trainer.sampling.Rollouts' fields)
+class ToyRollouts:  # what optimize_epoch and the algorithms read (sampling.Rollouts' fields)
     group_ids: Tensor
     latents: Tensor
     log_probs: Tensor
@@ -94,12 +94,12 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
     vars(cfg).update(train)
     dyn = make_dynamics(name, 0.7 if name != "ODE" else 0.0)
     algorithm = make_algorithm(trainer_type, cfg, dyn)
-    policy = AdapterPolicy(adapter, 1.0, "full", keep_reference=algorithm.needs_reference)
     params = [p for p in adapter.transformer.parameters()]
     for p in params:
         p.requires_grad_(True)
     rollout_weights = WeightCopy(params)
-    policy.sampling_weights = rollout_weights
+    policy = AdapterPolicy(adapter, 1.0, "full", keep_reference=algorithm.needs_reference,
+                           sampling_weights=rollout_weights)
     optimizer = torch.optim.Adam(params, lr=lr)
     acc = Accelerator(cpu=True)
     n = groups * group_size

@@ -306,7 +306,7 @@ def evaluate(path: Path, args, log) -> dict:
     from flow_factory.data.prompts import PromptItem
     from flow_factory.models import load_adapter
     from flow_factory.rewards import RewardSet
-    from flow_factory.sampling_tools import sample_prompts
+    from flow_factory.sampling import SamplingSettings, sample_prompts
     from flow_factory.shapebench import generate, prompt_split
 
     _, test_specs = prompt_split(args.split_seed)
@@ -317,8 +317,9 @@ def evaluate(path: Path, args, log) -> dict:
         {"name": "partial", "reward_model": "flow_factory.shapebench.reward.ShapeBenchReward"}])
     out = {}
     for cfg_scale in args.eval_guidance:
-        r = sample_prompts(adapter, items, seed=0, num_steps=args.eval_steps, guidance_scale=cfg_scale,
-                           height=64, width=64, batch_size=64, reward_set=rewards)
+        settings = SamplingSettings(height=64, width=64, num_frames=None, num_steps=args.eval_steps,
+                                    guidance_scale=cfg_scale, batch_size=64, seed=0)
+        r = sample_prompts(adapter, items, settings, reward_set=rewards)
         out[str(cfg_scale)] = {k: v.mean().item() for k, v in r.rewards.items()}
         log(f"held-out ({len(items)} samples, {args.eval_steps} steps, cfg {cfg_scale}): {out[str(cfg_scale)]}")
     return out

@@ -156,7 +156,7 @@ def test_a_base_model_with_non_finite_weights_is_refused_before_training(tmp_pat
 # ------------------------------------------------------------------ atomic checkpoints
 KILLER = textwrap.dedent("""
     import os, signal, sys
-    import flow_factory.trainer.checkpoint as ckpt
+    import flow_factory.checkpoint as ckpt
     point, epoch = sys.argv[1], int(sys.argv[2])
 
     def kill_at(name, fn):

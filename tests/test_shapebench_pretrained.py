@@ -57,7 +57,7 @@ def test_committed_pipeline_loads_and_scores_strict_far_above_decoded_noise():
 
     from flow_factory.data.prompts import PromptItem
     from flow_factory.models import load_adapter
-    from flow_factory.sampling_tools import sample_prompts
+    from flow_factory.sampling import SamplingSettings, sample_prompts
 
     size = sum(f.stat().st_size for f in ASSET.rglob("*") if f.is_file())
     assert size <= 20e6, f"{ASSET} holds {size / 1e6:.1f} MB; the issue allows 20 MB"
@@ -67,8 +67,8 @@ def test_committed_pipeline_loads_and_scores_strict_far_above_decoded_noise():
     assert adapter.text_length == 16
 
     prompts = TEST_PROMPTS.read_text().splitlines()[:48]  # family-balanced, held out from pretraining
-    r = sample_prompts(adapter, [PromptItem(p) for p in prompts], seed=0, num_steps=10, guidance_scale=2.0,
-                       height=64, width=64, batch_size=48)
+    r = sample_prompts(adapter, [PromptItem(p) for p in prompts], SamplingSettings(
+        height=64, width=64, num_frames=None, num_steps=10, guidance_scale=2.0, batch_size=48, seed=0))
     images = (r.media.clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).numpy()
     model = [evaluate_image(p, im) for p, im in zip(prompts, images)]
 

@@ -8,7 +8,7 @@ from helpers_runs import tiny_run_config
 from flow_factory.config import parse_config
 from flow_factory.dynamics.window import choose_sde_steps
 from flow_factory.trainer import Trainer
-from flow_factory.trainer.seeding import generator
+from flow_factory.seeding import generator
 from flow_factory.trainer.tracking import check_backend
 
 
@@ -88,7 +88,7 @@ def test_a_missing_tracker_is_a_clear_error(monkeypatch):
 
 
 def test_the_reward_curve_is_a_figure_with_labelled_axes_and_a_long_series_under_its_trailing_mean():
-    from flow_factory.trainer.curves import curve_figure, plot_curves, trailing_mean
+    from flow_factory.media import curve_figure, plot_curves, trailing_mean
 
     assert trailing_mean([1.0, 2.0, 3.0, 4.0, 5.0], 3) == [1.0, 1.5, 2.0, 3.0, 4.0]
     train = [(e, float(e % 2)) for e in range(100)]  # a reward alternating 0 / 1 every epoch

@@ -49,17 +49,15 @@ def evaluate_config(cfg, checkpoint=None):
     """(summary, rollouts) of ``cfg``'s eval rewards on its test prompts."""
     from .data import load_prompts
     from .rewards import RewardSet
-    from .sampling_tools import load_for_sampling, sample_prompts
+    from .checkpoint import load_for_sampling
+    from .sampling import SamplingSettings, sample_prompts
 
     ev = cfg.eval
     items = load_prompts(cfg.data.dataset_dir, "test", cfg.data.max_dataset_size)
     items = items[: ev.num_samples] if ev.num_samples else items
     rewards = RewardSet.from_configs(cfg.eval_rewards or cfg.rewards)
     adapter = load_for_sampling(cfg.model.model_type, cfg.model.model_name_or_path, checkpoint)
-    height, width = ev.height_width
-    rollouts = sample_prompts(adapter, items, seed=ev.seed, num_steps=ev.num_inference_steps,
-                              guidance_scale=ev.guidance_scale, height=height, width=width,
-                              batch_size=ev.per_device_batch_size, num_frames=ev.num_frames, reward_set=rewards)
+    rollouts = sample_prompts(adapter, items, SamplingSettings.for_eval(ev), reward_set=rewards)
     return summarise(rollouts.rewards), rollouts
 
 
@@ -73,11 +71,12 @@ def main(argv=None) -> int:
     if args.checkpoint and not Path(args.checkpoint).is_dir():
         print(f"ff-eval: --checkpoint {args.checkpoint}: no such folder", file=sys.stderr)
         return 2
-    from .trainer.guards import NonFiniteError
+    from .checkpoint import CheckpointError
+    from .guards import NonFiniteError
 
     try:
         summary, rollouts = evaluate_config(cfg, args.checkpoint)
-    except (FileNotFoundError, NonFiniteError) as e:
+    except (CheckpointError, NonFiniteError, FileNotFoundError) as e:
         print(f"ff-eval: {e}", file=sys.stderr)
         return 2
     print(format_table(summary))
@@ -90,7 +89,7 @@ def main(argv=None) -> int:
                                "model": cfg.model.model_name_or_path, "rewards": summary, "samples": samples},
                               indent=1))
     if args.grid:
-        from .trainer.grid import caption, sample_grid
+        from .media import caption, sample_grid
 
         shown = min(16, len(samples))
         caps = [caption(s["prompt"], {k: v for k, v in s.items() if k != "prompt"}) for s in samples[:shown]]

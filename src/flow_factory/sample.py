@@ -58,20 +58,20 @@ def main(argv=None) -> int:
         print("ff-sample: no prompts given", file=sys.stderr)
         return 2
 
+    from .checkpoint import CheckpointError, load_for_sampling
+    from .guards import NonFiniteError
+    from .media import sample_grid
     from .rewards.base import images_to_pil
-    from .sampling_tools import load_for_sampling, sample_prompts
-    from .trainer.grid import sample_grid
-
-    from .trainer.guards import NonFiniteError
+    from .sampling import SamplingSettings, sample_prompts
 
     try:
         adapter = load_for_sampling(args.model_type, args.model, args.checkpoint)
-    except (FileNotFoundError, NonFiniteError) as e:
+    except (CheckpointError, NonFiniteError) as e:
         print(f"ff-sample: {e}", file=sys.stderr)
         return 2
-    rollouts = sample_prompts(adapter, items, seed=args.seed, num_steps=args.steps,
-                              guidance_scale=args.guidance_scale, height=args.resolution, width=args.resolution,
-                              batch_size=args.batch_size, num_frames=args.num_frames)
+    settings = SamplingSettings(args.resolution, args.resolution, args.num_frames, args.steps, args.guidance_scale,
+                                args.batch_size, args.seed)
+    rollouts = sample_prompts(adapter, items, settings)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     media = rollouts.media

@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     from .rewards.async_pool import RewardError
     from .rewards.http_client import RemoteRewardError
     from .trainer import Trainer
-    from .trainer.checkpoint import CheckpointError
-    from .trainer.guards import NonFiniteError
+    from .checkpoint import CheckpointError
+    from .guards import NonFiniteError
     from .trainer.interrupt import TrainingInterrupted
     from .trainer.run_folder import RunFolderError
 

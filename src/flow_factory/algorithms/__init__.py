@@ -1,4 +1,8 @@
-"""Training objectives: each algorithm is what its rollout records and a loss over a micro-batch."""
+"""Training objectives: each algorithm is what its rollout records and a loss over a micro-batch.
+
+The config's ``train.trainer_type`` chooses here (a class of ``ALGORITHMS`` by its ``name``);
+the algorithm reads its settings from the ``train`` section.
+"""
 
 from .awm import AWM, AWM_WEIGHTINGS, awm_log_prob
 from .base import Algorithm, Policy, TrainBatch

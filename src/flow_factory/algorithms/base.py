@@ -37,7 +37,7 @@ class Policy(Protocol):
 
 
 class RolloutsLike(Protocol):
-    """What ``micro_batches`` reads from an epoch's rollouts (``trainer.sampling.Rollouts``)."""
+    """What ``micro_batches`` reads from an epoch's rollouts (``sampling.Rollouts``)."""
 
     latents: Tensor  # (N, T + 1, *latent)
     log_probs: Tensor  # (N, T)

@@ -1,4 +1,9 @@
-"""Sampling dynamics: one file per idea, all behind ``Dynamics.mean_and_std``."""
+"""Sampling dynamics: one file per idea, all behind ``Dynamics.mean_and_std``.
+
+The config's ``scheduler`` section chooses here: ``scheduler.dynamics_type`` names a class
+of ``DYNAMICS`` and ``scheduler.noise_level`` is its ``a``; ``scheduler.sde_steps`` /
+``num_sde_steps`` feed the window (``window.py``).
+"""
 
 from .base import Dynamics, StepResult
 from .cps import CPS

@@ -2,9 +2,9 @@
 Flow-GRPO-Fast window.
 
 ``sde_steps`` lists the candidate step indices, ``num_sde_steps`` how many of them
-are drawn per epoch. The draw uses a caller-owned generator: seeded once, it gives
-the same sequence of windows on every run and on every rank, and because each draw
-advances it, consecutive epochs get different windows.
+are drawn per epoch. The caller passes a generator seeded by ``(scheduler.seed,
+epoch)`` (the Trainer does): the same epoch draws the same window on every run, every
+rank and after a resume, and different epochs draw independently.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def choose_sde_steps(
             f"num_sde_steps={num_sde_steps} impossible: choose between 1 and {len(candidates)} "
             f"(the number of sde_steps candidates)"
         )
-    # Always draw, even when every candidate is kept, so the generator advances by the
-    # same amount each epoch whatever the window size.
+    # Always draw, even when every candidate is kept: a caller that reuses one generator
+    # across draws then sees it advance by the same amount whatever the window size.
     order = torch.randperm(len(candidates), generator=generator)
     return sorted(candidates[i] for i in order[:num_sde_steps].tolist())

@@ -4,7 +4,7 @@ The algorithm says which samples train together (``training_units``) and what
 micro-batches a chunk of them makes (``micro_batches``: one per trained SDE step for
 GRPO, one per drawn training timestep for NFT / AWM / DPO); this loop shuffles,
 accumulates gradients, clips, steps, and aggregates the metrics. A step whose gradient
-norm is NaN or inf is skipped and counted by the ``NonFiniteGuard`` (``guards.py``).
+norm is NaN or inf is skipped and counted by the ``NonFiniteGuard`` (``flow_factory/guards.py``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from contextlib import nullcontext
 
 import torch
 
-from .guards import NonFiniteGuard, all_finite
-from .seeding import generator
+from ..guards import NonFiniteGuard, all_finite
+from ..seeding import generator
 
 
 def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, accelerator, optimizer,

@@ -5,8 +5,8 @@ on-policy ratio is exactly 1 (DESIGN invariant 1).
 
 The decoupled algorithms also ask for the velocity under the weights the rollout
 sampled with (``sampling_velocity``: the EMA when ``off_policy``, else a copy taken at
-rollout time) and under the EMA (``ema_velocity``); the trainer sets
-``sampling_weights`` and ``ema`` (``trainer/ema.WeightCopy``), swapped in for the call.
+rollout time) and under the EMA (``ema_velocity``): ``trainer/ema.WeightCopy`` objects
+given at construction, swapped into the live parameters for the call.
 """
 
 from __future__ import annotations
@@ -23,17 +23,19 @@ from ..models.lora import lora_disabled
 
 class AdapterPolicy:
     def __init__(self, adapter: FlowAdapter, guidance_scale: float, finetune_type: str,
-                 keep_reference: bool, ref_param_device: str = "same"):
+                 keep_reference: bool, ref_param_device: str = "same", ema=None, sampling_weights=None):
         self.adapter = adapter
         self.guidance_scale = guidance_scale
         self.finetune_type = finetune_type
         self.reference = None
-        self.sampling_weights = None  # WeightCopy of the weights the rollout used (set by the trainer)
-        self.ema = None  # WeightCopy of the EMA weights, when train.ema_decay > 0
+        self.sampling_weights = sampling_weights  # WeightCopy of the weights the rollout used
+        self.ema = ema  # WeightCopy of the EMA weights, when train.ema_decay > 0
         if keep_reference and finetune_type == "full":
-            # a frozen copy of the starting weights; "cpu" keeps accelerator memory free
+            # a frozen copy of the starting weights, in the load dtype (the trained ones are kept
+            # float32); "cpu" keeps accelerator memory free
             device = adapter.device if ref_param_device == "same" else torch.device(ref_param_device)
-            self.reference = copy.deepcopy(adapter.transformer).requires_grad_(False).to(device).eval()
+            reference = copy.deepcopy(adapter.transformer).requires_grad_(False)
+            self.reference = reference.to(device=device, dtype=adapter.dtype).eval()
 
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
         return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
@@ -46,8 +48,8 @@ class AdapterPolicy:
     @torch.no_grad()
     def sampling_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
         if self.sampling_weights is None:
-            raise RuntimeError("sampling_velocity needs the rollout's weights: the trainer sets "
-                               "policy.sampling_weights for algorithms with uses_sampling_policy")
+            raise RuntimeError("sampling_velocity needs the rollout's weights: construct the policy with "
+                               "sampling_weights for algorithms with uses_sampling_policy")
         with self.sampling_weights.applied():
             return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
 

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from .checkpoint import list_checkpoints, write_atomic
+from ..checkpoint import list_checkpoints, write_atomic
 
 LOCK_FILE = ".lock"
 INFO_FILE = "run.json"

@@ -19,26 +19,25 @@ from tqdm.auto import tqdm
 
 from ..advantages import combine_advantages
 from ..algorithms import make_algorithm
+from ..checkpoint import (CheckpointError, check_fits, find_checkpoint, load_checkpoint, read_state,
+                          save_checkpoint, write_atomic)
 from ..data import EpochSampler, load_prompts
 from ..dynamics import make_dynamics
-from ..dynamics.ode import ODE
 from ..dynamics.window import choose_sde_steps
+from ..guards import NonFiniteGuard, all_finite, check_pipeline_finite, nonfinite_rewards
+from ..media import caption, plot_curves, sample_grid
 from ..models import load_adapter
 from ..models.lora import apply_lora
 from ..models.preflight import check_before_loading
 from ..rewards import RewardSet
-from .checkpoint import CheckpointError, check_fits, find_checkpoint, load_checkpoint, read_state, save_checkpoint, write_atomic
-from .curves import plot_curves
+from ..sampling import Rollouts, SamplingSettings, collect_rollouts, sample_prompts
+from ..seeding import generator
+from ..timer import PhaseTimer
 from .ema import EMA_FILE, WeightCopy, ema_decay_at, load_ema
-from .grid import caption, sample_grid
-from .guards import NonFiniteGuard, all_finite, check_pipeline_finite, nonfinite_rewards
 from .interrupt import StopFlag, TrainingInterrupted
 from .optimize import optimize_epoch
 from .policy import AdapterPolicy
 from .run_folder import RunFolder, RunFolderError
-from .sampling import Rollouts, collect_rollouts
-from .seeding import generator
-from .timer import PhaseTimer
 from .tracking import check_backend, flat_hparams, log_image
 
 logger = logging.getLogger(__name__)
@@ -90,10 +89,6 @@ class Trainer:
         check_pipeline_finite(self.adapter.pipeline, f"model.model_name_or_path: {model.model_name_or_path}")
         self.dynamics = make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level)
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
-        # the reference is the starting weights: taken before any resume
-        self.policy = AdapterPolicy(self.adapter, train.guidance_scale, model.finetune_type,
-                                    keep_reference=self.algorithm.needs_reference,
-                                    ref_param_device=train.ref_param_device)
         self.params = self._make_trainable()
         # EMA of the trained weights (train.ema_decay > 0), and for NFT / AWM the weights the
         # rollout sampled with: the EMA itself when off_policy, else a copy taken at sampling time
@@ -101,8 +96,11 @@ class Trainer:
         self.ema = WeightCopy(self.params, ema_device) if train.ema_decay > 0 else None
         self.rollout_weights = (WeightCopy(self.params, ema_device)
                                 if self.algorithm.uses_sampling_policy and not train.off_policy else None)
-        self.policy.ema = self.ema
-        self.policy.sampling_weights = self.ema if train.off_policy else self.rollout_weights
+        # the reference is the starting weights: taken before any resume
+        self.policy = AdapterPolicy(self.adapter, train.guidance_scale, model.finetune_type,
+                                    keep_reference=self.algorithm.needs_reference,
+                                    ref_param_device=train.ref_param_device, ema=self.ema,
+                                    sampling_weights=self.ema if train.off_policy else self.rollout_weights)
         self.optimizer = torch.optim.AdamW(
             self.params, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2),
             weight_decay=train.adam_weight_decay, eps=train.adam_epsilon)
@@ -165,18 +163,18 @@ class Trainer:
         if self.dynamics.stochastic:
             sde_steps = choose_sde_steps(train.num_inference_steps, cfg.scheduler.sde_steps,
                                          cfg.scheduler.num_sde_steps, generator("window", cfg.scheduler.seed, epoch))
+        settings = SamplingSettings(height, width, train.num_frames, train.num_inference_steps, train.guidance_scale,
+                                    train.per_device_batch_size, self.seed, sde_steps, train.same_latent,
+                                    record_means=self.algorithm.records_step_means)
         if self.rollout_weights is not None:
             self.rollout_weights.copy_from_params()  # NFT / AWM's old policy: the weights sampled with
         # off_policy: the rollout samples with the EMA weights while the current policy trains
         sampling_weights = self.ema.applied() if train.off_policy else nullcontext()
         with sampling_weights:
             rollouts = collect_rollouts(
-                self.adapter, self.dynamics, self.accelerator,
-                [self.train_prompts[i] for i in indices[share]], group_ids[share], sample_ids,
-                seed=self.seed, epoch=epoch, batch_size=train.per_device_batch_size, height=height, width=width,
-                num_frames=train.num_frames, num_steps=train.num_inference_steps,
-                guidance_scale=train.guidance_scale, sde_steps=sde_steps, same_latent=train.same_latent,
-                timer=self.timer, record_means=self.algorithm.records_step_means, reward_set=self.rewards)
+                self.adapter, self.dynamics, [self.train_prompts[i] for i in indices[share]], group_ids[share],
+                sample_ids, settings, epoch=epoch, reward_set=self.rewards, timer=self.timer,
+                autocast=self.accelerator.autocast)
         return rollouts
 
     def compute_advantages(self, rollouts: Rollouts, epoch: int) -> torch.Tensor | None:
@@ -219,14 +217,10 @@ class Trainer:
         ev = self.cfg.eval
         items = self.test_prompts[: ev.num_samples] if ev.num_samples else self.test_prompts
         share = self._local_share(len(items))
-        height, width = ev.height_width
-        ids = list(range(len(items)))[share]
-        timer = PhaseTimer()
-        rollouts = collect_rollouts(
-            self.adapter, ODE(), self.accelerator, items[share], torch.tensor(ids), ids,
-            seed=ev.seed, epoch=-1, batch_size=ev.per_device_batch_size, height=height, width=width,
-            num_frames=ev.num_frames, num_steps=ev.num_inference_steps, guidance_scale=ev.guidance_scale,
-            sde_steps=[], same_latent=False, timer=timer, keep_trajectory=False, reward_set=self.eval_rewards)
+        # what ff-eval samples for the same config: its numbers agree with these
+        rollouts = sample_prompts(self.adapter, items[share], SamplingSettings.for_eval(ev),
+                                  sample_ids=list(range(len(items)))[share], reward_set=self.eval_rewards,
+                                  autocast=self.accelerator.autocast)
         scores = rollouts.rewards
         means = {f"eval/reward/{k}": self.accelerator.gather(v).mean().item() for k, v in scores.items()}
         self.eval_history.append({"epoch": epoch, **means})

@@ -16,6 +16,12 @@ checkpoints, a rename within a file system is atomic). A process killed at any p
 leaves either the previous checkpoints alone or the new one complete; a ``.partial``
 folder left by a kill is removed by the next save. ``find_checkpoint`` accepts only a
 folder whose files all have the sizes ``trainer_state.json`` lists.
+
+Two loaders read a checkpoint: ``load_checkpoint`` resumes training (weights into the
+live LoRA or transformer, and the optimizer), ``load_for_sampling`` gives ``ff-sample``
+and ``ff-eval`` a pipeline with the weights applied the way a user would apply them
+(``load_lora_weights``, ``from_pretrained``). Both refuse an incomplete folder and
+weights holding NaN or inf.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from ..models.lora import LORA_WEIGHT_NAME, load_lora_state, save_lora
+from .guards import check_pipeline_finite
+from .models.lora import LORA_WEIGHT_NAME, load_lora_state, save_lora
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -200,3 +207,35 @@ def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=Non
     if optimizer is not None and (path / OPTIMIZER_FILE).exists():
         optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
     return state
+
+
+def load_for_sampling(model_type: str, model_path, checkpoint=None, device=None):
+    """The adapter of the pipeline at ``model_path``, in eval mode, with ``checkpoint`` applied.
+
+    ``checkpoint``: a folder holding ``pytorch_lora_weights.safetensors`` (loaded with the
+    pipeline's own ``load_lora_weights``) or ``transformer/`` (full weights), as ``ff-train``
+    writes them under ``checkpoints/epoch_N`` (checked complete when it holds a trainer state).
+    """
+    from .models import load_adapter
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    ckpt = Path(checkpoint) if checkpoint is not None else None
+    if ckpt is not None and (ckpt / STATE_FILE).exists():
+        read_state(ckpt)  # before the model loads: an incomplete save is named, not half-applied
+    adapter = load_adapter(model_type, model_path, device)
+    if ckpt is not None:
+        _apply_weights(adapter, ckpt)
+    check_pipeline_finite(adapter.pipeline, f"{model_path}" + (f" with checkpoint {ckpt}" if ckpt else ""))
+    adapter.transformer.eval()
+    return adapter
+
+
+def _apply_weights(adapter, ckpt: Path) -> None:
+    if (ckpt / LORA_WEIGHT_NAME).is_file():
+        adapter.pipeline.load_lora_weights(str(ckpt))
+    elif (ckpt / "transformer").is_dir():
+        full = type(adapter.transformer).from_pretrained(ckpt / "transformer", dtype=adapter.dtype)
+        adapter.transformer.load_state_dict(full.state_dict())
+    else:
+        raise CheckpointError(f"checkpoint {ckpt}: expected {LORA_WEIGHT_NAME} (LoRA) or a transformer/ folder "
+                              "(full fine-tuning), as ff-train writes under checkpoints/epoch_N")

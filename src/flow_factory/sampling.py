@@ -1,0 +1,135 @@
+"""Sampling: prompts -> trajectories -> decoded media -> rewards.
+
+One module for every caller: the Trainer's rollouts (any dynamics, an SDE window) and
+its eval, ``ff-sample``, ``ff-eval`` and the scripts. What a call samples is one
+``SamplingSettings``; the denoising loop itself is ``rollout.sample_trajectory``.
+
+Every draw is seeded by what it is for (``seeding.py``): sample ``i``'s initial noise by
+``(seed, epoch, i)`` (eval and the CLIs use epoch -1), so the eval of a run and
+``ff-eval`` on its checkpoint draw the same noise for the same test prompt.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from .dynamics.ode import ODE
+from .models.base import Conditioning, cat_cond, index_cond
+from .rollout import sample_trajectory
+from .seeding import generator, per_sample_noise
+from .timer import PhaseTimer
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    height: int
+    width: int
+    num_frames: int | None  # video models only
+    num_steps: int
+    guidance_scale: float
+    batch_size: int  # samples per transformer call
+    seed: int
+    sde_steps: list[int] | None = None  # the stochastic steps; None = all of a stochastic dynamics
+    same_latent: bool = False  # a group shares its initial noise
+    record_means: bool = False  # keep each step's Gaussian mean (GRPO-Guard)
+    keep_trajectory: bool = True  # False: keep only the media and the rewards (eval)
+
+    @classmethod
+    def for_eval(cls, ev) -> "SamplingSettings":
+        """The ODE eval of an ``EvalConfig`` (the config has filled its nulls from ``train``)."""
+        height, width = ev.height_width
+        return cls(height, width, ev.num_frames, ev.num_inference_steps, ev.guidance_scale,
+                   ev.per_device_batch_size, ev.seed, sde_steps=[], keep_trajectory=False)
+
+
+@dataclass
+class Rollouts:
+    """An epoch's samples: what the algorithms train on, what the rewards scored."""
+
+    prompts: list[str]
+    group_ids: Tensor  # (N,)
+    latents: Tensor  # (N, T + 1, *latent)
+    log_probs: Tensor  # (N, T)
+    sigmas: Tensor  # (T + 1,)
+    sde_steps: list[int]
+    cond: Conditioning
+    media: Tensor  # images (N, 3, H, W) or videos (N, F, 3, H, W) in [0, 1]
+    means: Tensor | None = None  # (N, T, *latent) step means, when recorded
+    rewards: dict[str, Tensor] | None = None  # raw score per reward name, (N,)
+
+
+@torch.no_grad()
+def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_ids: list[int],
+                     settings: SamplingSettings, *, epoch: int, reward_set=None, timer: PhaseTimer | None = None,
+                     autocast=nullcontext) -> Rollouts:
+    """Sample ``items`` (``.prompt``, ``.negative_prompt``) in batches, decode, and score with ``reward_set``.
+
+    ``sample_ids``: each item's global sample index (its noise seed); ``autocast``: a context
+    factory for mixed precision (``accelerator.autocast``)."""
+    s, timer = settings, timer or PhaseTimer()
+    sigmas = adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float()
+    # async rewards start on each batch as soon as it is decoded; the rest score at the end
+    job = reward_set.start(group_ids) if reward_set is not None else None
+    media_key = "videos" if adapter.is_video else "images"
+    chunks = []
+    for start in range(0, len(items), s.batch_size):
+        batch = items[start:start + s.batch_size]
+        ids = sample_ids[start:start + s.batch_size]
+        groups = group_ids[start:start + s.batch_size]
+        with timer.phase("sampling"):
+            cond = _encode_unique(adapter, batch, s.guidance_scale, autocast)
+            keys = [("noise", s.seed, epoch, "group", int(g)) if s.same_latent else ("noise", s.seed, epoch, i)
+                    for g, i in zip(groups.tolist(), ids)]
+            noise = per_sample_noise(adapter, keys, s.height, s.width, s.num_frames)
+            with autocast():
+                traj = sample_trajectory(adapter, dynamics, cond, noise, sigmas, s.guidance_scale, s.sde_steps,
+                                         generator=generator("sde", s.seed, epoch, ids[0]),
+                                         record_means=s.record_means,
+                                         shared_rows=groups if s.same_latent else None)
+        with timer.phase("decode"):
+            media = adapter.decode(traj.final).float().cpu()
+        chunks.append((traj, cond, media))
+        if job is not None:
+            with timer.phase("reward"):
+                job.add([it.prompt for it in batch], **{media_key: media})
+
+    trajs = [c[0] for c in chunks]
+    keep = s.keep_trajectory
+    rollouts = Rollouts(
+        prompts=[it.prompt for it in items],
+        group_ids=group_ids,
+        latents=torch.cat([t.latents for t in trajs]) if keep else torch.empty(0),
+        log_probs=torch.cat([t.log_probs for t in trajs]),
+        sigmas=sigmas,
+        sde_steps=trajs[0].sde_steps,
+        cond=cat_cond([c[1] for c in chunks]) if keep else {},
+        media=torch.cat([c[2] for c in chunks]),
+        means=torch.cat([t.means for t in trajs]) if s.record_means else None,
+    )
+    if job is not None:
+        with timer.phase("reward"):
+            # on the adapter's device: the Trainer gathers them across processes
+            rollouts.rewards = {name: r.float().to(adapter.device) for name, r in job.finish().items()}
+    return rollouts
+
+
+def sample_prompts(adapter, items: list, settings: SamplingSettings, *, sample_ids: list[int] | None = None,
+                   reward_set=None, timer: PhaseTimer | None = None, autocast=nullcontext) -> Rollouts:
+    """ODE samples of ``items``, sample ``i`` seeded as the Trainer's eval seeds it (epoch -1)."""
+    ids = list(range(len(items))) if sample_ids is None else list(sample_ids)
+    settings = replace(settings, sde_steps=[], same_latent=False)
+    return collect_rollouts(adapter, ODE(), items, torch.tensor(ids), ids, settings, epoch=-1,
+                            reward_set=reward_set, timer=timer, autocast=autocast)
+
+
+def _encode_unique(adapter, batch: list, guidance_scale: float, autocast) -> Conditioning:
+    """Encode each distinct (prompt, negative) once: a group repeats one prompt ``group_size`` times."""
+    pairs = [(it.prompt, it.negative_prompt or "") for it in batch]
+    unique = list(dict.fromkeys(pairs))
+    with autocast():
+        cond = adapter.encode([p for p, _ in unique], [n for _, n in unique], guidance_scale)
+    return index_cond(cond, torch.tensor([unique.index(pair) for pair in pairs]))
