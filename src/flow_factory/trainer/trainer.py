@@ -74,13 +74,23 @@ class Trainer:
                 raise CheckpointError(f"model.resume_path: {self.resume_from} has {resumed['epoch']} epochs done "
                                       f"and train.max_epochs is {train.max_epochs}: nothing to train; set "
                                       f"train.max_epochs above {resumed['epoch']}")
-        self.run_folder = RunFolder(self.run_dir)
-        self._from_main(lambda: self.run_folder.claim(self.resume_from, resumed["epoch"], cfg.log.overwrite))
         self.train_prompts = load_prompts(cfg.data.dataset_dir, "train", cfg.data.max_dataset_size)
         self.test_prompts = (load_prompts(cfg.data.dataset_dir, "test", cfg.data.max_dataset_size)
                              if cfg.eval.eval_freq else [])
         self.sampler = EpochSampler(len(self.train_prompts), train.unique_sample_num_per_epoch,
                                     train.group_size, self.seed)
+        self.run_folder = RunFolder(self.run_dir)
+        self._from_main(lambda: self.run_folder.claim(self.resume_from, resumed["epoch"], cfg.log.overwrite))
+        try:
+            self._build()
+        except BaseException:
+            self.run_folder.release()  # a run that never started must not keep its folder locked
+            raise
+
+    def _build(self) -> None:
+        """The rewards, the model and what trains it; the resumed state."""
+        cfg, train, model = self.cfg, self.cfg.train, self.cfg.model
+        precision = "no" if self.accelerator.device.type == "cpu" else cfg.mixed_precision
         self.rewards = RewardSet.from_configs(cfg.rewards)
         self.eval_rewards = RewardSet.from_configs(cfg.eval_rewards) if cfg.eval_rewards else self.rewards
 
