@@ -185,17 +185,17 @@ def reconstruct(vae, samples) -> np.ndarray:
 def check_vae(vae, args, log) -> None:
     """Strict/partial ShapeBench scores of VAE reconstructions: the ceiling the transformer can
     reach; a data defect must survive the VAE (a reconstructed defective scene still fails)."""
-    from flow_factory.shapebench import evaluate_image, generate
+    from flow_factory.shapebench import verdict_on_image, generate
 
     samples = generate(256, args.seed + 6)
-    verdicts = [evaluate_image(s.prompt, r) for s, r in zip(samples, reconstruct(vae, samples))]
+    verdicts = [verdict_on_image(s.prompt, r) for s, r in zip(samples, reconstruct(vae, samples))]
     log(f"vae reconstructions (256 fresh scenes): strict {np.mean([v.strict for v in verdicts]):.3f} "
         f"partial {np.mean([v.partial for v in verdicts]):.3f}")
     for name in ["dark", "tint"]:
         if getattr(args, name) > 0:
             defective = add_defect(samples, name, 1.0, 0)
             rec = reconstruct(vae, defective)
-            strict = np.mean([evaluate_image(s.prompt, r).strict for s, r in zip(defective, rec)])
+            strict = np.mean([verdict_on_image(s.prompt, r).strict for s, r in zip(defective, rec)])
             log(f"vae reconstructions of {name} scenes: strict {strict:.3f}, brightest pixel {int(rec.max())}, "
                 f"corner pixel {rec[:, :2, :2].reshape(-1, 3).mean(0).round().tolist()}")
 

@@ -10,7 +10,7 @@ from PIL import Image
 
 from flow_factory.evaluate import main as ff_eval
 from flow_factory.sample import main as ff_sample
-from flow_factory.shapebench import evaluate_image
+from flow_factory.shapebench import verdict_on_image
 
 import shapebench_families  # scripts/
 
@@ -111,7 +111,7 @@ def test_ff_eval_prints_a_table_and_writes_json_that_match_the_images(tmp_path, 
     # ff-eval seeds sample i as ff-sample does with the same seed: the strict scores are those of its images
     ff_sample([str(tiny_sd3_path), "--prompts", *PROMPTS, "--out", str(tmp_path / "s"), "--steps", "4", "--seed", "5",
                "--batch-size", "2"])
-    strict = [evaluate_image(p, np.asarray(Image.open(tmp_path / "s" / f"{i:04d}.png"))).strict
+    strict = [verdict_on_image(p, np.asarray(Image.open(tmp_path / "s" / f"{i:04d}.png"))).strict
               for i, p in enumerate(PROMPTS)]
     assert strict == [s["strict"] for s in result["samples"]]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flow_factory.shapebench import (
-    COLORS, FAMILIES, SHAPES, PromptSpec, Sample, ShapeObject, all_specs, detect, evaluate_image, generate,
+    COLORS, FAMILIES, SHAPES, PromptSpec, Sample, ShapeObject, all_specs, detect, verdict_on_image, generate,
     parse_prompt, prompt_split, render, write_prompt_dataset,
 )
 
@@ -113,7 +113,7 @@ def test_background_and_grey_are_not_objects():
 
 
 def test_generated_images_score_strict_one(samples):
-    verdicts = [evaluate_image(s.prompt, s.image) for s in samples]
+    verdicts = [verdict_on_image(s.prompt, s.image) for s in samples]
     strict = np.mean([v.strict for v in verdicts])
     assert strict >= 0.98
     assert np.mean([v.partial for v in verdicts]) >= strict
@@ -131,7 +131,7 @@ def _first_of(samples, family):
 def test_wrong_colour_scores_strict_zero(samples, family):
     for s in [x for x in samples if x.spec.family == family][:10]:
         wrong = with_object(s, 0, color=_other(COLORS, s.objects[0].color))
-        v = evaluate_image(s.prompt, wrong.image)
+        v = verdict_on_image(s.prompt, wrong.image)
         assert v.strict == 0.0
         # colors: the shape is there, its colour is not -> 1 of 2 clauses; color_attr: 1 of 2 objects
         assert v.partial == pytest.approx(0.5)
@@ -146,7 +146,7 @@ def test_wrong_shape_scores_strict_zero(samples, family):
         if new_shape is None:
             continue
         wrong = with_object(s, index, shape=new_shape)
-        assert evaluate_image(s.prompt, wrong.image).strict == 0.0, (s.prompt, wrong.objects)
+        assert verdict_on_image(s.prompt, wrong.image).strict == 0.0, (s.prompt, wrong.objects)
 
 
 def _without(sample, index):
@@ -157,7 +157,7 @@ def _without(sample, index):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_wrong_count_scores_strict_zero(samples, family):
     for s in [x for x in samples if x.spec.family == family][:10]:
-        assert evaluate_image(s.prompt, _without(s, 0).image).strict == 0.0
+        assert verdict_on_image(s.prompt, _without(s, 0).image).strict == 0.0
 
 
 def test_one_extra_object_breaks_a_count(samples):
@@ -174,7 +174,7 @@ def test_one_extra_object_breaks_a_count(samples):
         if extra.size == 10:
             break
     img = render(s.objects + (extra,))
-    v = evaluate_image(s.prompt, img)
+    v = verdict_on_image(s.prompt, img)
     assert v.strict == 0.0 and v.partial == pytest.approx(0.5)
 
 
@@ -182,7 +182,7 @@ def test_wrong_position_scores_strict_zero(samples):
     for s in [x for x in samples if x.spec.family == "position"][:20]:
         a, b = s.objects
         swapped = with_object(with_object(s, 0, cx=b.cx, cy=b.cy), 1, cx=a.cx, cy=a.cy)
-        v = evaluate_image(s.prompt, swapped.image)
+        v = verdict_on_image(s.prompt, swapped.image)
         assert v.strict == 0.0 and v.partial == pytest.approx(2 / 3)  # both objects there, relation not
 
 
@@ -221,8 +221,8 @@ def test_an_unnamed_extra_object_fails_strict_on_every_family():
         if c is None:
             continue
         assert len(c.objects) == len(s.objects) + 1 and c.objects[:-1] == s.objects
-        assert evaluate_image(s.prompt, s.image).strict == 1.0
-        assert evaluate_image(c.prompt, c.image).strict == 0.0
+        assert verdict_on_image(s.prompt, s.image).strict == 1.0
+        assert verdict_on_image(c.prompt, c.image).strict == 0.0
 
 
 def test_a_coloured_background_fails_strict_and_keeps_the_objects():
@@ -237,8 +237,8 @@ def test_a_coloured_background_fails_strict_and_keeps_the_objects():
         named = np.any(s.image != 255, axis=-1)
         assert np.array_equal(t.image[named], s.image[named])
         assert (t.image[~named] == sky).all()
-        assert evaluate_image(s.prompt, s.image).strict == 1.0
-        if evaluate_image(t.prompt, t.image).strict:
+        assert verdict_on_image(s.prompt, s.image).strict == 1.0
+        if verdict_on_image(t.prompt, t.image).strict:
             passed += 1
             assert "blue" in [o.color for o in s.objects]
     assert passed <= 0.15 * 120
@@ -252,6 +252,6 @@ def test_an_under_exposed_scene_fails_strict_on_every_family():
     for s in samples:
         d = with_exposure(s, 0.15)
         assert d.objects == s.objects and d.image.max() <= 38
-        assert detect(d.image) == [] and evaluate_image(d.prompt, d.image).strict == 0.0
-        assert evaluate_image(s.prompt, with_exposure(s, 1.0).image).strict == 1.0
+        assert detect(d.image) == [] and verdict_on_image(d.prompt, d.image).strict == 0.0
+        assert verdict_on_image(s.prompt, with_exposure(s, 1.0).image).strict == 1.0
 

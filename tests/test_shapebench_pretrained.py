@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from flow_factory.shapebench import ShapeObject, evaluate_image, generate, render
+from flow_factory.shapebench import ShapeObject, verdict_on_image, generate, render
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSET = ROOT / "assets" / "shapebench" / "sd3"
@@ -26,7 +26,7 @@ def test_strict_score_needs_nothing_but_the_named_objects():
     sample = next(s for s in generate(60, seed=3) if s.spec.family == "colors"
                   and all(o.cx > 30 or o.cy > 30 for o in s.objects))  # the corner is free
     extra = ShapeObject("circle" if sample.objects[0].shape != "circle" else "square", "green", 10.0, 10.0, 12.0)
-    clean, cluttered = evaluate_image(sample.prompt, sample.image), evaluate_image(
+    clean, cluttered = verdict_on_image(sample.prompt, sample.image), verdict_on_image(
         sample.prompt, render(list(sample.objects) + [extra]))
     assert clean.strict == 1.0 and clean.extra_objects == 0
     assert cluttered.partial == clean.partial == 1.0
@@ -70,14 +70,14 @@ def test_committed_pipeline_loads_and_scores_strict_far_above_decoded_noise():
     r = sample_prompts(adapter, [PromptItem(p) for p in prompts], SamplingSettings(
         height=64, width=64, num_frames=None, num_steps=10, guidance_scale=2.0, batch_size=48, seed=0))
     images = (r.media.clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).numpy()
-    model = [evaluate_image(p, im) for p, im in zip(prompts, images)]
+    model = [verdict_on_image(p, im) for p, im in zip(prompts, images)]
 
     # chance: the same VAE decoding Gaussian latents (what an untrained transformer yields)
     vae = adapter.pipeline.vae
     with torch.no_grad():
         noise = vae.decode(torch.randn(len(prompts), 4, 16, 16, generator=torch.Generator().manual_seed(0))).sample
     noise = ((noise.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
-    chance = [evaluate_image(p, im) for p, im in zip(prompts, noise)]
+    chance = [verdict_on_image(p, im) for p, im in zip(prompts, noise)]
 
     strict, strict_chance = np.mean([v.strict for v in model]), np.mean([v.strict for v in chance])
     # partial is no measure here: decoded noise (about 9 blobs) satisfies half the clauses

@@ -85,7 +85,7 @@ def judge(spec: PromptSpec, detections: list[Detection], image_size: int = 64) -
     return Verdict(spec, c, extra)
 
 
-def evaluate_image(prompt: str, image: np.ndarray) -> Verdict:
+def verdict_on_image(prompt: str, image: np.ndarray) -> Verdict:
     """The verdict on one (H, W, 3) uint8 image for ``prompt``."""
     return judge(parse_prompt(prompt), detect(image), image.shape[0])
 
@@ -104,7 +104,7 @@ class _ShapeBenchBase(PointwiseRewardModel):
                  condition_videos=None) -> RewardModelOutput:
         if image is None:
             raise ValueError(f"{type(self).__name__} scores images; got none")
-        verdicts = [evaluate_image(p, a) for p, a in zip(prompt, to_uint8_hwc(image))]
+        verdicts = [verdict_on_image(p, a) for p, a in zip(prompt, to_uint8_hwc(image))]
         partial = [v.partial for v in verdicts]
         strict = [v.strict for v in verdicts]
         scores = partial if self.score_name == "partial" else strict
