@@ -480,3 +480,20 @@ def test_config_errors_come_before_heavy_imports(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "error: " in out.stdout and "train.group_size: expected a positive integer, got 'four'" in out.stdout
     assert "heavy: []" in out.stdout
+
+
+def test_the_torch_free_config_agrees_with_the_classes_it_names():
+    """The config checks combinations without importing torch, so it keeps its own lists of
+    trainer types and dynamics; they must say what the classes say."""
+    from typing import get_args
+
+    from flow_factory.algorithms import ALGORITHMS
+    from flow_factory.config.schema import STOCHASTIC
+    from flow_factory.config.sections import SchedulerConfig
+    from flow_factory.config.train import COUPLED_TRAINER_TYPES, TrainConfig
+    from flow_factory.dynamics import DYNAMICS
+
+    assert set(get_args(TrainConfig.model_fields["trainer_type"].annotation)) == set(ALGORITHMS)
+    assert {name for name, cls in ALGORITHMS.items() if cls.coupled} == set(COUPLED_TRAINER_TYPES)
+    assert set(get_args(SchedulerConfig.model_fields["dynamics_type"].annotation)) == set(DYNAMICS)
+    assert {name for name, cls in DYNAMICS.items() if cls.stochastic} == set(STOCHASTIC)

@@ -47,6 +47,13 @@ def show(value: Any) -> str:
     return repr(value)
 
 
+# Every spelling of a float dtype a config or a reward option may use, to torch's name for it:
+# the one table (rewards' parse_dtype and the trainer's mixed precision read it too).
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32",
+               "float16": "float16", "fp16": "float16", "half": "float16",
+               "bfloat16": "bfloat16", "bf16": "bfloat16", "float64": "float64", "fp64": "float64"}
+
+
 def canonical_choice(value: Any, aliases: dict[str, str]) -> Any:
     """Map a spelling to its canonical form, ignoring case and ``_`` vs ``-`` vs ``.``;
     anything unknown is returned unchanged so the Literal check reports it."""

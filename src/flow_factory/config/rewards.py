@@ -13,12 +13,10 @@ from typing import Any, Literal
 
 from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, model_validator
 
-from .base import Section, canonical_choice, problem, setting, show
+from .base import DTYPE_NAMES, Section, canonical_choice, problem, setting, show
 from .errors import ConfigError
 from .explain import explain
 
-DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
-                 "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 # Flow-Factory's older spelling of the options mapping
 KWARGS_KEYS = ("kwargs", "reward_model_kwargs")
 # the fields the RewardSet reads itself; every other field (and kwargs) goes to the reward's constructor
@@ -75,7 +73,7 @@ class RewardConfig(Section):
             raise problem(f"option names must be strings, got {show(bad)}")
         entry["kwargs"] = options
         if "dtype" in entry:
-            entry["dtype"] = canonical_choice(entry["dtype"], DTYPE_ALIASES)
+            entry["dtype"] = canonical_choice(entry["dtype"], DTYPE_NAMES)
         return entry
 
     @model_validator(mode="after")

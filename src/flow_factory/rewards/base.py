@@ -42,15 +42,10 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from ..config.base import DTYPE_NAMES
+
 MEDIA_FIELDS = ("image", "video", "condition_images", "condition_videos")
 KNOWN_FIELDS = ("prompt", *MEDIA_FIELDS)
-
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float64": torch.float64, "fp64": torch.float64,
-}
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
@@ -60,9 +55,9 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     key = str(dtype).lower().removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[key]
+    if key not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_NAMES)}")
+    return getattr(torch, DTYPE_NAMES[key])
 
 
 @dataclass

@@ -30,6 +30,7 @@ from ..models import load_adapter
 from ..models.lora import apply_lora
 from ..models.preflight import check_before_loading
 from ..rewards import RewardSet
+from ..rewards.base import parse_dtype
 from ..sampling import Rollouts, SamplingSettings, collect_rollouts, sample_prompts
 from ..seeding import generator
 from ..timer import PhaseTimer
@@ -94,7 +95,7 @@ class Trainer:
         self.rewards = RewardSet.from_configs(cfg.rewards)
         self.eval_rewards = RewardSet.from_configs(cfg.eval_rewards) if cfg.eval_rewards else self.rewards
 
-        dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+        dtype = parse_dtype("float32" if precision == "no" else precision)
         self.adapter = load_adapter(model.model_type, model.model_name_or_path, self.accelerator.device, dtype)
         check_pipeline_finite(self.adapter.pipeline, f"model.model_name_or_path: {model.model_name_or_path}")
         self.dynamics = make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level)
