@@ -222,3 +222,24 @@ def test_links_between_documents_resolve():
                 if anchor not in {github_anchor(h) for h in headings}:
                     broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, broken
+
+
+def _expand(pattern: str) -> list[str]:
+    """``trainer/{a,b}.py`` -> ``trainer/a.py``, ``trainer/b.py`` (one brace group)."""
+    match = re.search(r"\{([^}]*)\}", pattern)
+    if not match:
+        return [pattern]
+    return [pattern[:match.start()] + part + pattern[match.end():] for part in match.group(1).split(",")]
+
+
+def test_the_design_parts_table_names_files_that_exist_and_every_module():
+    design = (DOCS / "DESIGN.md").read_text()
+    table = design[design.index("## Parts"):design.index("Outside the package")]
+    rows = [line.split("|")[2] for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    named = {f for row in rows[1:] for pattern in re.findall(r"`([\w/{},.]+\.py)`", row) for f in _expand(pattern)}
+    package = ROOT / "src" / "flow_factory"
+    missing = sorted(f for f in named if not (package / f).is_file())
+    assert not missing, f"docs/DESIGN.md's parts table names files that do not exist: {missing}"
+    modules = {str(p.relative_to(package)) for p in package.rglob("*.py") if p.name != "__init__.py"}
+    unnamed = sorted(modules - named)
+    assert not unnamed, f"docs/DESIGN.md's parts table does not name these modules: {unnamed}"
