@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from flow_factory.advantages import combine_advantages
 from flow_factory.algorithms import make_algorithm
+from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import make_dynamics
 from flow_factory.guards import NonFiniteGuard
 from flow_factory.models.base import Conditioning, FlowAdapter
@@ -87,11 +88,9 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
     adapter = ToyAdapter(ToyVelocity())
     coupled = trainer_type in ("grpo", "grpo-guard")
     name = dynamics or ("Flow-SDE" if coupled else "ODE")
-    cfg = SimpleNamespace(clip_range=0.2, adv_clip_range=5.0, kl_type="v-based", kl_beta=0.0, outside_kl_beta=0.0,
-                          nft_beta=1.0, nft_weighting="adaptive", awm_weighting="Uniform", ghuber_power=0.25,
-                          ema_kl_beta=0.0, beta=2000.0, num_train_timesteps=4, time_sampling_strategy="uniform",
-                          time_shift=1.0, timestep_range=[0.0, 1.0], num_inference_steps=num_steps)
-    vars(cfg).update(train)
+    cfg = TrainConfig(**{"clip_range": 0.2, "kl_type": "v-based", "nft_beta": 1.0, "beta": 2000.0,
+                         "num_train_timesteps": 4, "time_sampling_strategy": "uniform", "time_shift": 1.0,
+                         "timestep_range": [0.0, 1.0], "num_inference_steps": num_steps, **train})
     dyn = make_dynamics(name, 0.7 if name != "ODE" else 0.0)
     algorithm = make_algorithm(trainer_type, cfg, dyn)
     params = [p for p in adapter.transformer.parameters()]

@@ -487,7 +487,7 @@ def test_the_torch_free_config_agrees_with_the_classes_it_names():
     trainer types and dynamics; they must say what the classes say."""
     from typing import get_args
 
-    from flow_factory.algorithms import ALGORITHMS
+    from flow_factory.algorithms import ALGORITHMS, KL_TYPES
     from flow_factory.config.schema import STOCHASTIC
     from flow_factory.config.sections import SchedulerConfig
     from flow_factory.config.train import COUPLED_TRAINER_TYPES, TrainConfig
@@ -497,3 +497,4 @@ def test_the_torch_free_config_agrees_with_the_classes_it_names():
     assert {name for name, cls in ALGORITHMS.items() if cls.coupled} == set(COUPLED_TRAINER_TYPES)
     assert set(get_args(SchedulerConfig.model_fields["dynamics_type"].annotation)) == set(DYNAMICS)
     assert {name for name, cls in DYNAMICS.items() if cls.stochastic} == set(STOCHASTIC)
+    assert set(get_args(TrainConfig.model_fields["kl_type"].annotation)) == set(KL_TYPES)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flow_factory.algorithms import AWM, DPO, NFT, NoisedBatch, awm_log_prob, best_and_worst, dpo_loss, nft_loss
+from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import ODE
 
 X0 = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
@@ -24,7 +25,7 @@ def cfg(**kw):
                 num_train_timesteps=1, time_sampling_strategy="uniform", time_shift=1.0, timestep_range=1.0,
                 num_inference_steps=4)
     base.update(kw)
-    return SimpleNamespace(**base)
+    return TrainConfig(**base)
 
 
 # ------------------------------------------------------------------------ NFT

@@ -6,16 +6,16 @@ import torch
 
 from flow_factory.algorithms import make_algorithm
 from flow_factory.algorithms.base import TrainBatch
+from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import make_dynamics
 from flow_factory.models import load_adapter
 from flow_factory.models.lora import apply_lora
 from flow_factory.rollout import sample_trajectory
 from flow_factory.trainer.policy import AdapterPolicy
-from types import SimpleNamespace
 
 ADAPTERS = [("sd3-5", "tiny_sd3_path", 64, None, 3.0), ("flux1", "tiny_flux_path", 64, None, 3.5),
             ("wan2_t2v", "tiny_wan_path", 32, 5, 3.0)]
-TRAIN = SimpleNamespace(clip_range=1e-4, adv_clip_range=5.0, kl_type="v-based", kl_beta=0.0, outside_kl_beta=0.0)
+TRAIN = TrainConfig(kl_type="v-based")  # defaults: clip_range 1e-4, adv_clip_range 5, no KL
 
 
 def _perturb_lora(transformer, seed=0):

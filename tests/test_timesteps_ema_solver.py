@@ -2,7 +2,6 @@
 rules of the decoupled algorithms."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from test_dynamics import MU, S, exact_velocity
 
 from flow_factory.algorithms.timesteps import draw_training_sigmas, num_train_timesteps
 from flow_factory.config import ConfigError
+from flow_factory.config.train import TrainConfig
 from flow_factory.config.loader import parse_config
 from flow_factory.dynamics import ODE, DPMSolver2M
 from flow_factory.trainer.ema import WeightCopy, ema_decay_at
@@ -52,7 +52,7 @@ def test_discrete_strategies_use_the_rollout_sigmas_in_range():
 
 
 def test_num_train_timesteps_null_is_the_steps_in_range():
-    cfg = SimpleNamespace(num_train_timesteps=None, timestep_range=0.9, num_inference_steps=10)
+    cfg = TrainConfig(num_train_timesteps=None, timestep_range=0.9, num_inference_steps=10)
     assert num_train_timesteps(cfg) == 9
     cfg.timestep_range = [0.5, 0.6]
     assert num_train_timesteps(cfg) == 1
