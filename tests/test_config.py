@@ -498,3 +498,33 @@ def test_the_torch_free_config_agrees_with_the_classes_it_names():
     assert set(get_args(SchedulerConfig.model_fields["dynamics_type"].annotation)) == set(DYNAMICS)
     assert {name for name, cls in DYNAMICS.items() if cls.stochastic} == set(STOCHASTIC)
     assert set(get_args(TrainConfig.model_fields["kl_type"].annotation)) == set(KL_TYPES)
+
+
+def _combination_accepted_by_config(trainer_type: str, dynamics: str) -> bool:
+    try:
+        parse_config(minimal(train={"trainer_type": trainer_type},
+                             scheduler={"dynamics_type": dynamics, "noise_level": 0.7}))
+        return True
+    except ConfigError:
+        return False
+
+
+def _combination_accepted_by_classes(trainer_type: str, dynamics: str) -> bool:
+    from flow_factory.algorithms import make_algorithm
+    from flow_factory.config.train import TrainConfig
+    from flow_factory.dynamics import make_dynamics
+
+    try:
+        make_algorithm(trainer_type, TrainConfig(trainer_type=trainer_type), make_dynamics(dynamics, 0.7))
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("trainer_type", ["grpo", "grpo-guard", "nft", "awm", "dpo"])
+@pytest.mark.parametrize("dynamics", ["Flow-SDE", "Dance-SDE", "CPS", "ODE", "DPM-Solver++2M"])
+def test_the_config_refuses_exactly_the_combinations_the_classes_refuse(trainer_type, dynamics):
+    """Which algorithm trains through which dynamics is the classes' rule (GRPO needs a stochastic
+    step, GRPO-Guard Flow-SDE); the torch-free config repeats it to fail before anything loads."""
+    assert _combination_accepted_by_config(trainer_type, dynamics) == _combination_accepted_by_classes(
+        trainer_type, dynamics)
