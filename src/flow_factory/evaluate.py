@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_config
+from .config import load_config_for_cli
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,10 +63,8 @@ def evaluate_config(cfg, checkpoint=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"ff-eval: config error: {err}", file=sys.stderr)
+    cfg = load_config_for_cli("ff-eval", args.config, args.overrides)
+    if cfg is None:
         return 2
     if args.checkpoint and not Path(args.checkpoint).is_dir():
         print(f"ff-eval: --checkpoint {args.checkpoint}: no such folder", file=sys.stderr)

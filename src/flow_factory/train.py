@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_config
+from .config import ConfigError, load_config_for_cli
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,10 +37,8 @@ def relaunch_command(cfg, argv: list[str]) -> list[str]:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"ff-train: config error: {err}", file=sys.stderr)
+    cfg = load_config_for_cli("ff-train", args.config, args.overrides)
+    if cfg is None:
         return 2
     if args.print_config:
         print(cfg.to_yaml(), end="")

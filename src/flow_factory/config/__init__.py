@@ -5,7 +5,7 @@ diffusers load.
 """
 
 from .errors import ConfigError
-from .loader import load_config, parse_config
+from .loader import load_config, load_config_for_cli, parse_config
 from .rewards import RewardConfig
 from .schema import Config
 from .sections import DataConfig, EvalConfig, LogConfig, ModelConfig, SchedulerConfig
@@ -13,5 +13,5 @@ from .train import TrainConfig
 
 __all__ = [
     "Config", "ConfigError", "DataConfig", "EvalConfig", "LogConfig", "ModelConfig", "RewardConfig",
-    "SchedulerConfig", "TrainConfig", "load_config", "parse_config",
+    "SchedulerConfig", "TrainConfig", "load_config", "load_config_for_cli", "parse_config",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -130,6 +131,15 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
     for override in overrides:
         apply_override(data, override)
     return Config.from_dict(data, source=str(path))
+
+
+def load_config_for_cli(prog: str, path: str | Path, overrides: Iterable[str] = ()) -> Config | None:
+    """``load_config`` for a command line: None after printing ``prog: config error: ...`` to stderr."""
+    try:
+        return load_config(path, overrides)
+    except ConfigError as err:
+        print(f"{prog}: config error: {err}", file=sys.stderr)
+        return None
 
 
 def parse_config(data: dict, overrides: Iterable[str] = ()) -> Config:

@@ -35,6 +35,13 @@ def as_batch_column(sigma: Tensor | float, like: Tensor) -> Tensor:
     return s.reshape(-1, *([1] * (like.ndim - 1)))
 
 
+def step_inputs(x: Tensor, v: Tensor, sigma, sigma_next) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What every ``mean_and_std`` starts from: ``x`` and ``v`` in float32 (step arithmetic is
+    float32 whatever the model dtype), ``sigma`` and ``sigma_next`` as columns broadcasting against them."""
+    x = x.float()
+    return x, v.float(), as_batch_column(sigma, x), as_batch_column(sigma_next, x)
+
+
 def mean_over_sample(t: Tensor) -> Tensor:
     """Mean over every dim but the batch one: (B, ...) -> (B,)."""
     return t.reshape(t.shape[0], -1).mean(dim=1)

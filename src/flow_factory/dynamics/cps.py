@@ -23,7 +23,7 @@ import math
 
 from torch import Tensor
 
-from .base import Dynamics, as_batch_column, mean_over_sample
+from .base import Dynamics, mean_over_sample, step_inputs
 
 
 class CPS(Dynamics):
@@ -36,9 +36,7 @@ class CPS(Dynamics):
         super().__init__(noise_level)
 
     def mean_and_std(self, x: Tensor, v: Tensor, sigma, sigma_next) -> tuple[Tensor, Tensor]:
-        x, v = x.float(), v.float()
-        sigma = as_batch_column(sigma, x)
-        sigma_next = as_batch_column(sigma_next, x)
+        x, v, sigma, sigma_next = step_inputs(x, v, sigma, sigma_next)
         dt = sigma_next - sigma
         angle = self.noise_level * math.pi / 2
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Dynamics, StepResult, as_batch_column
+from .base import Dynamics, StepResult, as_batch_column, step_inputs
 
 
 def _half_log_snr(sigma: Tensor) -> Tensor:
@@ -48,9 +48,7 @@ class DPMSolver2M(Dynamics):
 
     def mean_and_std(self, x: Tensor, v: Tensor, sigma, sigma_next,
                      prev: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        x, v = x.float(), v.float()
-        s = as_batch_column(sigma, x)
-        s_next = as_batch_column(sigma_next, x)
+        x, v, s, s_next = step_inputs(x, v, sigma, sigma_next)
         x0_hat = x - s * v
         euler = x + v * (s_next - s)
         zero = torch.zeros((), device=x.device)

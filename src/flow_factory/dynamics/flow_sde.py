@@ -22,16 +22,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Dynamics, as_batch_column
+from .base import Dynamics, step_inputs
 
 
 class FlowSDE(Dynamics):
     name = "Flow-SDE"
 
     def mean_and_std(self, x: Tensor, v: Tensor, sigma, sigma_next) -> tuple[Tensor, Tensor]:
-        x, v = x.float(), v.float()
-        sigma = as_batch_column(sigma, x)
-        sigma_next = as_batch_column(sigma_next, x)
+        x, v, sigma, sigma_next = step_inputs(x, v, sigma, sigma_next)
         dt = sigma_next - sigma
         a2 = self.noise_level**2
 

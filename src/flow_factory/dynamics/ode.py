@@ -2,7 +2,7 @@
 
 import torch
 
-from .base import Dynamics, as_batch_column
+from .base import Dynamics, step_inputs
 
 
 class ODE(Dynamics):
@@ -10,5 +10,5 @@ class ODE(Dynamics):
     stochastic = False
 
     def mean_and_std(self, x, v, sigma, sigma_next):
-        dt = as_batch_column(sigma_next, x) - as_batch_column(sigma, x)
-        return x.float() + v.float() * dt, torch.zeros((), device=x.device)
+        x, v, sigma, sigma_next = step_inputs(x, v, sigma, sigma_next)
+        return x + v * (sigma_next - sigma), torch.zeros((), device=x.device)
