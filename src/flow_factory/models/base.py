@@ -23,6 +23,24 @@ from torch import Tensor
 Conditioning = dict[str, Tensor]
 
 
+# The image and text projections of a joint (MM-DiT) attention block, under diffusers' names:
+# flow_grpo's LoRA targets for SD3, and FLUX's double-stream blocks (its single-stream blocks'
+# to_q / to_k / to_v match the same names).
+JOINT_ATTENTION_LORA_TARGETS = [
+    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+    "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
+]
+
+
+@torch.no_grad()
+def decode_image(vae, latents: Tensor, device) -> Tensor:
+    """(B, 3, H, W) in [0, 1] from latents of an image VAE with ``scaling_factor`` and
+    ``shift_factor`` (SD3's and FLUX's), as their pipelines decode."""
+    z = latents.to(device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+    image = vae.decode(z, return_dict=False)[0]
+    return (image.float() / 2 + 0.5).clamp(0, 1)
+
+
 def index_cond(cond: Conditioning, idx) -> Conditioning:
     return {k: v[idx] for k, v in cond.items()}
 
@@ -88,6 +106,17 @@ class FlowAdapter:
             yield
         finally:
             self.transformer, self._wrapped = saved
+
+    @property
+    def loaded_pixel_factor(self) -> int:
+        """``pixel_factor_of`` for the loaded checkpoint."""
+        return self.pixel_factor_of(self.pipeline.vae.config, self.transformer.config)
+
+    def check_size(self, height: int, width: int) -> None:
+        """ValueError unless height and width are multiples of the loaded checkpoint's factor."""
+        f = self.loaded_pixel_factor
+        if height % f or width % f:
+            raise ValueError(f"{self.model_type}: height and width must be multiples of {f}, got {height}x{width}")
 
     # --- what each model defines -------------------------------------------------
     @staticmethod

@@ -18,19 +18,14 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import Tensor
 
 from ..config.sections import MODEL_FAMILIES
-from .base import Conditioning, FlowAdapter
+from .base import JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image
 
 
 class FluxAdapter(FlowAdapter):
     model_type = "flux1"
     pipeline_class = FluxPipeline
     pixel_factor = MODEL_FAMILIES[model_type].pixel_factor
-    # attention projections of the double-stream blocks; the single-stream blocks'
-    # to_q/k/v match the same names
-    default_lora_targets = [
-        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
-        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-    ]
+    default_lora_targets = JOINT_ATTENTION_LORA_TARGETS
     max_sequence_length = 512  # T5 tokens, the pipeline's default
 
     @staticmethod
@@ -40,10 +35,6 @@ class FluxAdapter(FlowAdapter):
         if "block_out_channels" not in vae:
             return None
         return 2 ** (len(vae["block_out_channels"]) - 1) * 2
-
-    @property
-    def _pixels_per_token(self) -> int:
-        return self.pixel_factor_of(self.pipeline.vae.config, self.transformer.config)
 
     @torch.no_grad()
     def encode(self, prompts: list[str], negative_prompts: list[str] | None = None,
@@ -56,9 +47,7 @@ class FluxAdapter(FlowAdapter):
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
-        f = self._pixels_per_token
-        if height % f or width % f:
-            raise ValueError(f"flux1: height and width must be multiples of {f}, got {height}x{width}")
+        self.check_size(height, width)
         s = self.pipeline.vae_scale_factor
         return (self.transformer.config.in_channels // 4, height // s, width // s)
 
@@ -68,7 +57,8 @@ class FluxAdapter(FlowAdapter):
         # as FluxPipeline: a linear grid ending at 1/n, shifted by mu, which grows with the
         # number of image tokens (resolution-dependent shift)
         grid = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
-        image_seq_len = (height // self._pixels_per_token) * (width // self._pixels_per_token)
+        pixels_per_token = self.loaded_pixel_factor
+        image_seq_len = (height // pixels_per_token) * (width // pixels_per_token)
         mu = calculate_shift(
             image_seq_len,
             config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
@@ -102,9 +92,5 @@ class FluxAdapter(FlowAdapter):
         s = self.pipeline.vae_scale_factor
         return pipe._unpack_latents(out, h * s, w * s, s).float()
 
-    @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
-        vae = self.pipeline.vae
-        z = latents.to(self.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(z, return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return decode_image(self.pipeline.vae, latents, self.device)

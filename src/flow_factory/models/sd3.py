@@ -15,18 +15,14 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from torch import Tensor
 
 from ..config.sections import MODEL_FAMILIES
-from .base import Conditioning, FlowAdapter
+from .base import JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image
 
 
 class SD3Adapter(FlowAdapter):
     model_type = "sd3-5"
     pipeline_class = StableDiffusion3Pipeline
     pixel_factor = MODEL_FAMILIES[model_type].pixel_factor
-    # flow_grpo's SD3 targets: the joint attention's image and text projections
-    default_lora_targets = [
-        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-        "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
-    ]
+    default_lora_targets = JOINT_ATTENTION_LORA_TARGETS  # flow_grpo's SD3 targets
     max_sequence_length = 256  # T5 tokens, the pipeline's default
 
     @property
@@ -48,10 +44,6 @@ class SD3Adapter(FlowAdapter):
             return None
         return 2 ** (len(vae["block_out_channels"]) - 1) * transformer["patch_size"]
 
-    @property
-    def _spatial_factor(self) -> int:
-        return self.pixel_factor_of(self.pipeline.vae.config, self.transformer.config)
-
     @torch.no_grad()
     def encode(self, prompts: list[str], negative_prompts: list[str] | None = None,
                guidance_scale: float = 1.0) -> Conditioning:
@@ -70,9 +62,7 @@ class SD3Adapter(FlowAdapter):
         return cond
 
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
-        f = self._spatial_factor
-        if height % f or width % f:
-            raise ValueError(f"sd3-5: height and width must be multiples of {f}, got {height}x{width}")
+        self.check_size(height, width)
         s = self.pipeline.vae_scale_factor
         return (self.transformer.config.in_channels, height // s, width // s)
 
@@ -105,9 +95,5 @@ class SD3Adapter(FlowAdapter):
         )[0].float()
         return self.combine_cfg(out, guidance_scale) if cfg else out
 
-    @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
-        vae = self.pipeline.vae
-        z = latents.to(self.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(z, return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return decode_image(self.pipeline.vae, latents, self.device)

@@ -73,12 +73,10 @@ class WanT2VAdapter(FlowAdapter):
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
         temporal = self.pipeline.vae_scale_factor_temporal
         spatial = self.pipeline.vae_scale_factor_spatial
-        f = self.pixel_factor_of(self.pipeline.vae.config, self.transformer.config)
         if num_frames is None or (num_frames - 1) % temporal:
             raise ValueError(f"wan2_t2v is a video model: num_frames must be 1 + a multiple of {temporal} "
                              f"(e.g. 5, 33, 81), got {num_frames}")
-        if height % f or width % f:
-            raise ValueError(f"wan2_t2v: height and width must be multiples of {f}, got {height}x{width}")
+        self.check_size(height, width)
         return (self.transformer.config.in_channels, (num_frames - 1) // temporal + 1,
                 height // spatial, width // spatial)
 
