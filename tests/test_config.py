@@ -528,3 +528,35 @@ def test_the_config_refuses_exactly_the_combinations_the_classes_refuse(trainer_
     step, GRPO-Guard Flow-SDE); the torch-free config repeats it to fail before anything loads."""
     assert _combination_accepted_by_config(trainer_type, dynamics) == _combination_accepted_by_classes(
         trainer_type, dynamics)
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+@pytest.mark.parametrize("trainer_type", ["grpo", "grpo-guard", "nft", "awm", "dpo"])
+def test_the_epoch_arithmetic_counts_the_micro_batches_the_algorithm_makes(trainer_type, num_processes):
+    """The config computes micro-steps per epoch (and so gradient accumulation) from its own
+    copy of each algorithm's rule (DPO: one best / worst pair per group); count what the
+    algorithm's training_units and micro_batches really yield on one process's share."""
+    import torch
+
+    from flow_factory.algorithms import make_algorithm
+    from flow_factory.dynamics import make_dynamics
+    from flow_factory.sampling import Rollouts
+
+    cfg = parse_config(minimal(num_processes=num_processes, train={
+        "trainer_type": trainer_type, "num_inference_steps": 4, "unique_sample_num_per_epoch": 4,
+        "group_size": 4, "per_device_batch_size": 2}))
+    algorithm = make_algorithm(trainer_type, cfg.train, make_dynamics(cfg.scheduler.dynamics_type,
+                                                                      cfg.scheduler.noise_level))
+    n, steps = cfg.samples_per_epoch // num_processes, cfg.train.num_inference_steps
+    group_ids = torch.arange(n) // cfg.train.group_size
+    advantages = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    rollouts = Rollouts(prompts=[""] * n, group_ids=group_ids, latents=torch.zeros(n, steps + 1, 4, 2, 2),
+                        log_probs=torch.zeros(n, steps), sigmas=torch.linspace(1, 0, steps + 1),
+                        sde_steps=list(range(steps)), cond={"prompt_embeds": torch.zeros(n, 1)},
+                        media=torch.empty(0), means=torch.zeros(n, steps, 4, 2, 2))
+    units = algorithm.training_units(group_ids, advantages)
+    batch = cfg.train.per_device_batch_size
+    micro = sum(len(list(algorithm.micro_batches(rollouts, advantages, units[i:i + batch],
+                                                 torch.Generator().manual_seed(i))))
+                for i in range(0, len(units), batch))
+    assert micro == cfg.micro_steps_per_epoch
