@@ -289,7 +289,7 @@ class Trainer:
                     with self.timer.phase("training"):
                         record.update(self.optimize(rollouts, advantages, epoch))
                 else:
-                    record["train/skipped_updates"] = cfg.train.gradient_step_per_epoch
+                    record["train/skipped_updates"] = cfg.gradient_steps_per_epoch * cfg.train.num_inner_epochs
             record.update(self._epoch_metrics(rollouts, advantages))
             self.epoch = epoch + 1
             self.history.append(record)
