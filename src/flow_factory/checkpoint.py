@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .guards import check_pipeline_finite
+from .guards import check_pipeline_finite, nonfinite_tensors
 from .models.lora import LORA_WEIGHT_NAME, load_lora_state, save_lora
 
 STATE_FILE = "trainer_state.json"
@@ -129,7 +129,7 @@ def read_state(path: Path) -> dict:
         raise CheckpointError(f"{state_file} does not hold an ff-train trainer state (no integer 'epoch')")
     files = state.get("files")
     if files is None:  # written before checkpoints listed their files: check what they always held
-        files = {name: None for name in (OPTIMIZER_FILE,)}
+        files = {OPTIMIZER_FILE: None}
         weights = [LORA_WEIGHT_NAME, "transformer"]
         if not any((path / w).exists() for w in weights):
             raise CheckpointError(f"{path} holds neither {weights[0]} (LoRA) nor {weights[1]}/ (full weights)")
@@ -145,16 +145,26 @@ def read_state(path: Path) -> dict:
     return state
 
 
+def checkpoint_dir(run_dir: Path, epoch: int) -> Path:
+    """Where a run saves the weights after ``epoch`` epochs."""
+    return Path(run_dir) / CHECKPOINTS / f"epoch_{epoch}"
+
+
+def checkpoint_epoch(path: Path) -> int | None:
+    """N of an ``epoch_N`` folder name; None for any other name."""
+    number = Path(path).name.removeprefix("epoch_")
+    return int(number) if Path(path).name.startswith("epoch_") and number.isdigit() else None
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """``epoch_N`` folders of a run, oldest first (complete or not)."""
-    folder = Path(run_dir) / CHECKPOINTS
-    found = [p for p in folder.glob("epoch_*") if p.is_dir() and p.name[len("epoch_"):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len("epoch_"):]))
+    found = [p for p in (Path(run_dir) / CHECKPOINTS).glob("epoch_*") if p.is_dir() and checkpoint_epoch(p) is not None]
+    return sorted(found, key=checkpoint_epoch)
 
 
-def find_checkpoint(resume_path: str | Path, run_dir: Path) -> Path:
-    """The checkpoint folder ``model.resume_path`` names: a checkpoint itself, a run folder (its newest
-    complete checkpoint), or ``latest`` (this run's newest complete checkpoint)."""
+def find_checkpoint(resume_path: str | Path, run_dir: Path) -> tuple[Path, dict]:
+    """The checkpoint folder ``model.resume_path`` names, and its trainer state: a checkpoint itself,
+    a run folder (its newest complete checkpoint), or ``latest`` (this run's newest complete checkpoint)."""
     key = "model.resume_path"
     if str(resume_path) == "latest":
         path = Path(run_dir)
@@ -167,15 +177,13 @@ def find_checkpoint(resume_path: str | Path, run_dir: Path) -> Path:
             raise CheckpointError(f"{key}: {path} does not exist")
     if (path / STATE_FILE).exists() or not (path / CHECKPOINTS).is_dir():
         try:
-            read_state(path)
+            return path, read_state(path)
         except CheckpointError as e:
             raise CheckpointError(f"{key}: {e}; name a checkpoints/epoch_N folder, a run folder or 'latest'") from None
-        return path
     skipped = []
     for candidate in reversed(list_checkpoints(path)):
         try:
-            read_state(candidate)
-            return candidate
+            return candidate, read_state(candidate)
         except CheckpointError as e:
             skipped.append(str(e))
     why = f" ({'; '.join(skipped)})" if skipped else ""
@@ -191,22 +199,20 @@ def check_fits(path: Path, state: dict, finetune_type: str) -> None:
                               f"model.finetune_type is {finetune_type!r}; set model.finetune_type: {saved_type}")
 
 
-def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=None) -> dict:
-    """Restore weights (and optimizer state); returns the trainer state. Raises ``CheckpointError``."""
+def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=None) -> None:
+    """Restore the weights (and optimizer state) of a checkpoint that ``find_checkpoint`` found and
+    ``check_fits`` accepted. Raises ``CheckpointError`` for weights holding NaN or inf."""
     path = Path(path)
-    state = read_state(path)
-    check_fits(path, state, finetune_type)
     if finetune_type == "lora":
         load_lora_state(adapter.transformer, path)
     else:
         source = type(adapter.transformer).from_pretrained(path / "transformer", dtype=torch.float32)
         adapter.transformer.load_state_dict(source.state_dict())
-    bad = [n for n, p in adapter.transformer.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+    bad = nonfinite_tensors(adapter.transformer)
     if bad:
         raise CheckpointError(f"model.resume_path: {path} holds NaN or inf in {len(bad)} tensors (e.g. {bad[0]})")
     if optimizer is not None and (path / OPTIMIZER_FILE).exists():
         optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
-    return state
 
 
 def load_for_sampling(model_type: str, model_path, checkpoint=None, device=None):

@@ -21,21 +21,20 @@ logger = logging.getLogger(__name__)
 
 
 class NonFiniteError(FloatingPointError):
-    """Too many non-finite rewards, advantages or gradients in a row."""
+    """Non-finite values the run cannot skip: too many in a row, weights that overflowed, or a
+    model or checkpoint that holds them."""
 
 
 class NonFiniteGuard:
     def __init__(self, limit: int):
         self.limit = limit
         self.in_a_row = 0
-        self.skipped = 0  # over the run's lifetime in this process
 
     def passed(self) -> None:
         self.in_a_row = 0
 
     def skip(self, what: str) -> None:
         self.in_a_row += 1
-        self.skipped += 1
         if self.in_a_row > self.limit:
             raise NonFiniteError(
                 f"{what}; {self.in_a_row} non-finite updates in a row (train.max_nonfinite_in_a_row is "

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..checkpoint import list_checkpoints, write_atomic
+from ..checkpoint import checkpoint_epoch, list_checkpoints, write_atomic
 
 LOCK_FILE = ".lock"
 INFO_FILE = "run.json"
@@ -88,7 +88,7 @@ class RunFolder:
     def _check_reuse(self, held: list[str], resume_from: Path | None, resumed_epoch: int, overwrite: bool) -> None:
         inside = resume_from is not None and self.path.resolve() in Path(resume_from).resolve().parents
         if inside:
-            later = [p.name for p in list_checkpoints(self.path) if int(p.name[len("epoch_"):]) > resumed_epoch]
+            later = [p.name for p in list_checkpoints(self.path) if checkpoint_epoch(p) > resumed_epoch]
             if later:
                 self.release()
                 raise RunFolderError(

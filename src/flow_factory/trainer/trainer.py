@@ -19,12 +19,12 @@ from tqdm.auto import tqdm
 
 from ..advantages import combine_advantages
 from ..algorithms import make_algorithm
-from ..checkpoint import (CheckpointError, check_fits, find_checkpoint, load_checkpoint, read_state,
-                          save_checkpoint, write_atomic)
+from ..checkpoint import (CheckpointError, check_fits, checkpoint_dir, find_checkpoint, load_checkpoint,
+                          read_state, save_checkpoint, write_atomic)
 from ..data import EpochSampler, load_prompts
 from ..dynamics import make_dynamics
 from ..dynamics.window import choose_sde_steps
-from ..guards import NonFiniteGuard, all_finite, check_pipeline_finite, nonfinite_rewards
+from ..guards import NonFiniteError, NonFiniteGuard, all_finite, check_pipeline_finite, nonfinite_rewards
 from ..media import caption, plot_curves, sample_grid
 from ..models import load_adapter
 from ..models.lora import apply_lora
@@ -66,10 +66,9 @@ class Trainer:
         self.guard = NonFiniteGuard(train.max_nonfinite_in_a_row)
 
         # cheap things first, so a bad checkpoint, run folder, dataset or reward fails before the model loads
-        self.resume_from, resumed = None, {"epoch": 0, "global_step": 0}
+        self.resume_from, resumed = None, {"epoch": 0}
         if model.resume_path:
-            self.resume_from = find_checkpoint(model.resume_path, self.run_dir)
-            resumed = read_state(self.resume_from)
+            self.resume_from, resumed = find_checkpoint(model.resume_path, self.run_dir)
             check_fits(self.resume_from, resumed, model.finetune_type)
             if resumed["epoch"] >= train.max_epochs:
                 raise CheckpointError(f"model.resume_path: {self.resume_from} has {resumed['epoch']} epochs done "
@@ -83,18 +82,18 @@ class Trainer:
         self.run_folder = RunFolder(self.run_dir)
         self._from_main(lambda: self.run_folder.claim(self.resume_from, resumed["epoch"], cfg.log.overwrite))
         try:
-            self._build()
+            self._build(resumed)
         except BaseException:
             self.run_folder.release()  # a run that never started must not keep its folder locked
             raise
 
-    def _build(self) -> None:
-        """The rewards, the model and what trains it; the resumed state."""
+    def _build(self, resumed: dict) -> None:
+        """The rewards, the model and what trains it; the resumed state (``resumed``: its trainer state)."""
         cfg, train, model = self.cfg, self.cfg.train, self.cfg.model
-        precision = "no" if self.accelerator.device.type == "cpu" else cfg.mixed_precision
         self.rewards = RewardSet.from_configs(cfg.rewards)
         self.eval_rewards = RewardSet.from_configs(cfg.eval_rewards) if cfg.eval_rewards else self.rewards
 
+        precision = self.accelerator.mixed_precision  # "no" on CPU, whatever the config says
         dtype = parse_dtype("float32" if precision == "no" else precision)
         self.adapter = load_adapter(model.model_type, model.model_name_or_path, self.accelerator.device, dtype)
         check_pipeline_finite(self.adapter.pipeline, f"model.model_name_or_path: {model.model_name_or_path}")
@@ -122,9 +121,9 @@ class Trainer:
         self.history: list[dict] = []  # one record of training metrics per epoch
         self.eval_history: list[dict] = []  # eval rewards, keyed by epochs completed
         if self.resume_from is not None:
-            state = load_checkpoint(self.resume_from, self.adapter, model.finetune_type, self.optimizer)
-            self.epoch, self.global_step = state["epoch"], state["global_step"]
-            self.history, self.eval_history = state.get("history", []), state.get("eval_history", [])
+            load_checkpoint(self.resume_from, self.adapter, model.finetune_type, self.optimizer)
+            self.epoch, self.global_step = resumed["epoch"], resumed["global_step"]
+            self.history, self.eval_history = resumed.get("history", []), resumed.get("eval_history", [])
             if self.ema is not None and not load_ema(self.ema, self.resume_from):
                 logger.warning("model.resume_path %s holds no EMA state (ema.pt); the EMA restarts from the "
                                "resumed weights", self.resume_from)
@@ -214,6 +213,10 @@ class Trainer:
             accumulation=self.cfg.gradient_accumulation, max_grad_norm=train.max_grad_norm,
             seed=self.seed, epoch=epoch, guard=self.guard)
         self.global_step += steps
+        if not all_finite(self.params):  # finite gradients, yet a step overflowed: stop before it spreads
+            raise NonFiniteError(f"epoch {epoch}: an optimizer step made trained weights NaN or inf (mean "
+                                 f"gradient norm {metrics.get('train/grad_norm', float('nan')):.3g}); lower "
+                                 "train.learning_rate. The last checkpoint is intact")
         self.adapter.transformer.eval()
         if self.ema is not None and (epoch + 1) % train.ema_update_interval == 0:
             decay = ema_decay_at(train.ema_decay_schedule, epoch, train.ema_decay, train.max_epochs,
@@ -303,7 +306,7 @@ class Trainer:
             checkpoint = self.save()
             acc.wait_for_everyone()
             acc.end_training()
-            raise TrainingInterrupted(self.stop.signum, checkpoint or self._checkpoint_dir())
+            raise TrainingInterrupted(self.stop.signum, checkpoint or checkpoint_dir(self.run_dir, self.epoch))
         if cfg.eval.eval_freq and not any(e["epoch"] == self.epoch for e in self.eval_history):
             self.evaluate(self.epoch)  # the final weights are always evaluated
         if not self._save_due():
@@ -343,14 +346,11 @@ class Trainer:
         return sum(v * self.rewards.weights[k.split("/")[1]] for k, v in record.items()
                    if k.startswith("reward/") and k.endswith("/mean"))
 
-    def _checkpoint_dir(self) -> Path:
-        return self.run_dir / "checkpoints" / f"epoch_{self.epoch}"
-
     def save(self) -> Path | None:
         """Checkpoint the weights after ``self.epoch`` epochs (atomic: see checkpoint.py)."""
         if not self.accelerator.is_main_process:
             return None
-        out = self._checkpoint_dir()
+        out = checkpoint_dir(self.run_dir, self.epoch)
         try:
             read_state(out)  # this epoch is already saved (an interrupt right after a save): keep it
         except CheckpointError:
