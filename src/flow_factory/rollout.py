@@ -9,6 +9,11 @@ A group that shares its starting noise and prompt (``same_latent``) is one
 trajectory until its first stochastic step; ``shared_rows`` says which rows those
 are, and the deterministic prefix is then computed once per group (with the window
 on steps 0-4 and groups of 8, about a sixth of the sampling compute).
+
+``storage_dtype`` (``train.latent_storage_dtype``) stores the trajectory in half the
+bytes. The state is rounded to it after every step, and a step's log-prob is that of the
+rounded sample, so the stored trajectory is exactly the one sampled: training recomputes
+each step from the very values the rollout used, and the on-policy ratio stays 1.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from .models.base import Conditioning, FlowAdapter, index_cond
 
 @dataclass
 class Trajectory:
-    latents: Tensor  # (B, T + 1, *latent) float32: x at every step, [:, 0] is the noise
+    latents: Tensor  # (B, T + 1, *latent) in the storage dtype (float32 by default): x at every step, [:, 0] the noise
     log_probs: Tensor  # (B, T) float32, log-prob of each step's sample (0 at ODE steps)
     sigmas: Tensor  # (T + 1,) float32
     sde_steps: list[int]  # the stochastic (trained) step indices, ascending
@@ -48,13 +53,17 @@ def sample_trajectory(
     generator: torch.Generator | None = None,
     record_means: bool = False,
     shared_rows: Tensor | None = None,
+    storage_dtype: torch.dtype | None = None,
 ) -> Trajectory:
     """Integrate from ``noise`` along ``sigmas``. ``sde_steps=None``: every step uses ``dynamics``.
 
     ``record_means`` also keeps each step's mean (GRPO-Guard's ratio normalisation needs it).
     ``shared_rows`` (B,): rows with equal ids have equal ``noise`` and ``cond``; the steps
-    before the first stochastic one are then integrated once per id.
+    before the first stochastic one are then integrated once per id. ``storage_dtype``: the
+    trajectory is kept (and integrated) at that precision; None = float32.
     """
+    keep = (lambda t: t) if storage_dtype is None else (lambda t: t.to(storage_dtype))
+
     num_steps = len(sigmas) - 1
     if sde_steps is None:
         sde_steps = list(range(num_steps)) if dynamics.stochastic else []
@@ -62,13 +71,13 @@ def sample_trajectory(
     # a deterministic dynamics (ODE, DPM-Solver++2M) runs every step; an SDE only its window.
     # solver(): a fresh per-trajectory object, so a multistep solver's history starts empty
     solver, ode = dynamics.solver(), ODE()
-    x = noise.float()
-    latents, log_probs, means = [x], [], []
+    x = keep(noise.float()).float()
+    latents, log_probs, means = [keep(x)], [], []
     prefix = min(stochastic, default=num_steps) if dynamics.stochastic else num_steps
     groups = _shared_groups(shared_rows) if shared_rows is not None and prefix > 0 else None
     if groups is not None:  # integrate one row per group until the rows part
         first, expand = (t.to(x.device) for t in groups)
-        full_cond, cond, x, latents = cond, index_cond(cond, first), x[first], [x[first]]
+        full_cond, cond, x, latents = cond, index_cond(cond, first), x[first], [latents[0][first]]
     for i in range(num_steps):
         if groups is not None and i == prefix:
             x, latents, log_probs, means = _expand(expand, x, latents, log_probs, means)
@@ -80,11 +89,14 @@ def sample_trajectory(
         if step_dynamics.stochastic:
             step_noise = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(x.device)
         out = step_dynamics.step(x, v, sigmas[i], sigmas[i + 1], noise=step_noise)
-        x = out.sample
-        latents.append(x)
+        latents.append(keep(out.sample))
+        x = latents[-1].float()  # integrate on from the value stored
         if record_means:
             means.append(out.mean)
-        log_probs.append(out.log_prob if out.log_prob is not None else torch.zeros(x.shape[0], device=x.device))
+        if out.log_prob is None:
+            log_probs.append(torch.zeros(x.shape[0], device=x.device))
+        else:  # the density of the sample as stored (the same value when nothing is rounded)
+            log_probs.append(out.log_prob if storage_dtype is None else step_dynamics.log_prob(x, out.mean, out.std))
     if groups is not None:  # deterministic to the end
         x, latents, log_probs, means = _expand(expand, x, latents, log_probs, means)
     return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), sigmas.float(), sorted(stochastic),

@@ -12,7 +12,7 @@ Every draw is seeded by what it is for (``seeding.py``): sample ``i``'s initial 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -37,6 +37,8 @@ class SamplingSettings:
     same_latent: bool = False  # a group shares its initial noise
     record_means: bool = False  # keep each step's Gaussian mean (GRPO-Guard)
     keep_trajectory: bool = True  # False: keep only the media and the rewards (eval)
+    storage_dtype: torch.dtype | None = None  # precision of the kept trajectory; None = float32
+    offload: bool = False  # keep the trajectory and conditioning in CPU memory until a micro-batch needs them
 
     @classmethod
     def for_eval(cls, ev) -> "SamplingSettings":
@@ -88,8 +90,10 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
             with autocast():
                 traj = sample_trajectory(adapter, dynamics, cond, noise, sigmas, s.guidance_scale, s.sde_steps,
                                          generator=generator("sde", s.seed, epoch, ids[0]),
-                                         record_means=s.record_means,
+                                         record_means=s.record_means, storage_dtype=s.storage_dtype,
                                          shared_rows=groups if s.same_latent else None)
+            if s.offload:
+                traj, cond = _to_cpu(traj), {k: v.cpu() for k, v in cond.items()}
         with timer.phase("decode"):
             media = adapter.decode(traj.final).float().cpu()
         chunks.append((traj, cond, media))
@@ -124,6 +128,25 @@ def sample_prompts(adapter, items: list, settings: SamplingSettings, *, sample_i
     settings = replace(settings, sde_steps=[], same_latent=False)
     return collect_rollouts(adapter, ODE(), items, torch.tensor(ids), ids, settings, epoch=-1,
                             reward_set=reward_set, timer=timer, autocast=autocast)
+
+
+def _to_cpu(traj):
+    return replace(traj, latents=traj.latents.cpu(), log_probs=traj.log_probs.cpu(),
+                   means=None if traj.means is None else traj.means.cpu())
+
+
+def on_device(batch, device):
+    """A training micro-batch (a dataclass of tensors and a conditioning dict) on ``device``, with
+    half-precision latents (``storage_dtype``) back in float32; the conditioning keeps its dtype.
+    The one place where stored (maybe offloaded) rollouts meet the model."""
+    def move(value):
+        if isinstance(value, Tensor):
+            value = value.to(device, non_blocking=True)
+            return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+        if isinstance(value, dict):
+            return {k: v.to(device, non_blocking=True) for k, v in value.items()}
+        return value
+    return replace(batch, **{f.name: move(getattr(batch, f.name)) for f in fields(batch)})
 
 
 def _encode_unique(adapter, batch: list, guidance_scale: float, autocast) -> Conditioning:

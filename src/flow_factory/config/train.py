@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import NonNegativeInt, PositiveInt, field_validator, model_validator
 
-from .base import Section, as_list, check_resolution, problem, resolution_pair, setting, show
+from .base import DTYPE_NAMES, Section, as_list, canonical_choice, check_resolution, problem, resolution_pair, setting, show
 
 TRAINER_TYPES = ("grpo", "grpo-guard", "nft", "awm", "dpo")
 COUPLED_TRAINER_TYPES = ("grpo", "grpo-guard")  # train the sampler's own SDE steps
@@ -120,12 +120,22 @@ class TrainConfig(Section):
     ema_device: Literal["cpu", "cuda", "same"] = setting("same", "where the EMA weights live; cpu keeps "
                                                          "accelerator memory free")
     enable_gradient_checkpointing: bool = setting(False, "trade compute for memory in the transformer")
+    latent_storage_dtype: Literal["float16", "bfloat16", "float32"] | None = setting(
+        "float16", "precision the rollouts' trajectories are kept in (fp16: half the bytes of fp32; the rollout "
+        "integrates on the stored values, so training sees exactly what was sampled); null = the model's dtype")
+    offload_samples_to_cpu: bool = setting(
+        False, "keep each epoch's rollouts in CPU memory and move one micro-batch at a time to the device")
     seed: int | None = setting(None, "training seed; null = the top-level seed")
 
     @field_validator("resolution", mode="before")
     @classmethod
     def _resolution(cls, value):
         return check_resolution(value)
+
+    @field_validator("latent_storage_dtype", mode="before")
+    @classmethod
+    def _dtype_spelling(cls, value):
+        return canonical_choice(value, DTYPE_NAMES)
 
     @field_validator("timestep_range", mode="before")
     @classmethod

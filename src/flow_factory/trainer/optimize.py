@@ -15,6 +15,7 @@ from contextlib import nullcontext
 import torch
 
 from ..guards import NonFiniteGuard
+from ..sampling import on_device
 from ..seeding import generator
 
 
@@ -39,6 +40,7 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
             # resumed run draws the same ones
             draws = generator("train", seed, epoch, inner, acc.process_index, b)
             for batch in algorithm.micro_batches(rollouts, advantages, chosen, draws):
+                batch = on_device(batch, acc.device)
                 # gradients sync across processes only on the micro-step that steps the optimizer
                 syncs = (micro + 1) % accumulation == 0
                 with nullcontext() if syncs else acc.no_sync(denoiser), acc.autocast():

@@ -95,6 +95,7 @@ class Trainer:
 
         precision = self.accelerator.mixed_precision  # "no" on CPU, whatever the config says
         dtype = parse_dtype("float32" if precision == "no" else precision)
+        self.latent_storage_dtype = parse_dtype(train.latent_storage_dtype or dtype)
         self.adapter = load_adapter(model.model_type, model.model_name_or_path, self.accelerator.device, dtype)
         check_pipeline_finite(self.adapter.pipeline, f"model.model_name_or_path: {model.model_name_or_path}")
         self.dynamics = make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level)
@@ -175,7 +176,8 @@ class Trainer:
                                          cfg.scheduler.num_sde_steps, generator("window", cfg.scheduler.seed, epoch))
         settings = SamplingSettings(height, width, train.num_frames, train.num_inference_steps, train.guidance_scale,
                                     train.per_device_batch_size, self.seed, sde_steps, train.same_latent,
-                                    record_means=self.algorithm.records_step_means)
+                                    record_means=self.algorithm.records_step_means,
+                                    storage_dtype=self.latent_storage_dtype, offload=train.offload_samples_to_cpu)
         if self.rollout_weights is not None:
             self.rollout_weights.copy_from_params()  # NFT / AWM's old policy: the weights sampled with
         # off_policy: the rollout samples with the EMA weights while the current policy trains
