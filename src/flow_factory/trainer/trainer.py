@@ -21,7 +21,7 @@ from ..advantages import combine_advantages
 from ..algorithms import make_algorithm
 from ..checkpoint import (CheckpointError, check_fits, checkpoint_dir, find_checkpoint, load_checkpoint,
                           read_state, save_checkpoint, write_atomic)
-from ..data import EpochSampler, load_prompts
+from ..data import EpochSampler, MissingPromptFile, load_prompts
 from ..dynamics import make_dynamics
 from ..dynamics.window import choose_sde_steps
 from ..guards import NonFiniteError, NonFiniteGuard, all_finite, check_pipeline_finite, nonfinite_rewards
@@ -75,8 +75,7 @@ class Trainer:
                                       f"and train.max_epochs is {train.max_epochs}: nothing to train; set "
                                       f"train.max_epochs above {resumed['epoch']}")
         self.train_prompts = load_prompts(cfg.data.dataset_dir, "train", cfg.data.max_dataset_size)
-        self.test_prompts = (load_prompts(cfg.data.dataset_dir, "test", cfg.data.max_dataset_size)
-                             if cfg.eval.eval_freq else [])
+        self.test_prompts = self._test_prompts()
         self.sampler = EpochSampler(len(self.train_prompts), train.unique_sample_num_per_epoch,
                                     train.group_size, self.seed)
         self.run_folder = RunFolder(self.run_dir)
@@ -129,6 +128,19 @@ class Trainer:
                 logger.warning("model.resume_path %s holds no EMA state (ema.pt); the EMA restarts from the "
                                "resumed weights", self.resume_from)
             logger.info("resuming from %s (%d epochs done)", self.resume_from, self.epoch)
+
+    def _test_prompts(self) -> list:
+        """The test split when evaluation is on; a dataset without one trains without evaluation,
+        as in Flow-Factory (a broken test file is still an error)."""
+        data = self.cfg.data
+        if not self.cfg.eval.eval_freq:
+            return []
+        try:
+            return load_prompts(data.dataset_dir, "test", data.max_dataset_size)
+        except MissingPromptFile as missing:
+            logger.warning("%s; evaluation is off for this run (eval.eval_freq: %d)", missing,
+                           self.cfg.eval.eval_freq)
+            return []
 
     def _from_main(self, fn):
         """``fn()`` on the main process, its result (or its RunFolderError) on every process."""
@@ -277,7 +289,7 @@ class Trainer:
         # the stop flag is read where the weights are those of a finished epoch
         for epoch in bar:
             record = {"epoch": epoch}
-            if cfg.eval.eval_freq and epoch % cfg.eval.eval_freq == 0:
+            if self.test_prompts and epoch % cfg.eval.eval_freq == 0:
                 bar.set_postfix_str("eval")
                 self.evaluate(epoch)
             if self.stop.raised(acc):
@@ -309,7 +321,7 @@ class Trainer:
             acc.wait_for_everyone()
             acc.end_training()
             raise TrainingInterrupted(self.stop.signum, checkpoint or checkpoint_dir(self.run_dir, self.epoch))
-        if cfg.eval.eval_freq and not any(e["epoch"] == self.epoch for e in self.eval_history):
+        if self.test_prompts and not any(e["epoch"] == self.epoch for e in self.eval_history):
             self.evaluate(self.epoch)  # the final weights are always evaluated
         if not self._save_due():
             self.save()  # the final weights are always saved
