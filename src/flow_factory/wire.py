@@ -10,6 +10,18 @@ Media travel as base64 PNG (lossless for the uint8 images rewards see) or JPEG/W
 nothing a client sends is executed or unpickled: it is JSON, base64 and image decoding.
 Each image's header (format, width, height) is read first, so a request's pixel count is
 checked against the server's limits before any pixel is decoded (``open_request``).
+
+Two request shapes, both JSON with base64 images:
+
+- ``ScoreRequest``, POST ``/score``: this project's (``prompts``, ``images``, ``videos``,
+  ``condition_images``, ``group``, ``kwargs``).
+- ``ComputeRequest``, POST ``/compute``: Flow-Factory's. Its client
+  (``rewards/my_reward_remote.py``) sends ``prompt``, ``image``, ``video``,
+  ``condition_images``, ``condition_videos``, ``kwargs``; its server template
+  (``reward_server/example_server.py``) reads ``prompts``, ``images``, ``videos``,
+  ``condition_images``, ``condition_videos``, ``extra``. Both spellings are read here; the
+  remote rewards send the template's, which every Flow-Factory server inherits. Answer:
+  ``{"rewards": [...]}``. Flow-Factory's protocol pickles nothing either.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 ALLOWED_FORMATS = {"PNG", "JPEG", "WEBP"}
 MAX_PIXELS = 4096 * 4096  # per image, read from its header: a larger one is refused before decoding
@@ -40,14 +52,56 @@ class ScoreRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_per_prompt(self):
-        n = len(self.prompts)
-        if n == 0:
-            raise ValueError("prompts is empty")
-        for name in ("images", "videos", "condition_images"):
-            value = getattr(self, name)
-            if value is not None and len(value) != n:
-                raise ValueError(f"{len(value)} {name} for {n} prompts; need one per prompt")
-        return self
+        return one_per_prompt(self)
+
+
+def one_per_prompt(request: BaseModel) -> BaseModel:
+    """ValueError unless ``request`` has prompts and every media field present has one entry per prompt."""
+    n = len(request.prompts)
+    if n == 0:
+        raise ValueError("prompts is empty")
+    for name in MEDIA_KEYS:
+        value = getattr(request, name, None)
+        if value is not None and len(value) != n:
+            raise ValueError(f"{len(value)} {name} for {n} prompts; need one per prompt")
+    return request
+
+
+MEDIA_KEYS = ("images", "videos", "condition_images", "condition_videos")
+# Flow-Factory's client spells the fields as its reward models' arguments; its server template reads these
+COMPUTE_SPELLINGS = {"prompt": "prompts", "image": "images", "video": "videos", "kwargs": "extra"}
+
+
+class ComputeRequest(BaseModel):
+    """Flow-Factory's POST /compute body, in either of its two spellings (see the module docstring)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    prompts: list[str] = Field(description="one prompt per sample (also read as 'prompt')")
+    images: list[str] | None = Field(None, description="base64 images, one per sample (also 'image')")
+    videos: list[list[str]] | None = Field(None, description="base64 frames, one list per sample (also 'video')")
+    condition_images: list[list[str]] | None = Field(None, description="base64 images, one list per sample")
+    condition_videos: list[list[list[str]]] | None = Field(None, description="base64 frames of each condition "
+                                                                             "video, one list per sample")
+    extra: dict[str, JsonValue] = Field(default_factory=dict, description="keyword arguments of compute_reward "
+                                                                          "(also 'kwargs')")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_spelling(cls, data):
+        if not isinstance(data, dict):
+            return data
+        clash = [key for key, name in COMPUTE_SPELLINGS.items() if key in data and name in data]
+        if clash:
+            raise ValueError(f"both {clash[0]!r} and {COMPUTE_SPELLINGS[clash[0]]!r} are given; send one of them")
+        out = {COMPUTE_SPELLINGS.get(key, key): value for key, value in data.items()}
+        if out.get("extra") is None:  # Flow-Factory's client sends "kwargs": null when it has none
+            out.pop("extra", None)
+        return out
+
+    @model_validator(mode="after")
+    def _one_per_prompt(self):
+        return one_per_prompt(self)
 
 
 class ScoreResponse(BaseModel):
@@ -119,6 +173,7 @@ class OpenedRequest:
     images: list[EncodedImage] | None
     videos: list[list[EncodedImage]] | None
     condition_images: list[list[EncodedImage]] | None
+    condition_videos: list[list[list[EncodedImage]]] | None = None  # sent only to /compute
 
     @property
     def pixels(self) -> int:
@@ -129,25 +184,31 @@ class OpenedRequest:
         yield from self.images or []
         for frames in (self.videos or []) + (self.condition_images or []):
             yield from frames
+        for clips in self.condition_videos or []:
+            for frames in clips:
+                yield from frames
 
     def decode(self) -> dict[str, Any]:
         """The arguments of ``compute_reward`` (except the request's own kwargs)."""
-        def each(items):
-            return None if items is None else [image.decode() for image in items]
-
-        return {"prompts": list(self.prompts), "images": each(self.images),
-                "videos": None if self.videos is None else [each(frames) for frames in self.videos],
-                "condition_images": None if self.condition_images is None else [
-                    each(c) for c in self.condition_images]}
+        return {"prompts": list(self.prompts), **{name: _decoded(getattr(self, name)) for name in MEDIA_KEYS}}
 
 
-def open_request(req: ScoreRequest) -> OpenedRequest:
+def _decoded(media):
+    """Nested lists of EncodedImage -> the same lists of RGB images (None stays None)."""
+    if media is None:
+        return None
+    return [item.decode() if isinstance(item, EncodedImage) else _decoded(item) for item in media]
+
+
+def _headers(media, where: str):
+    """Nested lists of base64 strings -> the same lists of EncodedImage, each named by its index."""
+    if media is None:
+        return None
+    return [read_header(item, f"{where}[{i}]") if isinstance(item, str) else _headers(item, f"{where}[{i}]")
+            for i, item in enumerate(media)]
+
+
+def open_request(req: ScoreRequest | ComputeRequest) -> OpenedRequest:
     """Every image of ``req`` read as far as its header (see ``read_header``)."""
-    def nested(lists, name):
-        return None if lists is None else [[read_header(d, f"{name}[{i}][{j}]") for j, d in enumerate(items)]
-                                           for i, items in enumerate(lists)]
-
-    images = None if req.images is None else [read_header(d, f"images[{i}]") for i, d in enumerate(req.images)]
-    return OpenedRequest(list(req.prompts), images, nested(req.videos, "videos"),
-                         nested(req.condition_images, "condition_images"))
+    return OpenedRequest(list(req.prompts), *(_headers(getattr(req, name, None), name) for name in MEDIA_KEYS))
 

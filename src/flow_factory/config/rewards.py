@@ -85,6 +85,32 @@ class RewardConfig(Section):
                           f"(reward {self.name!r}); set async_reward: true or drop num_workers")
         return self
 
+    # --- read as Flow-Factory's RewardArguments (flow_factory.hparams) --------------------
+    # A reward written to Flow-Factory's guide gets this entry as ``self.config`` and reads
+    # its own keys from it: ``self.config.threshold`` for ``threshold: 0.5`` in the YAML.
+
+    def __getattr__(self, name: str) -> Any:
+        """An option of the entry (a key the schema does not type, kept in ``kwargs``) as an attribute."""
+        options = self.__dict__.get("kwargs") or {}
+        if not name.startswith("_") and name in options:
+            return options[name]
+        if name.startswith("_") or "kwargs" not in self.__dict__:  # pydantic's own lookups, or a half-built entry
+            return super().__getattr__(name)
+        raise AttributeError(f"reward {self.__dict__.get('name')!r}: its entry has no key {name!r}; typed keys: "
+                             f"{sorted(set(type(self).model_fields) - {'kwargs'})}, its own options: {sorted(options)}")
+
+    def __getitem__(self, key: str) -> Any:
+        """``config["key"]``, as Flow-Factory's RewardArguments allows: a typed key or an option."""
+        if key in type(self).model_fields and key != "kwargs":
+            return getattr(self, key)
+        if key in self.kwargs:
+            return self.kwargs[key]
+        raise KeyError(key)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every key of the entry, options beside the typed keys (Flow-Factory's ``to_dict``)."""
+        return {k: v for k, v in self.model_dump().items() if k != "kwargs"} | self.kwargs
+
     def constructor_options(self) -> dict[str, Any]:
         """Keyword arguments of the reward class: every field but ``SET_FIELDS``, null ones left
         out (the class's default holds), then ``kwargs``. A field added to this schema reaches

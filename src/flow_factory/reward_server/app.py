@@ -1,8 +1,10 @@
-"""The FastAPI app around a ``RewardServer``.
+"""The FastAPI app around a ``RewardServer``, and ``serve`` (the CLI's and ``RewardServer.run``'s).
 
-POST /score takes a ``ScoreRequest`` and answers ``{"rewards": [...]}``; GET /health says
-what is served, how many requests and batches it has computed, what is waiting, and the
-limits.
+POST /score takes a ``ScoreRequest`` and answers ``{"rewards": [...]}``; POST /compute takes
+Flow-Factory's ``ComputeRequest`` (``flow_factory.wire``) and answers the same, under the same
+token, limits and checks, each request computed alone (Flow-Factory's requests carry no group
+mark, and a groupwise server must not see two groups merged). GET /health says what is
+served, how many requests and batches it has computed, what is waiting, and the limits.
 
 Order of work on a request, cheapest check first: the declared body size
 (Content-Length), the bearer token (before any of the body is read, so an unauthenticated
@@ -35,14 +37,26 @@ from __future__ import annotations
 import asyncio
 import hmac
 import math
+import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from pydantic import ValidationError
 
-from ..wire import MAX_PIXELS, OpenedRequest, ScoreRequest, ScoreResponse, TooManyPixels, open_request
-from .base import RewardServer
+from ..wire import (MAX_PIXELS, ComputeRequest, OpenedRequest, ScoreRequest, ScoreResponse, TooManyPixels,
+                    open_request)
+
+
+class Served(Protocol):
+    """What the app reads of a ``RewardServer`` (``base.py``, which imports this module to ``run``)."""
+
+    batchable: bool
+    max_batch_size: int
+    name: str | None
+
+    def compute_reward(self, prompts, images, videos, **kwargs): ...
 
 
 class BodyLimit:
@@ -138,7 +152,7 @@ class _Job:
 
 
 class Batcher:
-    def __init__(self, server: RewardServer):
+    def __init__(self, server: Served):
         self.server = server
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
         self.requests = 0  # answered with rewards
@@ -204,8 +218,10 @@ class Batcher:
             return None, f"{type(e).__name__}: {e}"
 
     def _call(self, args: dict, kwargs: dict) -> list[float]:
-        conds = args.pop("condition_images")
-        extra = dict(kwargs) | ({"condition_images": conds} if conds is not None else {})
+        # condition media are passed only when sent: a compute_reward(prompts, images, videos)
+        # without **kwargs (as Flow-Factory's guide writes one) still serves plain requests
+        conds = {k: args.pop(k) for k in ("condition_images", "condition_videos")}
+        extra = dict(kwargs) | {k: v for k, v in conds.items() if v is not None}
         out = self.server.compute_reward(args["prompts"], args["images"], args["videos"], **extra)
         out = out.get("rewards") if isinstance(out, dict) else out
         rewards = [float(x) for x in (out.tolist() if hasattr(out, "tolist") else out)]
@@ -215,10 +231,10 @@ class Batcher:
         return rewards
 
 
-def parse_request(body: bytes) -> ScoreRequest:
-    """``body`` as a ScoreRequest, or 422 naming what is wrong with it."""
+def parse_request(body: bytes, shape: type[ScoreRequest] | type[ComputeRequest] = ScoreRequest):
+    """``body`` as a ``shape`` (ScoreRequest or ComputeRequest), or 422 naming what is wrong with it."""
     try:
-        return ScoreRequest.model_validate_json(body)
+        return shape.model_validate_json(body)
     except ValidationError as e:
         try:
             body.decode("utf-8")
@@ -227,11 +243,11 @@ def parse_request(body: bytes) -> ScoreRequest:
                                      "send a JSON object encoded as UTF-8") from None
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}"
                              for err in e.errors(include_url=False, include_input=False))
-        raise HTTPException(422, f"{problems} (expected a JSON object with keys {sorted(ScoreRequest.model_fields)}, "
-                                 f"see flow_factory.wire.ScoreRequest)") from None
+        raise HTTPException(422, f"{problems} (expected a JSON object with keys {sorted(shape.model_fields)}, "
+                                 f"see flow_factory.wire.{shape.__name__})") from None
 
 
-def create_app(server: RewardServer, token: str | None = None, max_request_bytes: int = 64 * 2**20,
+def create_app(server: Served, token: str | None = None, max_request_bytes: int = 64 * 2**20,
                max_request_pixels: int = 128 * 10**6, max_pixels_in_flight: int = 256 * 10**6):
     if not 0 < max_request_pixels <= max_pixels_in_flight:
         raise ValueError(f"need 0 < max_request_pixels <= max_pixels_in_flight (a request must fit alone), got "
@@ -269,25 +285,20 @@ def create_app(server: RewardServer, token: str | None = None, max_request_bytes
                                      f"--max-request-mpx); send fewer or smaller images per request "
                                      f"(e.g. a smaller batch_size)")
 
-    async def decode_and_score(opened: OpenedRequest, req: ScoreRequest) -> list[float]:
+    async def decode_and_score(opened: OpenedRequest, kwargs: dict, group: bool) -> list[float]:
         try:
             args = await asyncio.to_thread(opened.decode)
         except ValueError as e:
             raise HTTPException(422, str(e)) from None
-        answer = batcher.submit(args, dict(req.kwargs), req.group)
+        answer = batcher.submit(args, kwargs, group)
         del args  # only the queued job holds the images now; it drops them once answered
         try:
             return await answer
         except ComputeFailed as e:
             raise HTTPException(500, f"compute_reward failed: {e}") from None
 
-    # The body is read inside the handler, not declared as a parameter: FastAPI would read
-    # and parse a declared body before running the authorise dependency.
-    @app.post("/score", response_model=ScoreResponse, dependencies=[Depends(authorise)],
-              openapi_extra={"requestBody": {"required": True, "content": {
-                  "application/json": {"schema": ScoreRequest.model_json_schema()}}}})
-    async def score(request: Request):
-        req = parse_request(await request.body())
+    async def answer(req: ScoreRequest | ComputeRequest, kwargs: dict, group: bool) -> dict:
+        """The work of both routes once the body is parsed: headers, pixel limit, budget, decode, compute."""
         try:
             opened = await asyncio.to_thread(open_request, req)
         except TooManyPixels as e:
@@ -296,11 +307,42 @@ def create_app(server: RewardServer, token: str | None = None, max_request_bytes
             raise HTTPException(422, str(e)) from None
         check_pixels(opened)
         async with budget.reserve(opened.pixels):
-            rewards = await decode_and_score(opened, req)
+            rewards = await decode_and_score(opened, kwargs, group)
         if not all(math.isfinite(r) for r in rewards):
             raise HTTPException(500, f"compute_reward returned non-finite rewards {rewards}")
         return {"rewards": rewards}
 
+    def documented_body(shape) -> dict:
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": shape.model_json_schema()}}}}
+
+    # The body is read inside the handler, not declared as a parameter: FastAPI would read
+    # and parse a declared body before running the authorise dependency.
+    @app.post("/score", response_model=ScoreResponse, dependencies=[Depends(authorise)],
+              openapi_extra=documented_body(ScoreRequest))
+    async def score(request: Request):
+        req = parse_request(await request.body(), ScoreRequest)
+        return await answer(req, dict(req.kwargs), req.group)
+
+    @app.post("/compute", response_model=ScoreResponse, dependencies=[Depends(authorise)],
+              openapi_extra=documented_body(ComputeRequest))
+    async def compute(request: Request):
+        req = parse_request(await request.body(), ComputeRequest)
+        return await answer(req, dict(req.extra), group=True)
+
     app.state.batcher = batcher
     app.state.pixel_budget = budget
     return BodyLimit(app, max_request_bytes)
+
+
+def serve(server: Served, host: str, port: int, token: str | None = None, max_request_mb: float = 64.0,
+          max_request_mpx: float = 128.0, max_inflight_mpx: float = 256.0) -> None:
+    """Serve ``server`` with uvicorn until stopped: ``ff-reward-server`` and ``RewardServer.run`` both end here."""
+    import uvicorn
+
+    app = create_app(server, token=token, max_request_bytes=int(max_request_mb * 2**20),
+                     max_request_pixels=int(max_request_mpx * 10**6),
+                     max_pixels_in_flight=int(max_inflight_mpx * 10**6))
+    print(f"ff-reward-server: serving {server.name or type(server).__name__} on http://{host}:{port}"
+          f" ({'bearer token required' if token else 'no token: anyone who can connect may score'})",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

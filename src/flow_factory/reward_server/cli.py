@@ -15,7 +15,6 @@ import argparse
 import importlib
 import json
 import os
-import sys
 from pathlib import Path
 
 from .base import RewardServer
@@ -40,7 +39,11 @@ def build_server(reward: str, options: dict) -> RewardServer:
         except (ImportError, AttributeError) as e:
             raise SystemExit(f"ff-reward-server: --reward {reward!r}: cannot import it: {e}") from None
         if isinstance(obj, type) and issubclass(obj, RewardServer):
-            server = obj(**options)
+            try:
+                server = obj(**options)
+            except TypeError as e:
+                raise SystemExit(f"ff-reward-server: --reward {reward!r}: cannot build it with --option "
+                                 f"{sorted(options)}: {e}") from None
             server.name = server.name or reward
             return server
     from .model_server import RewardModelServer  # torch and the reward's dependencies
@@ -90,18 +93,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--max-request-mb and --max-request-mpx must be > 0")
     token = read_token(args.token, args.token_file, p.error)
 
-    import uvicorn
+    from .app import serve
 
-    from .app import create_app
-
-    server = build_server(args.reward, dict(args.option))
-    app = create_app(server, token=token, max_request_bytes=int(args.max_request_mb * 2**20),
-                     max_request_pixels=int(args.max_request_mpx * 10**6),
-                     max_pixels_in_flight=int(args.max_inflight_mpx * 10**6))
-    print(f"ff-reward-server: serving {server.name or type(server).__name__} on http://{args.host}:{args.port}"
-          f" ({'bearer token required' if token else 'no token: anyone who can connect may score'})",
-          file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    serve(build_server(args.reward, dict(args.option)), args.host, args.port, token, args.max_request_mb,
+          args.max_request_mpx, args.max_inflight_mpx)
 
 
 if __name__ == "__main__":

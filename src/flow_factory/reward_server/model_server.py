@@ -13,13 +13,16 @@ from typing import Any
 
 import torch
 
-from ..rewards import GroupwiseRewardModel, RewardInputs, resolve_reward_class
+from ..config.rewards import parse_reward_entries
+from ..rewards import GroupwiseRewardModel, RewardInputs, build_reward
 from .base import RewardServer
 
 
 class RewardModelServer(RewardServer):
     def __init__(self, reward: str, **options: Any):
-        self.model = resolve_reward_class(reward)(**options)
+        # built as a run builds it (either constructor form), from the entry a config would hold
+        entry = parse_reward_entries([{"reward_model": reward, **options}])[0]
+        self.model = build_reward(entry)
         self.name = reward
         # a groupwise reward must see each request (one group) alone
         self.batchable = not isinstance(self.model, GroupwiseRewardModel)

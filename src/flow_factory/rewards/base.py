@@ -34,6 +34,7 @@ several sizes is called once per size (one tensor cannot hold them).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Sequence
 
@@ -43,6 +44,7 @@ from PIL import Image
 from torch import Tensor
 
 from ..config.base import DTYPE_NAMES
+from ..hparams import RewardArguments
 
 MEDIA_FIELDS = ("image", "video", "condition_images", "condition_videos")
 KNOWN_FIELDS = ("prompt", *MEDIA_FIELDS)
@@ -237,22 +239,50 @@ class BaseRewardModel:
     """Shared constructor and call plumbing. Subclass ``PointwiseRewardModel`` or
     ``GroupwiseRewardModel``, not this.
 
-    The constructor takes a reward config entry's fields; a subclass adds its own
-    keyword options (the entry's extra keys) to its ``__init__`` signature, so a
-    misspelt option fails loudly instead of being ignored.
+    Two constructor forms; ``takes_config`` tells which one a class uses, and the RewardSet
+    builds it accordingly:
+
+    - Flow-Factory's: ``__init__(self, config: RewardArguments, accelerator: Accelerator)``
+      calling ``super().__init__(config, accelerator)``. ``config`` is the whole reward entry
+      (``flow_factory.hparams.RewardArguments``: the entry's own keys are its attributes),
+      and ``self.config``, ``self.accelerator``, ``self.device`` (the process's device when
+      the entry's ``device`` is null or ``cuda``), ``self.dtype`` are set.
+    - The keyword form: ``__init__(self, model_name_or_path, device, dtype, batch_size,
+      *, <the entry's own keys>)`` calling ``super().__init__(model_name_or_path, device,
+      dtype, batch_size)``; a misspelt option fails on the signature instead of being
+      ignored. ``self.config`` and ``self.accelerator`` are None.
     """
 
     required_fields: ClassVar[tuple[str, ...]] = ("prompt", "image")
     use_tensor_inputs: ClassVar[bool] = False
 
-    def __init__(self, model_name_or_path: str | None = None, device: str | torch.device = "cpu",
-                 dtype: str | torch.dtype = torch.float32, batch_size: int = 16):
+    def __init__(self, *args, **kwargs):
+        # the config form arrives with the entry first (or as config=); anything else is the keyword form
+        if (args and isinstance(args[0], RewardArguments)) or "config" in kwargs:
+            self._init_from_config(*args, **kwargs)
+        else:
+            self._init_from_options(*args, **kwargs)
+
+    def _init_from_config(self, config: RewardArguments, accelerator=None) -> None:
+        if accelerator is None:  # built outside a run: the process's accelerator state, as a run would share it
+            from accelerate import Accelerator
+
+            accelerator = Accelerator()
+        # Flow-Factory reads "cuda" as this process's GPU (cuda:<local rank>), and the CPU on a CPU run
+        device = accelerator.device if config.device in (None, "cuda") else config.device
+        self._init_from_options(config.model_name_or_path, device, config.dtype, config.batch_size)
+        self.config, self.accelerator = config, accelerator
+
+    def _init_from_options(self, model_name_or_path: str | None = None, device: str | torch.device = "cpu",
+                           dtype: str | torch.dtype = torch.float32, batch_size: int = 16) -> None:
         if int(batch_size) < 1:
             raise ValueError(f"{type(self).__name__}: batch_size must be >= 1, got {batch_size}")
         unknown = [f for f in self.required_fields if f not in KNOWN_FIELDS]
         if unknown:
             raise ValueError(f"{type(self).__name__}.required_fields has unknown {unknown}; "
                              f"known fields: {list(KNOWN_FIELDS)}")
+        self.config: RewardArguments | None = None
+        self.accelerator = None
         self.model_name_or_path = model_name_or_path
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
@@ -346,6 +376,18 @@ class GroupwiseRewardModel(BaseRewardModel):
         for members in seen.values():
             scores[torch.as_tensor(members)] = self._score_once(inputs.select(members))
         return scores
+
+
+def takes_config(cls: type[BaseRewardModel]) -> bool:
+    """Whether ``cls`` is built as Flow-Factory builds rewards, ``cls(config, accelerator)``, rather
+    than with keyword options: its ``__init__``'s first parameter is named ``config``, or it has
+    none of its own (the base takes either form; Flow-Factory's classes without one are built so).
+    The one place that tells the two forms apart."""
+    if cls.__init__ is BaseRewardModel.__init__:
+        return True
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # after self
+    return bool(params) and params[0].name == "config" and params[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def score_each_once(models: Iterable[BaseRewardModel], inputs: RewardInputs,

@@ -38,6 +38,22 @@ class JsonClient:
         self.client = httpx.Client(timeout=self.timeout, headers=headers)
 
     def post(self, path: str, payload: dict[str, Any]) -> Any:
+        """The JSON answer to ``payload``, or RemoteRewardError for any status but 200."""
+        url, response = self._send(path, payload)
+        if response.status_code != 200:
+            raise RemoteRewardError(f"{self.what} {url} answered HTTP {response.status_code}: {_detail(response)}")
+        try:
+            return response.json()
+        except ValueError:
+            raise RemoteRewardError(f"{self.what} {url} answered with non-JSON: {response.text[:200]!r}") from None
+
+    def status(self, path: str, payload: dict[str, Any]) -> int:
+        """The HTTP status ``payload`` gets (after the same retries as ``post``), whatever it is."""
+        return self._send(path, payload)[1].status_code
+
+    def _send(self, path: str, payload: dict[str, Any]):
+        """(url, response) of the first try that is answered with neither a retried status nor an
+        error of the connection; RemoteRewardError once every try failed so."""
         url = f"{self.base_url}/{path.lstrip('/')}"
         attempts = self.retry_attempts + 1
         last = ""
@@ -55,13 +71,7 @@ class JsonClient:
             if response.status_code in RETRY_STATUS:
                 last = f"HTTP {response.status_code}: {_detail(response)}"
                 continue
-            if response.status_code != 200:
-                raise RemoteRewardError(f"{self.what} {url} answered HTTP {response.status_code}: "
-                                        f"{_detail(response)}")
-            try:
-                return response.json()
-            except ValueError:
-                raise RemoteRewardError(f"{self.what} {url} answered with non-JSON: {response.text[:200]!r}") from None
+            return url, response
         raise RemoteRewardError(f"{self.what} {url} failed after {attempts} attempt(s) "
                                 f"(timeout {self.timeout:g} s each): {last}")
 

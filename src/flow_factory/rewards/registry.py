@@ -9,7 +9,9 @@ as text. Resolving a name imports only that one module, so a run never pays for 
 needs) the dependencies of rewards it does not use: transformers, open_clip, OCR engines.
 A reward shipped elsewhere in the package (``shapebench``) is a line of the same table.
 A user's own reward needs no registration (give its class path), or registers a short
-name with ``@register_reward("name")`` in a module the run imports.
+name with ``@register_reward("name")`` in a module the run imports. Class paths from
+Flow-Factory's guide resolve as written: the remote rewards it names under
+"flow_factory.rewards.my_reward_remote" are those of ``remote.py``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,34 @@
-"""Rewards computed by a reward server (``ff-reward-server``, or anything speaking its
-JSON: POST ``{server_url}/score``, see ``flow_factory.wire``).
+"""Rewards computed by a reward server: ``ff-reward-server`` (or any ``RewardServer`` here), or a
+server written for Flow-Factory, which speaks its ``/compute`` protocol (``flow_factory.wire``).
 
-``RemotePointwiseRewardModel`` sends each chunk of ``batch_size`` samples as one
-request; ``RemoteGroupwiseRewardModel`` sends each group as one request marked as a
-group, which the server computes alone. Images travel as PNG (lossless: the server sees
-exactly the uint8 pixels a local reward would). Pair with ``async_reward: true`` to
-overlap requests with sampling. An answer whose rewards are not all finite numbers
-(``NaN``, ``Infinity``, a string, null, a bool) is an error naming the server's URL.
+``RemotePointwiseRewardModel`` sends each chunk of ``batch_size`` samples as one request;
+``RemoteGroupwiseRewardModel`` sends each group as one request (marked as a group on
+``/score``; Flow-Factory's servers compute every request alone anyway). Images travel as PNG
+(lossless: the server sees exactly the uint8 pixels a local reward would). Pair with
+``async_reward: true`` to overlap requests with sampling. An answer whose rewards are not all
+finite numbers (``NaN``, ``Infinity``, a string, null, a bool), or that carries an ``error``,
+is an error naming the server's URL.
+
+``protocol`` picks the route: ``score`` (this project's), ``compute`` (Flow-Factory's), or
+``auto`` (the default): before the first request, one empty POST to ``/score`` tells them
+apart, since a server without that route answers 404 (or 405) and ours answers anything else
+(422 for the empty body, 401 without the token). So a YAML entry copied from Flow-Factory's
+guide, with no ``protocol`` key, works against either server.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
-from ..wire import ScoreRequest, encode_image
+from ..wire import ComputeRequest, ScoreRequest, encode_image
 from .base import GroupwiseRewardModel, PointwiseRewardModel, RewardModelOutput
 from .http_client import JsonClient, RemoteRewardError
+
+PROTOCOLS = ("auto", "score", "compute")
+NO_ROUTE = (404, 405)  # what a server without /score answers the probe
 
 
 class _RemoteReward:
@@ -28,32 +39,52 @@ class _RemoteReward:
     def __init__(self, model_name_or_path=None, device="cpu", dtype=torch.float32, batch_size: int = 16, *,
                  server_url: str | None = None, timeout: float = 60.0, retry_attempts: int = 3,
                  backoff: float = 0.5, api_key: str | None = None, request_kwargs: dict | None = None,
-                 image_format: str = "PNG"):
+                 image_format: str = "PNG", protocol: str = "auto"):
         super().__init__(model_name_or_path, device, dtype, batch_size)
         if server_url is None:
             raise ValueError(f"{type(self).__name__}: set server_url (e.g. http://127.0.0.1:8000)")
         if image_format.upper() not in ("PNG", "JPEG", "WEBP"):
             raise ValueError(f"image_format must be PNG, JPEG or WEBP, got {image_format!r}")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {list(PROTOCOLS)} (score: ff-reward-server's /score; "
+                             f"compute: Flow-Factory's /compute; auto: ask the server), got {protocol!r}")
         self.client = JsonClient(server_url, timeout, retry_attempts, backoff, api_key)
         self.request_kwargs = dict(request_kwargs or {})
         self.image_format = image_format.upper()
+        self.protocol = protocol
+        self._probing = threading.Lock()  # async workers share this model: one probe, not one per thread
 
     def __call__(self, prompt, image=None, video=None, condition_images=None) -> RewardModelOutput:
         def each(images):
             return None if images is None else [encode_image(im, self.image_format) for im in images]
 
-        # built with the server's own request model: a payload it would refuse fails here, before sending
-        request = ScoreRequest(prompts=list(prompt), group=self._group, kwargs=self.request_kwargs,
-                               images=each(image), videos=None if video is None else [each(f) for f in video],
-                               condition_images=None if condition_images is None else [
-                                   each(c) for c in condition_images])
-        body = self.client.post("/score", request.model_dump(exclude_none=True))
-        return RewardModelOutput(rewards=torch.tensor(self._rewards_in(body, len(prompt)), dtype=torch.float32))
+        media = {"images": each(image), "videos": None if video is None else [each(f) for f in video],
+                 "condition_images": None if condition_images is None else [each(c) for c in condition_images]}
+        # built with the server's own request models: a payload it would refuse fails here, before sending
+        if self.route() == "score":
+            request = ScoreRequest(prompts=list(prompt), group=self._group, kwargs=self.request_kwargs, **media)
+        else:
+            request = ComputeRequest(prompts=list(prompt), extra=self.request_kwargs, **media)
+        path = f"/{self.route()}"
+        body = self.client.post(path, request.model_dump(exclude_none=True))
+        rewards = self._rewards_in(body, len(prompt), path)
+        return RewardModelOutput(rewards=torch.tensor(rewards, dtype=torch.float32))
 
-    def _rewards_in(self, body, n: int) -> list[float]:
-        """The ``n`` rewards of a /score answer, or RemoteRewardError naming the server and the bad value.
+    def route(self) -> str:
+        """``score`` or ``compute``: as configured, or for ``auto`` what the server answers an
+        empty POST to /score (asked once; a probe that fails is asked again next time)."""
+        with self._probing:
+            if self.protocol == "auto":
+                status = self.client.status("/score", {})
+                self.protocol = "compute" if status in NO_ROUTE else "score"
+            return self.protocol
+
+    def _rewards_in(self, body, n: int, path: str) -> list[float]:
+        """The ``n`` rewards of an answer, or RemoteRewardError naming the server and the bad value.
         Python's json reads ``NaN`` and ``Infinity``: one of them would reach the loss, so each is checked."""
-        url = f"{self.client.base_url}/score"
+        url = f"{self.client.base_url}{path}"
+        if isinstance(body, dict) and body.get("error"):  # how Flow-Factory's servers may report a failure
+            raise RemoteRewardError(f"{url} answered error {str(body['error'])[:300]}")
         rewards = body.get("rewards") if isinstance(body, dict) else None
         if not isinstance(rewards, list) or len(rewards) != n:
             raise RemoteRewardError(f"{url} answered {str(body)[:200]}; expected {{'rewards': [{n} numbers]}}")
@@ -75,7 +106,7 @@ def _finite_number(value) -> bool:
 
 
 class RemotePointwiseRewardModel(_RemoteReward, PointwiseRewardModel):
-    """Scores each sample on a remote reward server (``ff-reward-server``)."""
+    """Scores each sample on a remote reward server."""
 
 
 class RemoteGroupwiseRewardModel(_RemoteReward, GroupwiseRewardModel):

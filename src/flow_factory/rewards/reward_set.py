@@ -22,19 +22,32 @@ from torch import Tensor
 
 from ..config.rewards import RewardConfig, parse_reward_entries
 from .async_pool import RewardJob
-from .base import BaseRewardModel, GroupwiseRewardModel, RewardInputs, score_each_once
+from .base import BaseRewardModel, GroupwiseRewardModel, RewardInputs, score_each_once, takes_config
 from .registry import resolve_reward_class
 
 
-def build_reward(config: RewardConfig) -> BaseRewardModel:
-    """The reward model one entry describes, or TypeError naming the entry and its options."""
+def build_reward(config: RewardConfig, accelerator=None) -> BaseRewardModel:
+    """The reward model one entry describes, or TypeError naming the entry and its options.
+
+    A class written to Flow-Factory's guide is built as ``cls(config, accelerator)`` (the entry
+    itself, ``flow_factory.hparams.RewardArguments``); any other with the entry's keys as keyword
+    options (``base.takes_config`` tells which). ``accelerator``: the run's; None makes one on the
+    process's accelerator state for the first form, and leaves a null ``device`` to the class's
+    default in the second.
+    """
     reward_cls = resolve_reward_class(config.reward_model)
-    options = config.constructor_options()
+    if takes_config(reward_cls):
+        args, kwargs = (config, accelerator), {}
+        given = f"(config, accelerator), config holding {sorted(config.to_dict())}"
+    else:
+        args, kwargs = (), config.constructor_options()
+        if config.device is None and accelerator is not None:
+            kwargs["device"] = accelerator.device  # null = the training process's device
+        given = f"options {sorted(kwargs)}"
     try:
-        return reward_cls(**options)
+        return reward_cls(*args, **kwargs)
     except TypeError as e:
-        raise TypeError(f"reward {config.name!r} ({config.reward_model}) could not be built "
-                        f"with options {sorted(options)}: {e}") from e
+        raise TypeError(f"reward {config.name!r} ({config.reward_model}) could not be built with {given}: {e}") from e
 
 
 class RewardSet:
@@ -58,9 +71,11 @@ class RewardSet:
         self._pools: dict[int, ThreadPoolExecutor] = {}
 
     @classmethod
-    def from_configs(cls, entries: Sequence[RewardConfig | Mapping] | RewardConfig | Mapping) -> "RewardSet":
+    def from_configs(cls, entries: Sequence[RewardConfig | Mapping] | RewardConfig | Mapping,
+                     accelerator=None) -> "RewardSet":
         """From ``RewardConfig`` entries (``cfg.rewards``); a mapping, or one entry alone, is read by
-        ``RewardConfig`` first, as the YAML's ``rewards`` would be (ConfigError for a bad entry)."""
+        ``RewardConfig`` first, as the YAML's ``rewards`` would be (ConfigError for a bad entry).
+        ``accelerator``: the run's, handed to rewards written to Flow-Factory's guide (``build_reward``)."""
         configs = parse_reward_entries(entries)
         built: dict[tuple, BaseRewardModel] = {}
         models = {}
@@ -68,7 +83,7 @@ class RewardSet:
             # equal keys: the same model would be built twice; build it once
             key = (resolve_reward_class(config.reward_model), repr(sorted(config.constructor_options().items())))
             if key not in built:
-                built[key] = build_reward(config)
+                built[key] = build_reward(config, accelerator)
             models[config.name] = built[key]
         return cls(models, {c.name: c.weight for c in configs},
                    {c.name: c.num_workers for c in configs if c.async_reward})
