@@ -1,8 +1,10 @@
 """One entry of ``rewards`` / ``eval_rewards``: the one parser of reward entries.
 
-Keys this schema does not know are the reward class's own constructor options, so
-they are collected into ``kwargs`` rather than rejected: the reward's ``__init__``
-signature is what catches a misspelt option. ``RewardSet.from_configs`` builds from
+Keys this schema does not know are the reward class's own options, so they are
+collected into ``kwargs`` rather than rejected: a keyword-form reward's ``__init__``
+signature is what catches a misspelt option, and a reward in Flow-Factory's form
+(``__init__(config, accelerator)``) reads them as attributes of this entry, which is
+``flow_factory.hparams.RewardArguments``. ``RewardSet.from_configs`` builds from
 these objects; Python callers that pass mappings have them read here too
 (``parse_reward_entries``), so an entry means the same in YAML and in code.
 """
