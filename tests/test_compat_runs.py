@@ -66,3 +66,52 @@ def test_offloaded_half_precision_rollouts_train_as_kept_ones(tmp_path, tiny_sd3
     assert kept.latents.nbytes * 2 == full.latents.nbytes
     for a, b in zip(w_kept, w_off):
         assert torch.equal(a, b)
+
+
+def test_save_model_only_writes_no_optimizer_state_and_such_a_checkpoint_still_resumes(tmp_path, tiny_sd3_path,
+                                                                                        caplog):
+    config = _config(tmp_path, tiny_sd3_path, max_epochs=1)
+    config["log"]["save_model_only"] = True
+    config["eval"]["eval_freq"] = 0
+    Trainer(parse_config(config)).train()
+    saved = tmp_path / "saves" / "run" / "checkpoints" / "epoch_1"
+    assert (saved / "pytorch_lora_weights.safetensors").is_file() and not (saved / "optimizer.pt").exists()
+
+    config["train"]["max_epochs"] = 2
+    config["model"]["resume_path"] = str(saved)
+    with caplog.at_level(logging.WARNING):
+        history = Trainer(parse_config(config)).train()
+    assert [r["epoch"] for r in history] == [0, 1]  # epoch 0 from the checkpoint, epoch 1 trained now
+    assert any("holds no optimizer state" in r.getMessage() for r in caplog.records)
+
+
+def test_resume_type_lora_starts_a_new_run_from_the_checkpoint_weights(tmp_path, tiny_sd3_path):
+    from flow_factory.checkpoint import LORA_WEIGHT_NAME
+    from safetensors.torch import load_file
+
+    first = _config(tmp_path / "first", tiny_sd3_path, max_epochs=1)
+    first["eval"]["eval_freq"] = 0
+    Trainer(parse_config(first)).train()
+    saved = tmp_path / "first" / "saves" / "run" / "checkpoints" / "epoch_1"
+
+    second = _config(tmp_path / "second", tiny_sd3_path, max_epochs=1)
+    second["model"].update(resume_path=str(saved), resume_type="lora")
+    trainer = Trainer(parse_config(second))
+    assert trainer.epoch == 0 and trainer.history == []  # a new run: nothing of the old one's progress
+    lora = load_file(saved / LORA_WEIGHT_NAME)
+    trained = {n: p for n, p in trainer.adapter.transformer.named_parameters() if "lora_B" in n}
+    assert len(trained) == sum("lora_B" in k for k in lora) > 0
+    moved = max(float(v.abs().max()) for k, v in lora.items() if "lora_B" in k)
+    assert moved > 0 and max(float(p.detach().abs().max()) for p in trained.values()) == moved  # the saved weights
+    trainer.close()
+
+
+def test_master_weight_dtype_sets_the_trainable_weights_precision(tmp_path, tiny_sd3_path):
+    config = _config(tmp_path, tiny_sd3_path, max_epochs=1)
+    config["model"]["master_weight_dtype"] = "fp16"  # Flow-Factory's spelling
+    trainer = Trainer(parse_config(config))
+    assert trainer.cfg.model.master_weight_dtype == "float16"
+    assert {p.dtype for p in trainer.params} == {torch.float16}
+    frozen = {p.dtype for p in trainer.adapter.transformer.parameters() if not p.requires_grad}
+    assert frozen == {torch.float32}
+    trainer.close()

@@ -179,15 +179,15 @@ def test_flow_factory_layout_loads(tmp_path):
 
 def test_defaults_are_filled_and_resolved():
     cfg = parse_config(minimal())
-    assert cfg.mixed_precision == "no" and cfg.seed == 42 and cfg.num_processes == 1
+    assert cfg.mixed_precision == "bf16" and cfg.seed == 42 and cfg.num_processes == 1
     assert cfg.scheduler.dynamics_type == "Flow-SDE" and cfg.scheduler.noise_level == 0.7
     assert cfg.train.learning_rate == 1e-4  # LoRA default
     assert cfg.train.seed == 42  # from the top-level seed
     ev = cfg.eval
     assert (ev.resolution, ev.num_inference_steps, ev.guidance_scale) == (512, 10, 4.5)  # train's
     assert ev.per_device_batch_size == 4 and ev.seed == 42
-    assert cfg.log.logging_backend == "tensorboard" and cfg.log.save_dir == "saves"
-    stamp = r"\d{8}_\d{6}_[0-9a-f]{4}"  # seconds, then 4 random hex digits
+    assert cfg.log.logging_backend == "tensorboard" and cfg.log.save_dir == "save"
+    stamp = r"\d{8}_\d{6}_[0-9a-f]{6}"  # seconds, then 6 random hex digits
     assert re.fullmatch(rf"sd3-5_lora_grpo_{stamp}", cfg.log.run_name)
     assert cfg.rewards[0].name == "PickScore" and cfg.rewards[0].weight == 1.0
     assert cfg.eval_rewards is None
@@ -232,7 +232,7 @@ def test_overrides_are_parsed_as_yaml(tmp_path):
     assert cfg.train.height_width == (64, 96)
     assert cfg.seed == 7 and cfg.train.seed == 7
     assert cfg.rewards[0].weight == 0.5
-    assert cfg.scheduler.sde_steps == [0, 2] and cfg.trained_steps_per_sample == 2
+    assert cfg.scheduler.sde_steps == [0, 2] and cfg.trained_steps_per_sample == 1  # num_sde_steps: 1
     assert cfg.log.run_name.startswith("sd3-5_lora_grpo_")  # null -> generated again
 
 
@@ -268,7 +268,8 @@ def test_malformed_overrides(override, message):
     ("trian.seed=1", "trian: unknown key; did you mean train?"),
     ("train.sde_type=CPS", "train.sde_type: unknown key; did you mean scheduler.dynamics_type? "
                            "(the setting moved there)"),
-    ("run_name=x", "run_name: unknown key; did you mean log.run_name? (the setting moved there)"),
+    ("train.sde_type=x", "train.sde_type: unknown key; did you mean scheduler.dynamics_type? (the setting moved "
+     "there)"),
 ])
 def test_unknown_keys_suggest_the_close_match(override, message):
     assert problem_of(overrides=[override]) == message
@@ -277,7 +278,7 @@ def test_unknown_keys_suggest_the_close_match(override, message):
 def test_unknown_key_without_close_match_lists_the_section():
     msg = problem_of(overrides=["log.colour=blue"])
     assert msg == ("log.colour: unknown key; valid keys of log: run_name, project, logging_backend, "
-                   "save_dir, save_freq, save_model_only, overwrite")
+                   "save_dir, save_freq, save_model_only, verbose, overwrite")
     assert problem_of(overrides=["zzz=1"]).startswith("zzz: unknown key; valid keys at the top level: launcher,")
 
 
@@ -371,7 +372,11 @@ def test_file_problems_name_the_file(tmp_path):
 
     twice = write(tmp_path, "train:\n  seed: 1\ndata: {}\ntrain:\n  seed: 2\n", "twice.yaml")
     msg = str(pytest.raises(ConfigError, load_config, twice).value)
-    assert msg.startswith(f"{twice}, line 4, column 1: invalid YAML") and "'train' appears twice (lines 1 and 4)" in msg
+    assert msg.startswith(f"{twice}, line 4, column 1: invalid YAML")
+    assert "'train' appears twice with different values (lines 1 and 4" in msg
+    # the same value twice (as some of Flow-Factory's examples write `seed`) is that value
+    same = write(tmp_path, yaml.safe_dump(minimal(train={"seed": 3})) + "seed: 5\nseed: 5\n", "same.yaml")
+    assert load_config(same).seed == 5
 
     listed = write(tmp_path, "- a\n- b\n", "list.yaml")
     assert "expected a mapping of settings at the top level, got list" in str(
@@ -402,21 +407,22 @@ def test_file_problems_name_the_file(tmp_path):
      "scheduler.sde_steps: [10, 12] outside [0, 10) with train.num_inference_steps = 10"),
     (["scheduler.sde_steps=[1, 2]", "scheduler.num_sde_steps=3"],
      "scheduler.num_sde_steps: 3 is more than the 2 candidate steps"),
-    (["scheduler.num_sde_steps=11"], "scheduler.num_sde_steps: 11 is more than the 10 candidate steps"),
-    # 16 / 4 = 4 batches x 10 steps = 40 micro-steps
-    (["train.gradient_step_per_epoch=3"],
-     "train.gradient_step_per_epoch: 3 does not divide the 40 micro-steps per epoch (4 batches per process x "
-     "10 trained steps per sample); choose one of [1, 2, 4, 5, 8, 10, 20, 40]"),
+    # every step but the last is a candidate by default
+    (["scheduler.num_sde_steps=10"], "scheduler.num_sde_steps: 10 is more than the 9 candidate steps"),
+    # 16 / 4 = 4 batches x 9 steps = 36 micro-steps
+    (["train.gradient_step_per_epoch=5", "scheduler.num_sde_steps=null"],
+     "train.gradient_step_per_epoch: 5 does not divide the 36 micro-steps per epoch (4 batches per process x "
+     "9 trained steps per sample); choose one of [1, 2, 3, 4, 6, 9, 12, 18, 36]"),
     (["train.gradient_accumulation_steps=6", "scheduler.num_sde_steps=2"],
      "train.gradient_accumulation_steps: 6 does not divide the 8 micro-steps per epoch"),
-    (["train.outside_kl_beta=0.1"],
+    (["train.outside_kl_beta=0.1", "scheduler.sde_steps=[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]",
+      "scheduler.num_sde_steps=null"],
      "train.outside_kl_beta: every one of the 10 steps is trained, so no step is outside the SDE window"),
     (["train.outside_kl_beta=0.1", "scheduler.sde_steps=[0, 1]", "scheduler.num_sde_steps=5"],
      "scheduler.num_sde_steps: 5 is more than the 2 candidate steps"),
     (["train.trainer_type=nft", "train.outside_kl_beta=0.1"],
      "train.outside_kl_beta: the KL at the steps an SDE window does not train is the grpo family's; nft has no "
      "window (use kl_beta)"),
-    (["model.model_type=wan"], "train.num_frames: required for the video model wan2_t2v"),
     (["model.model_type=wan", "train.num_frames=8"],
      "train.num_frames: wan2_t2v needs 4k + 1 frames (the VAE packs 4 frames into one latent), got 8; nearest: 5"),
     (["train.num_frames=5"], "train.num_frames: sd3-5 is an image model; remove num_frames"),
@@ -436,8 +442,9 @@ def test_contradictions(overrides, message):
 
 
 @pytest.mark.parametrize("scheduler, expected_trained", [
-    ({}, 10),  # every one of the 10 steps
-    ({"sde_steps": [1, 2, 3, 4]}, 4),  # the whole window
+    ({}, 1),  # one step drawn from every step but the last (num_sde_steps: 1)
+    ({"num_sde_steps": None}, 9),  # every step but the last
+    ({"sde_steps": [1, 2, 3, 4], "num_sde_steps": None}, 4),  # the whole window
     ({"sde_steps": [1, 2, 3, 4], "num_sde_steps": 2}, 2),  # drawn from the window
     ({"num_sde_steps": 3}, 3),  # drawn from all steps
 ])
@@ -540,6 +547,7 @@ def test_the_epoch_arithmetic_counts_the_micro_batches_the_algorithm_makes(train
 
     from flow_factory.algorithms import make_algorithm
     from flow_factory.dynamics import make_dynamics
+    from flow_factory.dynamics.window import choose_sde_steps
     from flow_factory.sampling import Rollouts
 
     cfg = parse_config(minimal(num_processes=num_processes, train={
@@ -552,7 +560,9 @@ def test_the_epoch_arithmetic_counts_the_micro_batches_the_algorithm_makes(train
     advantages = torch.randn(n, generator=torch.Generator().manual_seed(0))
     rollouts = Rollouts(prompts=[""] * n, group_ids=group_ids, latents=torch.zeros(n, steps + 1, 4, 2, 2),
                         log_probs=torch.zeros(n, steps), sigmas=torch.linspace(1, 0, steps + 1),
-                        sde_steps=list(range(steps)), cond={"prompt_embeds": torch.zeros(n, 1)},
+                        sde_steps=choose_sde_steps(steps, cfg.sde_step_candidates, cfg.scheduler.num_sde_steps,
+                                                   torch.Generator().manual_seed(0)),
+                        cond={"prompt_embeds": torch.zeros(n, 1)},
                         media=torch.empty(0), means=torch.zeros(n, steps, 4, 2, 2))
     units = algorithm.training_units(group_ids, advantages)
     batch = cfg.train.per_device_batch_size

@@ -238,7 +238,7 @@ def test_an_incomplete_or_foreign_checkpoint_is_named_before_the_model_loads(tmp
 def test_a_signal_mid_epoch_saves_the_last_finished_epoch_and_resumes_exactly(
         tmp_path, tiny_sd3_path, calls_per_epoch, uninterrupted, capsys, sig):
     config = _config(tmp_path, tiny_sd3_path, max_epochs=3)
-    config["log"]["save_freq"] = 0  # the default: only the end would be saved
+    config["log"]["save_freq"] = 0  # only the end would be saved
     reset({calls_per_epoch: sig})  # the first reward call of epoch 1: mid-sampling
     path = write_config(tmp_path, config)
     handler = signal.getsignal(signal.SIGINT)
@@ -302,7 +302,9 @@ def test_default_run_names_never_collide(tmp_path, tiny_sd3_path):
 
     config = _config(tmp_path, tiny_sd3_path)
     del config["log"]["run_name"]
-    names = {parse_config(config).log.run_name for _ in range(20)}  # all in the same second or two
+    # all in the same second or two: 20 draws of 6 hex digits collide with probability 190 / 16.7e6 ~ 1e-5
+    # (4 digits, 3e-3, did collide once here); a collision would be refused by the run folder's lock
+    names = {parse_config(config).log.run_name for _ in range(20)}
     assert len(names) == 20
 
 

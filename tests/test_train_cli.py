@@ -153,14 +153,15 @@ def _train_in_subprocess(folder: Path, model_path, processes: int, **train) -> d
     from safetensors.torch import load_file
 
     config = tiny_run_config(folder, "sd3-5", model_path, max_epochs=EPOCHS, group_size=4, **{**LINEAR_STEP, **train})
-    config["num_processes"] = processes
-    config["main_process_port"] = _free_port()  # two test runs at once must not share a port
     config["eval"]["eval_freq"] = 0
     config["rewards"] = [{"name": "brightness", "reward_model": "test_train_cli.MeanBrightness"}]
     # one thread in every process of both runs: no thread-count-dependent kernel splits
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "flow_factory.train", str(write_config(folder, config))]
+    # the launch as Flow-Factory's users write it: the process count and port as flags (a free port:
+    # two test runs at once must not share one)
+    command = [sys.executable, "-m", "flow_factory.train", str(write_config(folder, config)),
+               "--num_processes", str(processes), "--main_process_port", str(_free_port())]
     result = subprocess.run(command, env=env, timeout=300, capture_output=True, text=True)
     assert result.returncode == 0, f"{processes} process(es): exit {result.returncode}\n{result.stderr[-4000:]}"
     return load_file(folder / "saves" / "run" / "checkpoints" / f"epoch_{EPOCHS}" / "pytorch_lora_weights.safetensors")

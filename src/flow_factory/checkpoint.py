@@ -62,7 +62,8 @@ def save_checkpoint(out_dir: Path, adapter, finetune_type: str, optimizer, state
         save_lora(type(adapter.pipeline), adapter.transformer, tmp)
     else:
         adapter.transformer.save_pretrained(tmp / "transformer")
-    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    if optimizer is not None:  # None: the weights only (log.save_model_only)
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
     for name, obj in (extra or {}).items():
         torch.save(obj, tmp / name)
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -199,9 +200,10 @@ def check_fits(path: Path, state: dict, finetune_type: str) -> None:
                               f"model.finetune_type is {finetune_type!r}; set model.finetune_type: {saved_type}")
 
 
-def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=None) -> None:
+def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=None) -> bool:
     """Restore the weights (and optimizer state) of a checkpoint that ``find_checkpoint`` found and
-    ``check_fits`` accepted. Raises ``CheckpointError`` for weights holding NaN or inf."""
+    ``check_fits`` accepted; False when an optimizer was given and the checkpoint holds no state for
+    it. Raises ``CheckpointError`` for weights holding NaN or inf."""
     path = Path(path)
     if finetune_type == "lora":
         load_lora_state(adapter.transformer, path)
@@ -211,8 +213,12 @@ def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=Non
     bad = nonfinite_tensors(adapter.transformer)
     if bad:
         raise CheckpointError(f"model.resume_path: {path} holds NaN or inf in {len(bad)} tensors (e.g. {bad[0]})")
-    if optimizer is not None and (path / OPTIMIZER_FILE).exists():
-        optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+    if optimizer is None:
+        return True
+    if not (path / OPTIMIZER_FILE).exists():
+        return False
+    optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+    return True
 
 
 def load_for_sampling(model_type: str, model_path, checkpoint=None, device=None):

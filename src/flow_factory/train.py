@@ -1,7 +1,11 @@
-"""``ff-train CONFIG.yaml [section.key=value ...]`` (also ``python -m flow_factory.train``).
+"""``ff-train CONFIG.yaml [section.key=value ...] [--num_processes N ...]`` (also ``python -m flow_factory.train``).
 
 With ``num_processes > 1`` and not yet inside a distributed launch, it re-launches
-itself through ``accelerate launch`` with the config's launcher settings.
+itself through ``accelerate launch`` with the launcher settings. Those come, first found
+first, from Flow-Factory's flags (``--num_processes --num_machines --machine_rank
+--main_process_ip --main_process_port``), then the environment a cluster scheduler sets
+(``LAUNCH_ENV``; read only when it names a master address and more than one machine, as
+Flow-Factory does), then the config's top-level keys.
 """
 
 from __future__ import annotations
@@ -20,24 +24,52 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("config", help="the run's YAML file")
     parser.add_argument("overrides", nargs="*", help="section.key=value, value parsed as YAML")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    for key, kind in LAUNCH_KEYS.items():
+        parser.add_argument(f"--{key}", type=kind, default=None, help=f"overrides the config's {key}")
     return parser.parse_args(argv)
+
+
+LAUNCH_KEYS = {"num_processes": int, "num_machines": int, "machine_rank": int, "main_process_ip": str,
+               "main_process_port": int}
+# the variables cluster schedulers set, as Flow-Factory reads them (first set wins)
+LAUNCH_ENV = {"main_process_ip": ("MASTER_IP", "MASTER_ADDR", "CHIEF_IP"), "main_process_port": ("MASTER_PORT",),
+              "machine_rank": ("MACHINE_RANK", "NODE_RANK", "INDEX"),
+              "num_machines": ("NUM_MACHINES", "NUM_NODES", "HOST_NUM"),
+              "gpus_per_node": ("GPUS_PER_NODE", "HOST_GPU_NUM")}
+
+
+def launch_overrides(args: argparse.Namespace, environ) -> list[str]:
+    """``key=value`` overrides of the launcher keys from the flags, else from the environment."""
+    found = {}
+    for key, names in LAUNCH_ENV.items():
+        value = next((environ[n] for n in names if environ.get(n)), None)
+        if value is not None:
+            found[key] = value
+    multi_node = found.get("main_process_ip") and int(found.get("num_machines", "1")) > 1
+    from_env = {k: v for k, v in found.items() if k != "gpus_per_node"} if multi_node else {}
+    if multi_node and "gpus_per_node" in found:
+        from_env["num_processes"] = str(int(found["num_machines"]) * int(found["gpus_per_node"]))
+    given = {key: getattr(args, key) for key in LAUNCH_KEYS if getattr(args, key) is not None}
+    return [f"{key}={value}" for key, value in {**from_env, **given}.items()]
 
 
 def relaunch_command(cfg, argv: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(cfg.num_processes),
+           "--num_machines", str(cfg.num_machines), "--machine_rank", str(cfg.machine_rank),
            "--main_process_port", str(cfg.main_process_port)]
+    if cfg.main_process_ip:
+        cmd += ["--main_process_ip", cfg.main_process_ip]
     if cfg.config_file:
         cmd += ["--config_file", cfg.config_file]
     else:
-        cmd += ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no",
-                "--mixed_precision", cfg.mixed_precision]
+        cmd += ["--multi_gpu", "--dynamo_backend", "no", "--mixed_precision", cfg.mixed_precision]
     return cmd + ["-m", "flow_factory.train", *argv]
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    cfg = load_config_for_cli("ff-train", args.config, args.overrides)
+    cfg = load_config_for_cli("ff-train", args.config, launch_overrides(args, os.environ) + args.overrides)
     if cfg is None:
         return 2
     if args.print_config:

@@ -16,15 +16,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from .base import PROBLEM, close_match, show
+from .compat import MOVED, NOT_HERE
 
-# keys Flow-Factory users bring from older layouts, and where they live now
-MOVED = {
-    "run_name": "log.run_name", "project": "log.project", "logging_backend": "log.logging_backend",
-    "train.sde_type": "scheduler.dynamics_type", "train.noise_level": "scheduler.noise_level",
-    "train.noise_steps": "scheduler.sde_steps", "train.num_noise_steps": "scheduler.num_sde_steps",
-    "train.save_freq": "log.save_freq", "train.save_dir": "log.save_dir", "train.eval_args": "eval",
-    "train.eval_freq": "eval.eval_freq", "reward": "rewards",
-}
 PLURALS = {int: "integers", float: "numbers", str: "strings"}
 
 
@@ -168,6 +161,8 @@ def unknown_key(where: Location) -> str:
     section = format_path(where.parts[:-1])
     if path in MOVED:
         return f"{path}: unknown key; did you mean {MOVED[path]}? (the setting moved there)"
+    if path in NOT_HERE:
+        return f"{path}: not taken here: {NOT_HERE[path]}"
     names = list(where.parent.model_fields)
     match = close_match(key, names)
     if match:

@@ -2,7 +2,8 @@
 
 Two PyYAML habits are corrected here because they silently change a run:
 ``1e-5`` (no dot) is a float, not the string "1e-5", and a key written twice in one
-mapping is an error instead of the last one quietly winning. For the same reason an
+mapping with two different values is an error instead of the last one quietly winning
+(written twice with one value, as some of Flow-Factory's examples do, it is that value). For the same reason an
 override with nothing after ``=`` is an error, not null: it is what an unset shell
 variable gives.
 """
@@ -25,14 +26,16 @@ class ConfigYAMLLoader(yaml.SafeLoader):
     """SafeLoader with YAML 1.2 exponent floats and duplicate-key detection."""
 
     def construct_mapping(self, node, deep=False):
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
+        seen: dict[Any, tuple[int, Any]] = {}
+        for key_node, value_node in node.value:
             key = self.construct_object(key_node, deep=True)
+            value = self.construct_object(value_node, deep=True)
             line = key_node.start_mark.line + 1
-            if key in seen:
+            if key in seen and seen[key][1] != value:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice (lines {seen[key]} and {line})", key_node.start_mark)
-            seen[key] = line
+                    None, None, f"key {key!r} appears twice with different values (lines {seen[key][0]} and "
+                    f"{line}: {seen[key][1]!r} and {value!r}); keep the one you mean", key_node.start_mark)
+            seen[key] = (line, value)
         return super().construct_mapping(node, deep=deep)
 
 
@@ -136,10 +139,13 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
 def load_config_for_cli(prog: str, path: str | Path, overrides: Iterable[str] = ()) -> Config | None:
     """``load_config`` for a command line: None after printing ``prog: config error: ...`` to stderr."""
     try:
-        return load_config(path, overrides)
+        cfg = load_config(path, overrides)
     except ConfigError as err:
         print(f"{prog}: config error: {err}", file=sys.stderr)
         return None
+    for note in cfg.notes():
+        print(f"{prog}: note: {note}", file=sys.stderr)
+    return cfg
 
 
 def parse_config(data: dict, overrides: Iterable[str] = ()) -> Config:

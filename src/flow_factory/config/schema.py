@@ -24,6 +24,7 @@ import yaml
 from pydantic import PositiveInt, ValidationError, field_validator, model_validator
 
 from .base import Section, problem, setting, size_problem
+from .compat import read_flow_factory_spellings, without_effect
 from .errors import ConfigError
 from .explain import explain
 from .rewards import RewardConfig, as_entry_list, duplicate_names
@@ -33,6 +34,7 @@ from .train import COUPLED_TRAINER_TYPES, TrainConfig, resolve_num_train_timeste
 
 STOCHASTIC = ("Flow-SDE", "Dance-SDE", "CPS")
 DEFAULT_LEARNING_RATE = {"lora": 1e-4, "full": 1e-5}
+DEFAULT_NUM_FRAMES = 81  # video models, when train.num_frames is omitted (Flow-Factory's Wan default)
 ENTRIES = "a list of reward entries (mappings with a reward_model key) or one such mapping"
 
 
@@ -43,9 +45,13 @@ def divisors(n: int) -> list[int]:
 class Config(Section):
     launcher: Literal["accelerate"] = setting("accelerate", "how processes are started (accelerate)")
     config_file: str | None = setting(None, "accelerate / deepspeed config file for the launch; null = none")
-    num_processes: PositiveInt = setting(1, "number of training processes (GPUs)")
+    num_processes: PositiveInt = setting(1, "number of training processes (GPUs), all machines together")
+    num_machines: PositiveInt = setting(1, "number of machines (nodes) the processes run on")
+    machine_rank: int = setting(0, "this machine's rank, 0 .. num_machines - 1", ge=0)
+    main_process_ip: str | None = setting(None, "address of machine 0 (needed with num_machines > 1)")
     main_process_port: int = setting(29500, "port of the main process for distributed setup", ge=1, le=65535)
-    mixed_precision: Literal["no", "fp16", "bf16"] = setting("no", "autocast precision: no, fp16 or bf16")
+    mixed_precision: Literal["no", "fp16", "bf16"] = setting(
+        "bf16", "autocast precision on a GPU: no, fp16 or bf16 (a CPU-only run computes in float32)")
     seed: int = setting(42, "global seed; train.seed overrides it when set")
 
     data: DataConfig = setting(description="prompt data")
@@ -84,7 +90,7 @@ class Config(Section):
         # `data:` with nothing under it is YAML null; treat it as an empty section so the
         # error names the missing key inside it, not the section
         if isinstance(data, dict):
-            data = dict(data)
+            data = read_flow_factory_spellings(data)
             for name in ("data", "model", "scheduler", "train", "eval", "log"):
                 if data.get(name) is None and (name in data or name in ("data", "model")):
                     data[name] = {}
@@ -107,7 +113,8 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _resolve_and_check(self):
-        # checks first: they must see what the user wrote, not the filled-in defaults
+        self._trainer_defaults()
+        # checks next: they must see what the user wrote, not the filled-in defaults
         problems = self._contradictions() + self._size_problems() + self._window_problems()
         if not problems:
             problems = self._geometry_problems()
@@ -117,12 +124,28 @@ class Config(Section):
         return self
 
     # ------------------------------------------------------------------ resolution
+    def _trainer_defaults(self) -> None:
+        """Flow-Factory's per-algorithm defaults of the decoupled timestep keys a config leaves out
+        (its training_args/nft.py, awm.py, dpo.py)."""
+        train = self.train
+        dpo = train.trainer_type == "dpo"
+        if train.time_shift is None:
+            train.time_shift = 1.0 if dpo else 3.0
+        if dpo:
+            given = train.model_fields_set
+            for key, value in (("time_sampling_strategy", "logit_normal"), ("timestep_range", 0.99),
+                               ("num_train_timesteps", 1)):
+                if key not in given:
+                    setattr(train, key, value)
+
     def _fill_defaults(self) -> None:
         train, ev = self.train, self.eval
         if train.trainer_type not in COUPLED_TRAINER_TYPES and "dynamics_type" not in self.scheduler.model_fields_set:
             self.scheduler.dynamics_type = "ODE"  # decoupled algorithms need no log-probs: ODE by default
         if train.seed is None:
             train.seed = self.seed
+        if train.num_frames is None and self.model.is_video:
+            train.num_frames = DEFAULT_NUM_FRAMES  # Flow-Factory's Wan default
         if train.learning_rate is None:
             train.learning_rate = DEFAULT_LEARNING_RATE[self.model.finetune_type]
         for key in ("resolution", "num_frames", "num_inference_steps", "guidance_scale",
@@ -131,13 +154,13 @@ class Config(Section):
                 setattr(ev, key, getattr(train, key))
         if self.log.run_name is None:
             # two runs started in the same second must not share a folder
-            stamp = f"{datetime.now().strftime('%Y%m%d_%H%M%S')}_{secrets.token_hex(2)}"
+            stamp = f"{datetime.now().strftime('%Y%m%d_%H%M%S')}_{secrets.token_hex(3)}"
             self.log.run_name = f"{self.model.model_type}_{self.model.finetune_type}_{train.trainer_type}_{stamp}"
 
     # ------------------------------------------------------------------ checks
     def _contradictions(self) -> list[str]:
         train, sched, model = self.train, self.scheduler, self.model
-        out = []
+        out = self._launch_problems()
         coupled = train.trainer_type in COUPLED_TRAINER_TYPES
         if not coupled:
             out += self._decoupled_contradictions()
@@ -161,11 +184,12 @@ class Config(Section):
         if train.group_size < 2:
             out.append(f"train.group_size: {train.trainer_type} compares samples of the same prompt, so a group "
                        f"needs at least 2, got {train.group_size}")
+        if model.resume_type in ("lora", "full") and model.resume_type != model.finetune_type:
+            out.append(f"model.resume_type: {model.resume_type!r} starts from {model.resume_type} weights, but "
+                       f"model.finetune_type is {model.finetune_type!r}; make them agree, or use state")
         frames = (("train.num_frames", train.num_frames), ("eval.num_frames", self.eval.num_frames))
         if model.model_type in VIDEO_MODEL_TYPES:
             k = MODEL_FAMILIES[model.model_type].frame_factor
-            if train.num_frames is None:
-                out.append(f"train.num_frames: required for the video model {model.model_type} (e.g. 33 or 81)")
             for path, n in frames:
                 if n is not None and (n - 1) % k:
                     out.append(f"{path}: {model.model_type} needs {k}k + 1 frames (the VAE packs {k} frames "
@@ -174,6 +198,19 @@ class Config(Section):
             for path, n in frames:
                 if n is not None:
                     out.append(f"{path}: {model.model_type} is an image model; remove num_frames")
+        return out
+
+    def _launch_problems(self) -> list[str]:
+        out = []
+        if self.machine_rank >= self.num_machines:
+            out.append(f"machine_rank: {self.machine_rank} with num_machines = {self.num_machines}; ranks count "
+                       f"from 0, so use 0 .. {self.num_machines - 1}")
+        if self.num_processes % self.num_machines:
+            out.append(f"num_processes: {self.num_processes} processes do not split evenly over num_machines = "
+                       f"{self.num_machines} machines")
+        if self.num_machines > 1 and not self.main_process_ip and not self.config_file:
+            out.append("main_process_ip: required with num_machines > 1 (machine 0's address); set it, pass "
+                       "--main_process_ip, export MASTER_ADDR, or give an accelerate config_file")
         return out
 
     def _size_problems(self) -> list[str]:
@@ -192,10 +229,6 @@ class Config(Section):
         if "kl_type" in train.model_fields_set and train.kl_type == "x-based":
             out.append(f"train.kl_type: 'x-based' compares the sampler's Gaussian steps, which {name} does not "
                        "train (it trains on the forward process); use 'v-based'")
-        if train.time_shift != 1 and train.time_sampling_strategy.startswith("discrete"):
-            out.append(f"train.time_shift: {train.time_shift:g} warps continuous sigmas, but "
-                       f"time_sampling_strategy {train.time_sampling_strategy!r} trains on the rollout's own sigmas "
-                       "(the pipeline has shifted them already); use uniform or logit_normal, or time_shift: 1")
         if train.ema_kl_beta > 0 and name != "awm":
             out.append(f"train.ema_kl_beta: the KL to the EMA policy is awm's; {name} does not use it")
         elif train.ema_kl_beta > 0 and train.ema_decay == 0:
@@ -214,14 +247,14 @@ class Config(Section):
             if outside:
                 out.append(f"scheduler.sde_steps: {outside} outside [0, {steps}) with "
                            f"train.num_inference_steps = {steps}")
-        candidates = len(sched.sde_steps) if sched.sde_steps is not None else steps
+        candidates = len(self.sde_step_candidates)
         coupled = self.train.trainer_type in COUPLED_TRAINER_TYPES
         if coupled and self.train.outside_kl_beta > 0 and min(sched.num_sde_steps or candidates, candidates) >= steps:
             out.append(f"train.outside_kl_beta: every one of the {steps} steps is trained, so no step is outside "
                        f"the SDE window; narrow it (scheduler.sde_steps or num_sde_steps) or set outside_kl_beta: 0")
         if sched.num_sde_steps is not None and sched.num_sde_steps > candidates:
             out.append(f"scheduler.num_sde_steps: {sched.num_sde_steps} is more than the {candidates} "
-                       f"candidate steps (scheduler.sde_steps, or every step when it is null)")
+                       f"candidate steps (scheduler.sde_steps, or every step but the last when it is null)")
         return out
 
     def _geometry_problems(self) -> list[str]:
@@ -247,9 +280,10 @@ class Config(Section):
     # ------------------------------------------------------------------ arithmetic
     @property
     def sde_step_candidates(self) -> list[int]:
-        """Step indices the window is drawn from, ascending."""
+        """Step indices the window is drawn from, ascending: by default every step but the last, whose
+        noise no later step would remove (Flow-Factory's default); a 1-step rollout has only step 0."""
         given = self.scheduler.sde_steps
-        return sorted(given) if given is not None else list(range(self.train.num_inference_steps))
+        return sorted(given) if given is not None else list(range(max(1, self.train.num_inference_steps - 1)))
 
     @property
     def trained_steps_per_sample(self) -> int:
@@ -294,6 +328,10 @@ class Config(Section):
     def gradient_steps_per_epoch(self) -> int:
         """Optimizer steps per inner epoch."""
         return self.micro_steps_per_epoch // self.gradient_accumulation
+
+    def notes(self) -> list[str]:
+        """Settings given that change nothing in this run, with why (``compat.without_effect``)."""
+        return without_effect(self)
 
     # ------------------------------------------------------------------ output
     def to_yaml(self) -> str:

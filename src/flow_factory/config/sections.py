@@ -11,7 +11,8 @@ from typing import Literal
 
 from pydantic import NonNegativeInt, PositiveInt, field_validator
 
-from .base import Section, as_list, canonical_choice, check_resolution, resolution_pair, setting
+from .base import (DTYPE_NAMES, Section, as_list, canonical_choice, check_resolution, problem, resolution_pair, setting,
+                   show)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,12 @@ MODEL_FAMILIES = {
     "flux1": ModelFamily(16, "VAE x8, then 2x2 token packing"),
     "wan2_t2v": ModelFamily(16, "VAE x8, then 2x2 transformer patches", frame_factor=4),
 }
+# Flow-Factory's sample placements, its legacy names and its newer ones
+SAMPLER_TYPES = ("auto", "distributed_k_repeat", "group_contiguous", "group_distributed", "group_tiled",
+                 "global_random", "contiguous_shard", "rank_local", "global_batch", "global_tile", "subgroup_tile")
+# a diffusers pipeline's networks, as Flow-Factory prefixes module names with them
+PIPELINE_COMPONENTS = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3", "vae",
+                       "image_encoder")
 MODEL_TYPES = tuple(MODEL_FAMILIES)
 VIDEO_MODEL_TYPES = tuple(name for name, family in MODEL_FAMILIES.items() if family.frame_factor)
 MODEL_TYPE_ALIASES = {
@@ -49,12 +56,23 @@ DYNAMICS_ALIASES = {"flow-sde": "Flow-SDE", "flowsde": "Flow-SDE", "dance-sde": 
 class DataConfig(Section):
     dataset_dir: str = setting(description="folder of prompts: train.txt / train.jsonl (and test.* for eval)")
     max_dataset_size: PositiveInt | None = setting(None, "use at most this many prompts per split; null = all")
-    preprocessing_batch_size: PositiveInt = setting(8, "batch size when encoding prompts ahead of training")
-    dataloader_num_workers: NonNegativeInt = setting(0, "worker processes for data loading (0 = main process)")
-    cache_dir: str | None = setting(None, "folder for the cached prompt conditioning; null = keep it in memory")
-    force_reprocess: bool = setting(False, "re-encode prompts even when a cache exists")
-    sampler_type: Literal["auto", "distributed_k_repeat", "group_contiguous"] = setting(
-        "auto", "how a group's samples are spread over processes (Flow-Factory compatibility)")
+    enable_preprocess: bool = setting(True, "encode prompts ahead of training (Flow-Factory compatibility: this "
+                                      "version encodes them per rollout batch)")
+    preprocessing_batch_size: PositiveInt = setting(8, "batch size when encoding prompts ahead of training "
+                                                    "(Flow-Factory compatibility: see enable_preprocess)")
+    dataloader_num_workers: NonNegativeInt = setting(
+        0, "worker processes for data loading (Flow-Factory compatibility: prompts are read into memory, so none)")
+    cache_dir: str | None = setting(None, "folder for the cached prompt conditioning (Flow-Factory compatibility: "
+                                    "no cache is built in this version)")
+    force_reprocess: bool = setting(False, "re-encode prompts even when a cache exists (Flow-Factory "
+                                    "compatibility: no cache is built in this version)")
+    preprocess_parallelism: Literal["local", "global"] = setting(
+        "local", "where the preprocessing cache is shared (Flow-Factory compatibility: see enable_preprocess)")
+    sampler_subgroup_size: PositiveInt | None = setting(
+        None, "processes per tile of sampler_type subgroup_tile (Flow-Factory compatibility: see sampler_type)")
+    sampler_type: Literal[SAMPLER_TYPES] = setting(
+        "auto", "how a group's samples are spread over processes (Flow-Factory compatibility: here each process "
+        "takes a contiguous share of the epoch's group-ordered samples; the update does not depend on it)")
 
 
 class ModelConfig(Section):
@@ -68,24 +86,53 @@ class ModelConfig(Section):
         "default", "modules LoRA wraps: default (the model's attention projections), all, or a list of names",
         expects="'default', 'all' or a list of module names")
     target_components: Literal["transformer"] = setting(
-        "transformer", "which network is trained (Flow-Factory compatibility; only transformer)")
+        "transformer", "which network is trained (Flow-Factory compatibility; only transformer, also as "
+        "[transformer])", expects="'transformer'")
     resume_path: str | None = setting(
         None, "resume from a checkpoint folder (checkpoints/epoch_N), a run folder (its newest complete "
         "checkpoint) or 'latest' (this run's newest); null = start fresh")
     resume_type: Literal["lora", "full", "state"] | None = setting(
-        None, "what resume_path holds; null = infer from finetune_type")
+        None, "how resume_path is used: null or state = continue that run (weights, optimizer, EMA, epoch); lora "
+        "or full = start a new run from its weights (Flow-Factory's meaning)")
     master_weight_dtype: Literal["float32", "float16", "bfloat16"] = setting(
-        "float32", "dtype of the trainable weights (kept float32 under mixed precision)")
+        "float32", "dtype of the trainable weights (fp32, bf16 or fp16; float32 keeps small updates under mixed "
+        "precision)")
 
     @field_validator("model_type", mode="before")
     @classmethod
     def _model_type_alias(cls, value):
         return canonical_choice(value, MODEL_TYPE_ALIASES)
 
+    @field_validator("master_weight_dtype", mode="before")
+    @classmethod
+    def _dtype_spelling(cls, value):
+        return canonical_choice(value, DTYPE_NAMES)
+
+    @field_validator("target_components", mode="before")
+    @classmethod
+    def _one_component(cls, value):
+        value = as_list(value)
+        if isinstance(value, list) and value == ["transformer"]:
+            return "transformer"
+        others = [v for v in (value if isinstance(value, list) else [value]) if v != "transformer"]
+        if "transformer_2" in others:
+            raise problem("transformer_2 is Wan2.2's second expert, which this version does not train; "
+                          "use transformer")
+        return value
+
     @field_validator("target_modules", mode="before")
     @classmethod
     def _target_modules(cls, value):
+        # Flow-Factory's "transformer.default" / "transformer.attn.to_q": a module of the trained component
         value = as_list(value)
+        names = value if isinstance(value, list) else [value]
+        if all(isinstance(n, str) for n in names):
+            foreign = [n for n in names if n.split(".")[0] in PIPELINE_COMPONENTS and n.split(".")[0] != "transformer"]
+            if foreign:
+                raise problem(f"{show(foreign)} name modules of other components; only the transformer is "
+                              "trained (write 'transformer.<module>' or the module alone)")
+            names = [n.removeprefix("transformer.") if n.split(".")[0] == "transformer" else n for n in names]
+            value = names if isinstance(value, list) else names[0]
         if isinstance(value, str):
             return value.lower()
         return value
@@ -108,9 +155,9 @@ class SchedulerConfig(Section):
         "(deterministic; decoupled algorithms only)")
     noise_level: float = setting(0.7, "SDE noise scale a (Flow-SDE / Dance-SDE std factor, CPS angle)", ge=0)
     sde_steps: list[int] | None = setting(
-        None, "candidate step indices for the stochastic window; null = every step")
+        None, "candidate step indices (from 0) for the stochastic window; null = every step but the last")
     num_sde_steps: PositiveInt | None = setting(
-        None, "how many candidates are drawn (and trained) per epoch; null = all candidates")
+        1, "how many candidates are drawn (and trained) per epoch; null = all candidates")
     seed: int = setting(42, "seed of the per-epoch window draw")
     flow_shift: float | None = setting(None, "override the pipeline scheduler's shift; null = the model's own",
                                        gt=0)
@@ -148,7 +195,8 @@ class EvalConfig(Section):
     num_frames: PositiveInt | None = setting(None, "video frames at eval; null = train.num_frames")
     num_inference_steps: PositiveInt | None = setting(None, "ODE steps at eval; null = train.num_inference_steps")
     guidance_scale: float | None = setting(None, "CFG / guidance scale at eval; null = train.guidance_scale", ge=0)
-    eval_freq: NonNegativeInt = setting(0, "evaluate every this many epochs; 0 = never")
+    eval_freq: NonNegativeInt = setting(10, "evaluate every this many epochs (and the final weights); 0 = never; "
+                                        "a dataset without a test split is not evaluated")
     per_device_batch_size: PositiveInt | None = setting(
         None, "eval batch size per process; null = train.per_device_batch_size")
     num_samples: PositiveInt | None = setting(None, "evaluate on at most this many test prompts; null = all")
@@ -166,13 +214,16 @@ class EvalConfig(Section):
 
 class LogConfig(Section):
     run_name: str | None = setting(
-        None, "run folder name; null = {model_type}_{finetune_type}_{trainer_type}_{timestamp}_{4 random hex}")
+        None, "run folder name; null = {model_type}_{finetune_type}_{trainer_type}_{timestamp}_{6 random hex}")
     project: str = setting("Flow-Factory", "project name for the tracker")
     logging_backend: Literal["tensorboard", "wandb", "swanlab", "none"] = setting(
         "tensorboard", "where metrics go: tensorboard, wandb, swanlab or none")
-    save_dir: str = setting("saves", "parent folder of run folders (checkpoints, samples, logs)")
-    save_freq: NonNegativeInt = setting(0, "save a checkpoint every this many epochs; 0 = only at the end")
-    save_model_only: bool = setting(False, "checkpoints hold the weights only, not the optimizer state")
+    save_dir: str = setting("save", "parent folder of run folders (checkpoints, samples, logs)")
+    save_freq: NonNegativeInt = setting(10, "save a checkpoint every this many epochs; 0 = only at the end "
+                                        "(the final weights are always saved)")
+    save_model_only: bool = setting(False, "checkpoints hold the weights (and EMA) only, not the optimizer state; "
+                                    "a resume from one restarts the optimizer")
+    verbose: bool = setting(True, "show progress bars")
     overwrite: bool = setting(False, "replace the run folder when it already holds another run "
                               "(its checkpoints are deleted); false = refuse")
 

@@ -40,7 +40,8 @@ class TrainConfig(Section):
         "grpo", "algorithm: grpo, grpo-guard (coupled, SDE rollouts) or nft, awm, dpo (decoupled, any dynamics)")
     resolution: int | list[int] = setting(512, "image size, an int or [height, width]",
                                           expects="an integer or [height, width]")
-    num_frames: PositiveInt | None = setting(None, "frames per video (video models only; Wan needs 4k + 1)")
+    num_frames: PositiveInt | None = setting(None, "frames per video (video models only; Wan needs 4k + 1); "
+                                             "null = 81 for video models")
     num_inference_steps: PositiveInt = setting(10, "denoising steps per rollout")
     guidance_scale: float = setting(4.5, "CFG scale (or FLUX's embedded guidance) during rollouts", ge=0)
 
@@ -79,10 +80,11 @@ class TrainConfig(Section):
         0.0, "grpo family: coefficient of the v-based KL to the reference at one step the SDE window does not "
         "train, drawn per sample (those steps share the trained weights); 0 = none", ge=0)
     ref_param_device: Literal["cpu", "cuda", "same"] = setting(
-        "same", "where the frozen reference weights live (full fine-tuning with kl_beta or outside_kl_beta > 0)")
-    global_std: bool = setting(False, "normalise advantages by the std of the whole batch, not each group's")
+        "same", "where the frozen reference weights live (full fine-tuning with kl_beta or outside_kl_beta > 0): "
+        "cpu, cuda, or same (as the model; also spelled same_as_model)")
+    global_std: bool = setting(True, "normalise advantages by the std of the whole batch, not each group's")
     advantage_aggregation: Literal["sum", "gdpo"] = setting(
-        "sum", "several rewards: advantage of the weighted sum (sum) or weighted per-reward advantages (gdpo)")
+        "gdpo", "several rewards: advantage of the weighted sum (sum) or weighted per-reward advantages (gdpo)")
 
     # decoupled algorithms (nft, awm, dpo)
     nft_beta: float = setting(1.0, "nft: strength of the implicit positive / negative policies", gt=0)
@@ -95,31 +97,35 @@ class TrainConfig(Section):
                                  ge=0)
     beta: float = setting(2000.0, "dpo: DPO temperature on the per-dimension flow-matching errors", gt=0)
     num_train_timesteps: PositiveInt | None = setting(
-        None, "training timesteps per micro-batch (decoupled); null = num_inference_steps x the timestep_range span")
+        None, "training timesteps per micro-batch (decoupled); null = num_inference_steps x the timestep_range span "
+        "(dpo: 1 when omitted)")
     time_sampling_strategy: Literal["uniform", "logit_normal", "discrete", "discrete_with_init",
                                     "discrete_wo_init"] = setting(
         "discrete", "how the decoupled algorithms draw training sigmas: uniform, logit_normal (continuous) or "
-        "discrete, discrete_with_init, discrete_wo_init (the rollout's own sigmas)")
-    time_shift: float = setting(1.0, "shift s of continuous training sigmas, u -> s u / (1 + (s - 1) u); 1 = none",
-                                gt=0)
+        "discrete, discrete_with_init, discrete_wo_init (the rollout's own sigmas); dpo: logit_normal when omitted")
+    time_shift: float | None = setting(
+        None, "shift s of continuous (uniform, logit_normal) training sigmas, u -> s u / (1 + (s - 1) u); 1 = none; "
+        "null = 3 for nft and awm, 1 for dpo. The discrete strategies use the rollout's own (shifted) sigmas", gt=0)
     timestep_range: float | list[float] = setting(
         0.9, "fraction of the denoising axis trained (decoupled): f = [0, f] (the first f of the trajectory, from "
-        "sigma = 1) or [lo, hi]", expects="a number in (0, 1] or [lo, hi] with 0 <= lo < hi <= 1")
+        "sigma = 1) or [lo, hi]; dpo: 0.99 when omitted", expects="a number in (0, 1] or [lo, hi] with 0 <= lo < hi <= 1")
     off_policy: bool = setting(False, "sample rollouts with the EMA weights while the current policy trains")
 
-    ema_decay: float = setting(0.0, "EMA decay of the trained weights (the maximum, for ramped schedules); "
+    ema_decay: float = setting(0.995, "EMA decay of the trained weights (the maximum, for ramped schedules); "
                                "0 = no EMA", ge=0, lt=1)
     ema_decay_schedule: Literal["constant", "power", "linear", "piecewise_linear", "cosine",
                                 "warmup_cosine"] = setting(
-        "constant", "how the EMA decay moves over epochs: constant, power, linear, piecewise_linear, cosine, "
+        "power", "how the EMA decay moves over epochs: constant, power, linear, piecewise_linear, cosine, "
         "warmup_cosine")
     flat_steps: NonNegativeInt = setting(
         0, "piecewise_linear / warmup_cosine: epochs with decay 0 (the EMA copies the policy) before the ramp")
     ramp_rate: float = setting(0.001, "piecewise_linear: decay added per epoch after flat_steps", gt=0)
-    ema_update_interval: PositiveInt = setting(1, "update the EMA every this many epochs")
+    ema_update_interval: PositiveInt = setting(10, "update the EMA every this many epochs")
     ema_device: Literal["cpu", "cuda", "same"] = setting("same", "where the EMA weights live; cpu keeps "
                                                          "accelerator memory free")
-    enable_gradient_checkpointing: bool = setting(False, "trade compute for memory in the transformer")
+    enable_gradient_checkpointing: bool = setting(
+        False, "trade compute for memory in the transformer (every block; also {mode: full} or {mode: none})")
+    shuffle_samples: bool = setting(True, "shuffle the rollouts before each inner epoch of training")
     latent_storage_dtype: Literal["float16", "bfloat16", "float32"] | None = setting(
         "float16", "precision the rollouts' trajectories are kept in (fp16: half the bytes of fp32; the rollout "
         "integrates on the stored values, so training sees exactly what was sampled); null = the model's dtype")
@@ -131,6 +137,28 @@ class TrainConfig(Section):
     @classmethod
     def _resolution(cls, value):
         return check_resolution(value)
+
+    @field_validator("enable_gradient_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_mode(cls, value):
+        # Flow-Factory's selective policy: the whole-model modes have a meaning here
+        if isinstance(value, dict) and set(value) == {"mode"} and value["mode"] in ("full", "none"):
+            return value["mode"] == "full"
+        if isinstance(value, dict):
+            raise problem(f"{show(value)}: only {{mode: full}} or {{mode: none}} (every block or none) here; "
+                          "selective checkpointing is not in this version")
+        return value
+
+    @field_validator("num_train_timesteps", mode="before")
+    @classmethod
+    def _zero_is_derived(cls, value):
+        return None if value == 0 and not isinstance(value, bool) else value  # Flow-Factory: 0 = derive it
+
+    @field_validator("ref_param_device", "ema_device", mode="before")
+    @classmethod
+    def _device_spelling(cls, value):
+        return canonical_choice(value, {"same_as_model": "same", "same": "same", "cpu": "cpu", "cuda": "cuda",
+                                        "gpu": "cuda"})
 
     @field_validator("latent_storage_dtype", mode="before")
     @classmethod

@@ -22,7 +22,7 @@ from ..seeding import generator
 def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, accelerator, optimizer,
                    params: list, denoiser, batch_size: int, num_inner_epochs: int, accumulation: int,
                    max_grad_norm: float, seed: int, epoch: int,
-                   guard: NonFiniteGuard) -> tuple[dict[str, float], int]:
+                   guard: NonFiniteGuard, shuffle: bool = True) -> tuple[dict[str, float], int]:
     """Returns the epoch's mean (``_min`` / ``_max``: extreme) metrics and the optimizer steps taken.
 
     Metrics that are NaN or inf are left out of the means; ``skipped_updates`` counts the
@@ -33,7 +33,8 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
     counts: dict[str, int] = {}
     micro, steps, skipped = 0, 0, 0
     for inner in range(num_inner_epochs):
-        order = torch.randperm(len(units), generator=generator("shuffle", seed, epoch, inner, acc.process_index))
+        order = (torch.randperm(len(units), generator=generator("shuffle", seed, epoch, inner, acc.process_index))
+                 if shuffle else torch.arange(len(units)))
         for b, start in enumerate(range(0, len(units), batch_size)):
             chosen = units[order[start:start + batch_size]]
             # training noise / timesteps of the decoupled algorithms: seeded per micro-batch, so a

@@ -66,11 +66,13 @@ class Trainer:
         self.guard = NonFiniteGuard(train.max_nonfinite_in_a_row)
 
         # cheap things first, so a bad checkpoint, run folder, dataset or reward fails before the model loads
-        self.resume_from, resumed = None, {"epoch": 0}
+        self.resume_from, self.start_weights, resumed = None, None, {"epoch": 0}
         if model.resume_path:
             self.resume_from, resumed = find_checkpoint(model.resume_path, self.run_dir)
             check_fits(self.resume_from, resumed, model.finetune_type)
-            if resumed["epoch"] >= train.max_epochs:
+            if model.resume_type in ("lora", "full"):  # Flow-Factory's: a new run from these weights
+                self.start_weights, self.resume_from, resumed = self.resume_from, None, {"epoch": 0}
+            elif resumed["epoch"] >= train.max_epochs:
                 raise CheckpointError(f"model.resume_path: {self.resume_from} has {resumed['epoch']} epochs done "
                                       f"and train.max_epochs is {train.max_epochs}: nothing to train; set "
                                       f"train.max_epochs above {resumed['epoch']}")
@@ -120,8 +122,14 @@ class Trainer:
         self.epoch, self.global_step = 0, 0
         self.history: list[dict] = []  # one record of training metrics per epoch
         self.eval_history: list[dict] = []  # eval rewards, keyed by epochs completed
+        if self.start_weights is not None:
+            load_checkpoint(self.start_weights, self.adapter, model.finetune_type)
+            logger.info("starting from the weights of %s (model.resume_type: %s)", self.start_weights,
+                        model.resume_type)
         if self.resume_from is not None:
-            load_checkpoint(self.resume_from, self.adapter, model.finetune_type, self.optimizer)
+            if not load_checkpoint(self.resume_from, self.adapter, model.finetune_type, self.optimizer):
+                logger.warning("model.resume_path %s holds no optimizer state (saved with log.save_model_only); "
+                               "the optimizer restarts", self.resume_from)
             self.epoch, self.global_step = resumed["epoch"], resumed["global_step"]
             self.history, self.eval_history = resumed.get("history", []), resumed.get("eval_history", [])
             if self.ema is not None and not load_ema(self.ema, self.resume_from):
@@ -164,8 +172,9 @@ class Trainer:
         else:
             transformer.requires_grad_(True)
         params = [p for p in transformer.parameters() if p.requires_grad]
-        for p in params:  # trainable weights stay fp32 under mixed precision
-            p.data = p.data.float()
+        master = parse_dtype(model.master_weight_dtype)
+        for p in params:  # trainable weights keep their own precision (fp32 by default) under mixed precision
+            p.data = p.data.to(master)
         if self.cfg.train.enable_gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         return params
@@ -184,7 +193,7 @@ class Trainer:
         height, width = train.height_width
         sde_steps = None
         if self.dynamics.stochastic:
-            sde_steps = choose_sde_steps(train.num_inference_steps, cfg.scheduler.sde_steps,
+            sde_steps = choose_sde_steps(train.num_inference_steps, cfg.sde_step_candidates,
                                          cfg.scheduler.num_sde_steps, generator("window", cfg.scheduler.seed, epoch))
         settings = SamplingSettings(height, width, train.num_frames, train.num_inference_steps, train.guidance_scale,
                                     train.per_device_batch_size, self.seed, sde_steps, train.same_latent,
@@ -225,7 +234,7 @@ class Trainer:
             optimizer=self.optimizer, params=self.params, denoiser=self.adapter.denoiser,
             batch_size=train.per_device_batch_size, num_inner_epochs=train.num_inner_epochs,
             accumulation=self.cfg.gradient_accumulation, max_grad_norm=train.max_grad_norm,
-            seed=self.seed, epoch=epoch, guard=self.guard)
+            seed=self.seed, epoch=epoch, guard=self.guard, shuffle=train.shuffle_samples)
         self.global_step += steps
         if not all_finite(self.params):  # finite gradients, yet a step overflowed: stop before it spreads
             raise NonFiniteError(f"epoch {epoch}: an optimizer step made trained weights NaN or inf (mean "
@@ -285,7 +294,7 @@ class Trainer:
         if self.backend:
             acc.init_trackers(cfg.log.project, config=flat_hparams(cfg.model_dump(mode="json")))
         bar = tqdm(range(self.epoch, cfg.train.max_epochs), initial=self.epoch, total=cfg.train.max_epochs,
-                   desc="epochs", disable=not acc.is_main_process)
+                   desc="epochs", disable=not (acc.is_main_process and cfg.log.verbose))
         # the stop flag is read where the weights are those of a finished epoch
         for epoch in bar:
             record = {"epoch": epoch}
@@ -371,7 +380,8 @@ class Trainer:
             state = {"epoch": self.epoch, "global_step": self.global_step, "model_type": self.cfg.model.model_type,
                      "history": self.history, "eval_history": self.eval_history}
             extra = {EMA_FILE: self.ema.state_dict()} if self.ema is not None else None
-            save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, self.optimizer, state, extra)
+            optimizer = None if self.cfg.log.save_model_only else self.optimizer
+            save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, optimizer, state, extra)
         self._plot_rewards()
         return out
 

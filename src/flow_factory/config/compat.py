@@ -1,0 +1,198 @@
+"""Flow-Factory's other spellings of our keys, and its keys this version does not take.
+
+Flow-Factory's guides and examples span several versions of its schema. Its spellings
+of our keys are accepted as written and read into the key that means the same here
+(``read_flow_factory_spellings``); writing both spellings with different values is an
+error. Keys whose meaning here is uncertain get a "did you mean" (``MOVED``); keys this
+version does not take say why (``NOT_HERE``). Upstream silently ignores keys it does
+not know; here every key either works or is refused with its reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import DTYPE_NAMES, problem, show
+
+# Flow-Factory's spellings (its guides' and its earlier layouts') -> ours, with the same meaning
+# (step indices count from 0 in both)
+SPELLINGS = {
+    "train.train_steps": "scheduler.sde_steps",
+    "train.num_train_steps": "scheduler.num_sde_steps",
+    "scheduler.train_steps": "scheduler.sde_steps",
+    "scheduler.num_train_steps": "scheduler.num_sde_steps",
+    "train.dynamics_type": "scheduler.dynamics_type",
+    "train.noise_level": "scheduler.noise_level",
+    "train.timestep_fraction": "train.timestep_range",
+    "run_name": "log.run_name", "project": "log.project", "logging_backend": "log.logging_backend",
+    "train.save_freq": "log.save_freq", "train.save_dir": "log.save_dir", "train.eval_freq": "eval.eval_freq",
+    "reward": "rewards",
+    "model.trainable_parameters_dtype": "model.master_weight_dtype",
+    "train.weighting_scheme": "train.time_sampling_strategy",  # dpo's uniform / logit_normal
+}
+# keys Flow-Factory has whose only value here is its default: (path, the value)
+FIXED = {"train.logit_mean": (0, "the logit-normal timesteps are the standard one, mean 0"),
+         "train.logit_std": (1, "the logit-normal timesteps are the standard one, std 1")}
+# the single optimizer of Flow-Factory's newest layout (``optimizers: [{...}]``) -> train keys
+OPTIMIZER_KEYS = {"learning_rate": "learning_rate", "weight_decay": "adam_weight_decay", "betas": "adam_betas",
+                  "eps": "adam_epsilon", "max_grad_norm": "max_grad_norm"}
+# the single dataset of its newest layout (``data.datasets: [{...}]``) -> ours
+DATASET_KEYS = {"dataset_dir": "data.dataset_dir", "train.max_dataset_size": "data.max_dataset_size",
+                "eval.max_dataset_size": "eval.num_samples", "eval.resolution": "eval.resolution",
+                "eval.num_inference_steps": "eval.num_inference_steps", "eval.guidance_scale": "eval.guidance_scale"}
+
+# keys of older Flow-Factory layouts whose meaning here is not certain: a pointer, not a guess
+MOVED = {
+    "train.sde_type": "scheduler.dynamics_type", "train.noise_steps": "scheduler.sde_steps",
+    "train.num_noise_steps": "scheduler.num_sde_steps", "train.eval_args": "eval",
+}
+
+_CONDITIONED = ("conditioned models (image editing, image- and video-to-video: flux1-kontext, "
+                "qwen-image-edit-plus, wan2_i2v, wan2_v2v) are not in this version")
+_WAN22 = "Wan2.2's second expert (transformer_2, guidance_scale_2) is not in this version; wan2_t2v is Wan2.1"
+NOT_HERE = {
+    "train.condition_image_size": _CONDITIONED, "eval.condition_image_size": _CONDITIONED,
+    "train.auto_resize": _CONDITIONED, "eval.auto_resize": _CONDITIONED,
+    "train.guidance_scale_2": _WAN22, "eval.guidance_scale_2": _WAN22,
+    "train.kl_cfg": "kl_cfg is DGPO's and CRD's (CFG on the frozen reference); those trainers are not in this "
+                    "version",
+    "train.warmup_steps": "the EMA schedules here take flat_steps / ramp_rate (piecewise_linear, warmup_cosine); "
+                          "use train.flat_steps for a warm-up",
+    "train.kl_weight": "Flow-Factory has no such key either (it drops unknown keys silently); remove it",
+    "model.component_load_dtypes": "the frozen networks take mixed_precision's dtype here",
+    "model.attn_backend": "the attention backend is diffusers' default (scaled-dot-product attention, which picks "
+                          "flash / memory-efficient kernels on a GPU by itself)",
+}
+
+
+def _pop(data: dict, path: str) -> tuple[bool, Any]:
+    section, _, key = path.rpartition(".")
+    holder = data.get(section) if section else data
+    if isinstance(holder, dict) and key in holder:
+        return True, holder.pop(key)
+    return False, None
+
+
+def _put(data: dict, path: str, value, written: str) -> None:
+    """``data[path] = value`` unless the config already says otherwise there (then an error naming both)."""
+    section, _, key = path.rpartition(".")
+    target = data
+    if section:
+        target = data.get(section)
+        if target is None:
+            target = data[section] = {}
+        if not isinstance(target, dict):
+            return  # the section's own error says it must be a mapping
+    if key in target and target[key] != value:
+        raise problem(f"{written}: {show(value)} and {path}: {show(target[key])} are two spellings of one "
+                      f"setting with different values; keep one")
+    target[key] = value
+
+
+def _only_entry(value, key: str, why: str) -> dict:
+    if not isinstance(value, list) or len(value) != 1 or not isinstance(value[0], dict):
+        raise problem(f"{key}: expected a list of one mapping ({why}), got {show(value)}")
+    return dict(value[0])
+
+
+def read_flow_factory_spellings(data: dict) -> dict:
+    """A copy of the raw config with Flow-Factory's spellings (``SPELLINGS``, a one-entry
+    ``optimizers`` or ``data.datasets`` list, ``model.resume_training_state``) written as ours."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for written, ours in SPELLINGS.items():
+        found, value = _pop(data, written)
+        if found:
+            _put(data, ours, value, written)
+    for path, (value, why) in FIXED.items():
+        found, given = _pop(data, path)
+        if found and given != value:
+            raise problem(f"{path}: {show(given)}; only {value} here: {why}")
+    found, resume_state = _pop(data, "model.resume_training_state")
+    if found and resume_state is True:
+        _put(data, "model.resume_type", "state", "model.resume_training_state: true")
+    found, optimizers = _pop(data, "optimizers")
+    if found:
+        optimizer = _only_entry(optimizers, "optimizers", "one AdamW trains the transformer here")
+        optimizer.pop("name", None)
+        unknown = sorted(set(optimizer) - set(OPTIMIZER_KEYS))
+        if unknown:
+            raise problem(f"optimizers[0]: unknown keys {unknown}; valid: name, {', '.join(OPTIMIZER_KEYS)}")
+        for key, value in optimizer.items():
+            _put(data, f"train.{OPTIMIZER_KEYS[key]}", value, f"optimizers[0].{key}")
+    found, datasets = _pop(data, "data.datasets")
+    if found:
+        _read_dataset(data, _only_entry(datasets, "data.datasets", "one dataset per run here"))
+    _read_overlap(data)
+    _read_frozen_dtypes(data)
+    return data
+
+
+def _read_overlap(data: dict) -> None:
+    found, overlap = _pop(data, "train.reward_optimization_overlap")
+    if found and overlap is not False:
+        raise problem("train.reward_optimization_overlap: overlapping reward scoring with optimisation is not in this "
+                      "version (async_reward overlaps scoring with sampling); use false")
+    if found:  # the mode and the poll interval tune an overlap that is off
+        _pop(data, "train.reward_optimization_overlap_mode")
+        _pop(data, "train.reward_optimization_overlap_poll_interval")
+
+
+def _read_frozen_dtypes(data: dict) -> None:
+    """Flow-Factory's per-component dtypes of the frozen networks: here they all take the
+    mixed-precision dtype, so only that value (or null) is accepted."""
+    found, dtypes = _pop(data, "model.frozen_parameters_dtype")
+    if not found or dtypes is None:
+        return
+    precision = data.get("mixed_precision", "bf16")
+    meant = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}.get(precision)
+    values = dtypes.values() if isinstance(dtypes, dict) else [dtypes]
+    other = [v for v in values if v is not None and DTYPE_NAMES.get(str(v).lower()) != meant]
+    if other:
+        raise problem(f"model.frozen_parameters_dtype: {show(dtypes)}; the frozen networks take mixed_precision's "
+                      f"dtype here ({meant} with mixed_precision {precision}), so only that or null")
+
+
+def _read_dataset(data: dict, dataset: dict) -> None:
+    dataset.pop("name", None)
+    for part in ("train", "eval"):
+        inner = dataset.pop(part, None) or {}
+        if not isinstance(inner, dict):
+            raise problem(f"data.datasets[0].{part}: expected a mapping, got {show(inner)}")
+        inner.pop("weight", None)  # one dataset: its weight is the whole
+        if part == "eval" and inner.pop("split", "test") != "test":
+            raise problem("data.datasets[0].eval.split: evaluation reads the test split (test.jsonl / test.txt)")
+        dataset.update({f"{part}.{k}": v for k, v in inner.items()})
+    unknown = sorted(set(dataset) - set(DATASET_KEYS))
+    if unknown:
+        raise problem(f"data.datasets[0]: keys {unknown} are not taken here (condition images and videos are "
+                      f"not in this version); valid: name, {', '.join(DATASET_KEYS)}, train.weight")
+    for key, value in dataset.items():
+        _put(data, DATASET_KEYS[key], value, f"data.datasets[0].{key}")
+
+
+def without_effect(cfg) -> list[str]:
+    """Keys the config sets that change nothing in this run, each with why: Flow-Factory accepts
+    them, so a config written for it loads, but nobody should believe they act."""
+    notes = []
+    data, train = cfg.data, cfg.train
+    given = data.model_fields_set
+    preprocessing = [k for k in ("cache_dir", "force_reprocess", "preprocessing_batch_size", "preprocess_parallelism")
+                     if k in given]
+    if data.enable_preprocess and "enable_preprocess" in given:
+        preprocessing.insert(0, "enable_preprocess")
+    if preprocessing:
+        notes.append(f"data.{', data.'.join(preprocessing)}: prompts are encoded as each rollout batch needs "
+                     "them (each distinct prompt once per batch); this version builds no preprocessing cache")
+    if data.dataloader_num_workers and "dataloader_num_workers" in given:
+        notes.append("data.dataloader_num_workers: prompts are read into memory once; there is no loader to "
+                     "give workers")
+    if data.sampler_type != "auto" or data.sampler_subgroup_size is not None:
+        notes.append(f"data.sampler_type: {data.sampler_type} places samples on processes; here each process takes "
+                     "a contiguous share of the epoch's group-ordered samples, and the update does not depend on "
+                     "the placement (advantages are computed over the gathered batch)")
+    if ("time_shift" in train.model_fields_set and train.time_shift != 1
+            and train.trainer_type in ("nft", "awm", "dpo") and train.time_sampling_strategy.startswith("discrete")):
+        notes.append(f"train.time_shift: {train.time_shift:g} shifts continuous sigmas; time_sampling_strategy "
+                     f"{train.time_sampling_strategy!r} trains on the rollout's own sigmas, which the model's "
+                     "scheduler has shifted already")
+    return notes

@@ -1,0 +1,344 @@
+"""Flow-Factory's configs as its users write them: every block of its algorithm guide loads
+and means what the guide says it means; omitted keys take Flow-Factory's defaults.
+
+The blocks below are written here from the guide's keys and values (its text is the
+specification: ../shared/seeds/003, the algorithm guide); each is merged into a small
+valid run, as a user pastes a block into a config.
+"""
+
+import pytest
+import torch
+
+from flow_factory.algorithms.timesteps import draw_training_sigmas
+from flow_factory.config import ConfigError, parse_config
+from flow_factory.dynamics.window import choose_sde_steps
+
+
+def run(**sections) -> dict:
+    data = {
+        "data": {"dataset_dir": "prompts"},
+        "model": {"model_name_or_path": "some/model", "model_type": "sd3-5"},
+        "train": {"per_device_batch_size": 4, "group_size": 4, "unique_sample_num_per_epoch": 4},
+        "rewards": [{"reward_model": "PickScore"}],
+    }
+    for name, values in sections.items():
+        data[name] = {**data.get(name, {}), **values}
+    return data
+
+
+@pytest.mark.parametrize("dynamics", ["Flow-SDE", "Dance-SDE", "CPS", "ODE"])
+def test_dynamics_type_under_train_selects_the_sampling_dynamics(dynamics):
+    # "train: dynamics_type: 'Flow-SDE' # Options are ['Flow-SDE', 'Dance-SDE', 'CPS', 'ODE']"
+    trainer = "nft" if dynamics == "ODE" else "grpo"  # the guide: ODE only with NFT / AWM
+    cfg = parse_config(run(train={"trainer_type": trainer, "dynamics_type": dynamics}))
+    assert cfg.scheduler.dynamics_type == dynamics
+
+
+def test_ode_with_grpo_is_refused_as_the_guide_warns():
+    with pytest.raises(ConfigError, match="needs a stochastic dynamics"):
+        parse_config(run(train={"trainer_type": "grpo", "dynamics_type": "ODE"}))
+
+
+def test_the_mixgrpo_window_trains_one_random_step_of_the_candidates():
+    # "train_steps: [1, 2, 3]" / "num_train_steps: 1": one of steps 1-3 is SDE each epoch, the rest ODE
+    cfg = parse_config(run(train={"train_steps": [1, 2, 3], "num_train_steps": 1}))
+    assert cfg.scheduler.sde_steps == [1, 2, 3] and cfg.scheduler.num_sde_steps == 1
+    assert cfg.trained_steps_per_sample == 1
+    drawn = {tuple(choose_sde_steps(cfg.train.num_inference_steps, cfg.sde_step_candidates,
+                                    cfg.scheduler.num_sde_steps, torch.Generator().manual_seed(epoch)))
+             for epoch in range(40)}
+    assert drawn == {(1,), (2,), (3,)}
+
+
+def test_two_spellings_of_one_setting_must_agree():
+    with pytest.raises(ConfigError, match=r"train.train_steps: \[1, 2\] and scheduler.sde_steps: \[0\] are two "
+                                          "spellings of one setting"):
+        parse_config(run(train={"train_steps": [1, 2]}, scheduler={"sde_steps": [0]}))
+    same = parse_config(run(train={"dynamics_type": "CPS"}, scheduler={"dynamics_type": "CPS"}))
+    assert same.scheduler.dynamics_type == "CPS"
+
+
+def test_a_lower_training_resolution_than_eval():
+    cfg = parse_config(run(train={"resolution": 256}, eval={"resolution": 1024}))
+    assert cfg.train.height_width == (256, 256) and cfg.eval.height_width == (1024, 1024)
+
+
+@pytest.mark.parametrize("device, meant", [("same_as_model", "same"), ("cpu", "cpu")])
+def test_the_kl_block(device, meant):
+    cfg = parse_config(run(model={"model_name_or_path": "m", "model_type": "sd3-5", "finetune_type": "full"},
+                           train={"kl_type": "v-based", "kl_beta": 0.04, "ref_param_device": device}))
+    assert (cfg.train.kl_type, cfg.train.kl_beta, cfg.train.ref_param_device) == ("v-based", 0.04, meant)
+
+
+def test_grpo_guard_with_flow_sde():
+    cfg = parse_config(run(train={"trainer_type": "grpo-guard", "dynamics_type": "Flow-SDE"}))
+    assert cfg.train.trainer_type == "grpo-guard" and cfg.scheduler.dynamics_type == "Flow-SDE"
+    with pytest.raises(ConfigError, match="works only with scheduler.dynamics_type 'Flow-SDE'"):
+        parse_config(run(train={"trainer_type": "grpo-guard", "dynamics_type": "CPS"}))
+
+
+def test_the_nft_block_trains_the_first_30_percent_of_the_trajectory():
+    cfg = parse_config(run(train={"trainer_type": "nft", "num_train_timesteps": 2,
+                                  "time_sampling_strategy": "discrete_with_init", "time_shift": 3.0,
+                                  "timestep_fraction": 0.3}, scheduler={"dynamics_type": "ODE"}))
+    train = cfg.train
+    assert train.timestep_range == 0.3 and train.num_train_timesteps == 2 and train.time_shift == 3.0
+    assert cfg.trained_steps_per_sample == 2
+    # "Train using only the first 30% of timesteps": of 10 rollout sigmas from 1, only those >= 0.7
+    rollout_sigmas = torch.linspace(1, 0, 11)
+    for seed in range(20):
+        sigmas = draw_training_sigmas(train.time_sampling_strategy, 2, rollout_sigmas, train.timestep_range,
+                                      train.time_shift, torch.Generator().manual_seed(seed))
+        assert sigmas.max().item() == 1.0  # discrete_with_init: the first step is always trained
+        assert sigmas.min().item() >= 0.7 - 1e-6
+
+
+def test_the_off_policy_ema_block():
+    cfg = parse_config(run(train={"trainer_type": "nft", "off_policy": True, "ema_decay_schedule": "piecewise_linear",
+                                  "ema_decay": 0.5, "ema_update_interval": 1, "ema_device": "cuda"}))
+    t = cfg.train
+    assert (t.off_policy, t.ema_decay_schedule, t.ema_decay, t.ema_update_interval, t.ema_device) == \
+        (True, "piecewise_linear", 0.5, 1, "cuda")
+
+
+def test_the_awm_block():
+    cfg = parse_config(run(train={"trainer_type": "awm", "ema_kl_beta": 0.1, "ema_decay": 0.9,
+                                  "ema_decay_schedule": "power", "ema_update_interval": 1, "ema_device": "cuda",
+                                  "clip_range": 1.0e-5, "adv_clip_range": 5.0, "awm_weighting": "ghuber",
+                                  "ghuber_power": 0.25}))
+    t = cfg.train
+    assert (t.ema_kl_beta, t.clip_range, t.awm_weighting, t.ghuber_power) == (0.1, 1e-5, "ghuber", 0.25)
+    assert cfg.scheduler.dynamics_type == "ODE"  # decoupled: ODE rollouts unless chosen
+
+
+def test_a_key_flow_factory_has_and_we_do_not_says_why():
+    with pytest.raises(ConfigError, match="train.condition_image_size: not taken here: "
+                                          "conditioned models"):
+        parse_config(run(train={"condition_image_size": 512}))
+
+
+# ----------------------------------------------------------------------- defaults
+# Flow-Factory's defaults for keys a config leaves out, each with where upstream sets it
+# (X-GenGroup/Flow-Factory, src/flow_factory/hparams/...).
+
+def test_omitted_keys_take_flow_factory_defaults():
+    cfg = parse_config(run())
+    t, s = cfg.train, cfg.scheduler
+    assert cfg.mixed_precision == "bf16"  # args.py: Arguments.mixed_precision
+    # training_args/_base.py: TrainingArguments.ema_decay / ema_decay_schedule / ema_update_interval
+    assert (t.ema_decay, t.ema_decay_schedule, t.ema_update_interval) == (0.995, "power", 10)
+    assert t.latent_storage_dtype == "float16"  # _base.py: latent_storage_dtype 'fp16'
+    assert t.offload_samples_to_cpu is False  # _base.py
+    assert s.num_sde_steps == 1  # scheduler_args.py: SchedulerArguments.num_sde_steps
+    # scheduler_args.py sde_steps None -> every step but the last (flow_match_euler_discrete.py)
+    assert cfg.sde_step_candidates == list(range(t.num_inference_steps - 1))
+    assert (t.global_std, t.advantage_aggregation) == (True, "gdpo")  # training_args/grpo.py
+
+
+@pytest.mark.parametrize("trainer, shift", [("nft", 3.0), ("awm", 3.0), ("dpo", 1.0)])
+def test_time_shift_defaults_per_trainer(trainer, shift):
+    # training_args/nft.py and awm.py: time_shift 3.0; dpo.py: 1.0
+    cfg = parse_config(run(train={"trainer_type": trainer}))
+    assert cfg.train.time_shift == shift
+    assert (cfg.train.global_std, cfg.train.advantage_aggregation) == (True, "gdpo")  # nft.py, awm.py, dpo.py
+
+
+def test_a_video_model_without_num_frames_takes_81():
+    cfg = parse_config(run(model={"model_name_or_path": "m", "model_type": "wan2_t2v"},
+                           train={"resolution": [480, 832]}))
+    assert cfg.train.num_frames == 81 and cfg.eval.num_frames == 81  # models/wan: num_frames=81
+
+
+def test_keys_accepted_for_compatibility_that_do_nothing_say_so(tmp_path, capsys):
+    from flow_factory.config import load_config_for_cli
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(run(data={"dataset_dir": "p", "cache_dir": "/tmp/c", "force_reprocess": True,
+                                             "dataloader_num_workers": 16},
+                                       train={"trainer_type": "nft", "time_shift": 3.0})))
+    assert load_config_for_cli("ff-train", path) is not None
+    err = capsys.readouterr().err
+    assert "ff-train: note: data.cache_dir, data.force_reprocess: prompts are encoded" in err
+    assert "ff-train: note: data.dataloader_num_workers:" in err
+    assert "ff-train: note: train.time_shift: 3 shifts continuous sigmas" in err
+    quiet = tmp_path / "quiet.yaml"
+    quiet.write_text(yaml.safe_dump(run(train={"trainer_type": "nft", "time_sampling_strategy": "logit_normal",
+                                               "time_shift": 3.0})))
+    assert load_config_for_cli("ff-train", quiet) is not None
+    assert capsys.readouterr().err == ""
+
+
+# ----------------------------------------------------------------------- launch
+
+def _launch(argv, environ):
+    import yaml as _yaml
+
+    from flow_factory.config import parse_config as _parse
+    from flow_factory.train import launch_overrides, parse_args, relaunch_command
+
+    args = parse_args(argv)
+    cfg = _parse(_yaml.safe_load(open(args.config)), launch_overrides(args, environ) + args.overrides)
+    return cfg, relaunch_command(cfg, argv)
+
+
+def test_launch_flags_override_the_environment_which_overrides_the_config(tmp_path):
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**run(), "num_processes": 1, "main_process_port": 29500}))
+    cfg, cmd = _launch([str(path), "--num_processes", "4", "--main_process_port", "1234"], {})
+    assert (cfg.num_processes, cfg.main_process_port, cfg.num_machines) == (4, 1234, 1)
+    assert cmd[cmd.index("--num_processes") + 1] == "4" and cmd[cmd.index("--main_process_port") + 1] == "1234"
+
+    # a 2-node job as a scheduler describes it: 2 machines x 2 GPUs, this is machine 1
+    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "6000", "NODE_RANK": "1", "NUM_NODES": "2",
+           "GPUS_PER_NODE": "2"}
+    cfg, cmd = _launch([str(path)], env)
+    assert (cfg.num_processes, cfg.num_machines, cfg.machine_rank, cfg.main_process_ip, cfg.main_process_port) == \
+        (4, 2, 1, "10.0.0.1", 6000)
+    flags = dict(zip(cmd[3:-3:2], cmd[4:-3:2]))
+    assert {k: flags[k] for k in ("--num_processes", "--num_machines", "--machine_rank", "--main_process_ip",
+                                  "--main_process_port")} == {
+        "--num_processes": "4", "--num_machines": "2", "--machine_rank": "1", "--main_process_ip": "10.0.0.1",
+        "--main_process_port": "6000"}
+    cfg, _ = _launch([str(path), "--machine_rank", "0"], env)  # a flag beats the environment
+    assert cfg.machine_rank == 0
+
+    # one machine: a scheduler's MASTER_ADDR alone changes nothing (Flow-Factory reads the
+    # environment only for a multi-machine job)
+    cfg, _ = _launch([str(path)], {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "6000"})
+    assert (cfg.num_machines, cfg.main_process_ip, cfg.main_process_port) == (1, None, 29500)
+
+
+def test_several_machines_need_machine_zeros_address(tmp_path):
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(run()))
+    with pytest.raises(ConfigError, match="main_process_ip: required with num_machines > 1"):
+        _launch([str(path), "--num_machines", "2", "--num_processes", "2"], {})
+    with pytest.raises(ConfigError, match="machine_rank: 2 with num_machines = 2"):
+        _launch([str(path), "--num_machines", "2", "--num_processes", "2", "--machine_rank", "2",
+                 "--main_process_ip", "h"], {})
+
+
+@pytest.mark.parametrize("written, meant", [("transformer.default", "default"),
+                                            (["transformer.attn.to_q", "attn.to_k"], ["attn.to_q", "attn.to_k"])])
+def test_target_modules_prefixed_with_the_component(written, meant):
+    cfg = parse_config(run(model={"model_name_or_path": "m", "model_type": "sd3-5", "target_modules": written,
+                                  "target_components": ["transformer"]}))
+    assert cfg.model.target_modules == meant and cfg.model.target_components == "transformer"
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"target_components": ["transformer", "transformer_2"]}, "transformer_2 is Wan2.2's second expert"),
+    ({"target_modules": ["text_encoder.q_proj"]}, "name modules of other components"),
+    ({"master_weight_dtype": "fp8"}, "model.master_weight_dtype: expected one of"),
+])
+def test_model_keys_this_version_cannot_honour_are_refused(model, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(run(model={"model_name_or_path": "m", "model_type": "sd3-5", **model}))
+
+
+# ----------------------------------------------------------------------- its layouts
+
+def test_the_newest_layout_one_dataset_and_one_optimizer():
+    data = run()
+    del data["data"]
+    data.update(
+        data={"datasets": [{"name": "default", "dataset_dir": "dataset/pickscore",
+                            "train": {"weight": 1, "max_dataset_size": 1024},
+                            "eval": {"max_dataset_size": 64, "num_inference_steps": 40}}]},
+        optimizers=[{"name": "default", "learning_rate": 3.0e-4, "weight_decay": 1.0e-4, "betas": [0.9, 0.99],
+                     "eps": 1.0e-8, "max_grad_norm": 0.5}])
+    data["train"].update(reward_optimization_overlap=False, reward_optimization_overlap_mode="ready")
+    cfg = parse_config(data)
+    assert (cfg.data.dataset_dir, cfg.data.max_dataset_size) == ("dataset/pickscore", 1024)
+    assert (cfg.eval.num_samples, cfg.eval.num_inference_steps) == (64, 40)
+    t = cfg.train
+    assert (t.learning_rate, t.adam_weight_decay, t.betas, t.adam_epsilon, t.max_grad_norm) == \
+        (3e-4, 1e-4, (0.9, 0.99), 1e-8, 0.5)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"data": {"datasets": [{"dataset_dir": "a"}, {"dataset_dir": "b"}]}},
+     r"data.datasets: expected a list of one mapping \(one dataset per run here\)"),
+    ({"optimizers": [{"learning_rate": 1e-4}, {"learning_rate": 1e-5}]}, "one AdamW trains the transformer"),
+    ({"optimizers": [{"learning_rate": 1e-4, "momentum": 0.9}]}, r"optimizers\[0\]: unknown keys \['momentum'\]"),
+    ({"optimizers": [{"learning_rate": 1e-4}], "train": {"learning_rate": 1e-5}},
+     r"optimizers\[0\].learning_rate: 0.0001 and train.learning_rate: 1e-05 are two spellings"),
+    ({"train": {"reward_optimization_overlap": True}}, "overlapping reward scoring with optimisation"),
+    ({"model": {"frozen_parameters_dtype": {"default": None, "vae": "fp32"}}}, "the frozen networks take"),
+    ({"train": {"trainer_type": "dpo", "logit_std": 2.0}}, r"train.logit_std: 2.0; only 1 here"),
+])
+def test_what_of_the_newest_layout_cannot_be_honoured_is_refused(change, message):
+    data = run()
+    for key, value in change.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+            if key == "data":
+                data["data"].pop("dataset_dir")
+        else:
+            data[key] = value
+    with pytest.raises(ConfigError, match=message):
+        parse_config(data)
+
+
+def test_earlier_layouts_spellings():
+    data = run()
+    data.update(run_name="r", project="p", logging_backend="none", reward={"reward_model": "CLIP"})
+    del data["rewards"]
+    data["train"].update(noise_level=0.5, save_freq=3, eval_freq=4)
+    data["model"].update(resume_training_state=True, trainable_parameters_dtype="bf16",
+                         frozen_parameters_dtype={"default": None, "transformers": "bf16", "vae": "bf16"})
+    cfg = parse_config(data)
+    assert (cfg.log.run_name, cfg.log.project, cfg.log.logging_backend) == ("r", "p", "none")
+    assert cfg.rewards[0].reward_model == "CLIP" and cfg.scheduler.noise_level == 0.5
+    assert (cfg.log.save_freq, cfg.eval.eval_freq) == (3, 4)
+    assert cfg.model.resume_type == "state" and cfg.model.master_weight_dtype == "bfloat16"
+
+
+def test_dpo_takes_flow_factory_dpo_timestep_defaults():
+    cfg = parse_config(run(train={"trainer_type": "dpo", "weighting_scheme": "uniform"}))
+    t = cfg.train  # training_args/dpo.py: weighting_scheme, timestep_range 0.99, num_train_timesteps 1
+    assert (t.time_sampling_strategy, t.timestep_range, t.num_train_timesteps, t.time_shift) == \
+        ("uniform", 0.99, 1, 1.0)
+    assert parse_config(run(train={"trainer_type": "dpo"})).train.time_sampling_strategy == "logit_normal"
+    nft = parse_config(run(train={"trainer_type": "nft", "num_train_timesteps": 0})).train
+    assert (nft.time_sampling_strategy, nft.timestep_range, nft.num_train_timesteps) == ("discrete", 0.9, None)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_shuffle_samples_false_trains_in_rollout_order(shuffle):
+    from dataclasses import dataclass
+
+    from accelerate import Accelerator
+
+    from flow_factory.guards import NonFiniteGuard
+    from flow_factory.trainer.optimize import optimize_epoch
+
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+
+    seen = []
+    weight = torch.nn.Parameter(torch.ones(1))
+
+    class Recorder:  # an algorithm that records which samples each micro-batch holds
+        def training_units(self, group_ids, advantages):
+            return torch.arange(len(advantages)).unsqueeze(1)
+
+        def micro_batches(self, rollouts, advantages, units, generator):
+            seen.extend(units[:, 0].tolist())
+            yield Batch(torch.zeros(1))
+
+        def loss(self, policy, batch):
+            return (weight ** 2).sum(), {}
+
+    rollouts = type("Rollouts", (), {"group_ids": torch.arange(8) // 2})
+    optimize_epoch(Recorder(), None, rollouts, torch.zeros(8), accelerator=Accelerator(cpu=True),
+                   optimizer=torch.optim.SGD([weight], lr=0.1), params=[weight], denoiser=torch.nn.Linear(1, 1),
+                   batch_size=2, num_inner_epochs=1, accumulation=1, max_grad_norm=1.0, seed=0, epoch=0,
+                   guard=NonFiniteGuard(3), shuffle=shuffle)
+    assert sorted(seen) == list(range(8)) and (seen == list(range(8))) == (not shuffle)
