@@ -4,6 +4,8 @@ change where and how rollouts are kept, not what the run computes."""
 
 import logging
 
+import pytest
+
 import torch
 from helpers_runs import tiny_run_config
 
@@ -115,3 +117,31 @@ def test_master_weight_dtype_sets_the_trainable_weights_precision(tmp_path, tiny
     frozen = {p.dtype for p in trainer.adapter.transformer.parameters() if not p.requires_grad}
     assert frozen == {torch.float32}
     trainer.close()
+
+
+def test_attn_backend_is_set_on_the_transformer_and_a_wrong_one_is_named(tmp_path, tiny_flux_path, tiny_sd3_path,
+                                                                         monkeypatch):
+    from flow_factory.config import ConfigError
+
+    config = tiny_run_config(tmp_path, "flux1", tiny_flux_path)
+    config["log"]["logging_backend"] = "none"
+    config["model"]["attn_backend"] = "_native_math"  # Flow-Factory's model.attn_backend, diffusers' names
+    trainer = Trainer(parse_config(config))
+    backends = {str(getattr(m.processor._attention_backend, "value", m.processor._attention_backend))
+                for m in trainer.adapter.transformer.modules()
+                if getattr(getattr(m, "processor", None), "_attention_backend", None) is not None}
+    assert backends == {"_native_math"}
+    trainer.close()
+
+    # SD3's joint-attention processor takes no backend: diffusers would skip it without a word
+    sd3 = _config(tmp_path / "sd3", tiny_sd3_path)
+    sd3["model"]["attn_backend"] = "_native_math"
+    with pytest.raises(ConfigError, match="model.attn_backend: sd3-5's attention processors "
+                                          r"\(JointAttnProcessor2_0\) do not take"):
+        Trainer(parse_config(sd3))
+
+    monkeypatch.setattr("flow_factory.trainer.trainer.load_adapter", lambda *a, **k: pytest.fail("the model loaded"))
+    config["model"]["attn_backend"] = "flashy"
+    config["log"]["run_name"] = "other"
+    with pytest.raises(ConfigError, match="model.attn_backend: 'flashy' is not one of diffusers' attention backends"):
+        Trainer(parse_config(config))

@@ -342,3 +342,49 @@ def test_shuffle_samples_false_trains_in_rollout_order(shuffle):
                    batch_size=2, num_inner_epochs=1, accumulation=1, max_grad_norm=1.0, seed=0, epoch=0,
                    guard=NonFiniteGuard(3), shuffle=shuffle)
     assert sorted(seen) == list(range(8)) and (seen == list(range(8))) == (not shuffle)
+
+
+# ----------------------------------------------------------------------- the reward guide's blocks
+
+REWARD_GUIDE_BLOCKS = {  # written from the keys and values of the reward guide's YAML blocks
+    "builtin": {"rewards": [{"name": "aesthetic", "reward_model": "PickScore", "dtype": "bfloat16", "device": "cuda",
+                             "batch_size": 16}]},
+    "shorthand": {"rewards": {"name": "aesthetic", "reward_model": "PickScore", "batch_size": 16}},
+    "custom": {"rewards": [{"name": "custom", "reward_model": "flow_factory.rewards.MyPointwiseReward",
+                            "batch_size": 16}]},
+    "remote": {"rewards": [{"name": "remote_reward", "reward_model": "flow_factory.rewards.remote.RemotePointwiseRewardModel",
+                            "server_url": "http://localhost:8000", "batch_size": 16, "timeout": 60.0,
+                            "retry_attempts": 3}]},
+    "remote_group": {"rewards": [{"name": "remote_ranking",
+                                  "reward_model": "flow_factory.rewards.remote.RemoteGroupwiseRewardModel",
+                                  "server_url": "http://localhost:8000", "timeout": 60.0, "retry_attempts": 3}]},
+    "async": {"rewards": [{"name": "api", "reward_model": "flow_factory.rewards.my_reward_remote.RemotePointwiseRewardModel",
+                           "server_url": "http://localhost:8000", "async_reward": True, "num_workers": 4},
+                          {"name": "local", "reward_model": "PickScore"}]},
+    "multi_gdpo": {"train": {"trainer_type": "grpo", "advantage_aggregation": "gdpo"},
+                   "rewards": [{"name": "aesthetic", "reward_model": "PickScore", "weight": 1.0, "batch_size": 16},
+                               {"name": "text_align", "reward_model": "CLIP", "weight": 0.5, "batch_size": 32}]},
+    "dedup": {"rewards": [{"name": "aesthetic_1", "reward_model": "PickScore", "batch_size": 16},
+                          {"name": "aesthetic_2", "reward_model": "PickScore", "batch_size": 16}]},
+    "eval_rewards": {"rewards": [{"name": "fast_score", "reward_model": "PickScore", "batch_size": 32}],
+                     "eval_rewards": [{"name": "hps", "reward_model": "my_rewards.HPSv2RewardModel", "batch_size": 8}]},
+}
+
+
+@pytest.mark.parametrize("block", sorted(REWARD_GUIDE_BLOCKS))
+def test_every_reward_guide_block_loads_as_it_reads(block):
+    sections = dict(REWARD_GUIDE_BLOCKS[block])
+    data = run(train=sections.pop("train", {}))
+    data.update(sections)
+    cfg = parse_config(data)
+    entries = sections["rewards"] if isinstance(sections["rewards"], list) else [sections["rewards"]]
+    assert [r.name for r in cfg.rewards] == [e["name"] for e in entries]
+    for entry, reward in zip(entries, cfg.rewards):
+        assert reward.reward_model == entry["reward_model"]
+        assert reward.batch_size == entry.get("batch_size", reward.batch_size)
+        assert reward.weight == entry.get("weight", 1.0)
+        assert reward.async_reward is entry.get("async_reward", False)
+    if block == "multi_gdpo":
+        assert cfg.train.advantage_aggregation == "gdpo"
+    if block == "eval_rewards":
+        assert [r.name for r in cfg.eval_rewards] == ["hps"]

@@ -26,7 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     for key, kind in LAUNCH_KEYS.items():
         parser.add_argument(f"--{key}", type=kind, default=None, help=f"overrides the config's {key}")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may follow the flags
 
 
 LAUNCH_KEYS = {"num_processes": int, "num_machines": int, "machine_rank": int, "main_process_ip": str,

@@ -5,7 +5,8 @@ of our keys are accepted as written and read into the key that means the same he
 (``read_flow_factory_spellings``); writing both spellings with different values is an
 error. Keys whose meaning here is uncertain get a "did you mean" (``MOVED``); keys this
 version does not take say why (``NOT_HERE``). Upstream silently ignores keys it does
-not know; here every key either works or is refused with its reason.
+not know; here a key works, is refused with its reason, or, accepted so that its configs
+load, is named by a note when it does nothing in the run (``without_effect``).
 """
 
 from __future__ import annotations
@@ -60,8 +61,6 @@ NOT_HERE = {
                           "use train.flat_steps for a warm-up",
     "train.kl_weight": "Flow-Factory has no such key either (it drops unknown keys silently); remove it",
     "model.component_load_dtypes": "the frozen networks take mixed_precision's dtype here",
-    "model.attn_backend": "the attention backend is diffusers' default (scaled-dot-product attention, which picks "
-                          "flash / memory-efficient kernels on a GPU by itself)",
 }
 
 
@@ -188,8 +187,8 @@ def without_effect(cfg) -> list[str]:
                      "give workers")
     if data.sampler_type != "auto" or data.sampler_subgroup_size is not None:
         notes.append(f"data.sampler_type: {data.sampler_type} places samples on processes; here each process takes "
-                     "a contiguous share of the epoch's group-ordered samples, and the update does not depend on "
-                     "the placement (advantages are computed over the gathered batch)")
+                     "a contiguous share of the epoch's group-ordered samples (advantages are computed over the "
+                     "gathered batch, so the placement changes which process computes a sample, not its advantage)")
     if ("time_shift" in train.model_fields_set and train.time_shift != 1
             and train.trainer_type in ("nft", "awm", "dpo") and train.time_sampling_strategy.startswith("discrete")):
         notes.append(f"train.time_shift: {train.time_shift:g} shifts continuous sigmas; time_sampling_strategy "

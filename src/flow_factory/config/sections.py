@@ -72,7 +72,7 @@ class DataConfig(Section):
         None, "processes per tile of sampler_type subgroup_tile (Flow-Factory compatibility: see sampler_type)")
     sampler_type: Literal[SAMPLER_TYPES] = setting(
         "auto", "how a group's samples are spread over processes (Flow-Factory compatibility: here each process "
-        "takes a contiguous share of the epoch's group-ordered samples; the update does not depend on it)")
+        "takes a contiguous share of the epoch's group-ordered samples; advantages use the gathered batch)")
 
 
 class ModelConfig(Section):
@@ -94,6 +94,9 @@ class ModelConfig(Section):
     resume_type: Literal["lora", "full", "state"] | None = setting(
         None, "how resume_path is used: null or state = continue that run (weights, optimizer, EMA, epoch); lora "
         "or full = start a new run from its weights (Flow-Factory's meaning)")
+    attn_backend: str | None = setting(
+        None, "diffusers attention backend of the transformer (set_attention_backend: native, flash, "
+        "_native_cudnn, sage, xformers, ...); null = diffusers' default")
     master_weight_dtype: Literal["float32", "float16", "bfloat16"] = setting(
         "float32", "dtype of the trainable weights (fp32, bf16 or fp16; float32 keeps small updates under mixed "
         "precision)")

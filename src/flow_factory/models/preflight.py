@@ -27,12 +27,44 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 def check_before_loading(cfg) -> None:
     """Raise ``ConfigError`` (a ValueError) naming the key or file if the model source cannot serve ``cfg``."""
+    if cfg.model.attn_backend is not None:
+        check_attention_backend(cfg.model.attn_backend)
     folder = pipeline_folder(cfg.model.model_name_or_path)
     if folder is None:
         return
     adapter = get_adapter_class(cfg.model.model_type)
     check_pipeline_class(folder, adapter)
     check_sizes(folder, adapter, cfg)
+
+
+def check_attention_backend(name: str) -> None:
+    """``model.attn_backend`` names one of diffusers' attention backends whose packages are installed."""
+    from diffusers.models import attention_dispatch
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    names = [b.value for b in AttentionBackendName]
+    if name not in names:
+        raise ConfigError(f"model.attn_backend: {name!r} is not one of diffusers' attention backends: "
+                          f"{', '.join(names)}")
+    # diffusers' own check of the backend's packages (flash-attn, sageattention, xformers, ...); private,
+    # so only where this diffusers has it
+    requirements = getattr(attention_dispatch, "_check_attention_backend_requirements", None)
+    if requirements is not None:
+        try:
+            requirements(AttentionBackendName(name))
+        except (RuntimeError, ImportError, ValueError) as e:
+            raise ConfigError(f"model.attn_backend: {name!r} cannot run here: {e}") from None
+
+
+def set_attention_backend(transformer, name: str, model_type: str) -> None:
+    """diffusers' ``set_attention_backend``, which skips attention processors that do not take a
+    backend without a word: a model none of whose processors took it is an error, not a no-op."""
+    transformer.set_attention_backend(name)
+    taken = [m for m in transformer.modules() if getattr(getattr(m, "processor", None), "_attention_backend", None)]
+    if not taken:
+        kinds = sorted({type(m.processor).__name__ for m in transformer.modules() if hasattr(m, "processor")})
+        raise ConfigError(f"model.attn_backend: {model_type}'s attention processors ({', '.join(kinds)}) do not "
+                          "take diffusers' attention backends; remove the key")
 
 
 def pipeline_folder(name_or_path: str) -> Path | None:

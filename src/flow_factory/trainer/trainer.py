@@ -28,7 +28,7 @@ from ..guards import NonFiniteError, NonFiniteGuard, all_finite, check_pipeline_
 from ..media import caption, plot_curves, sample_grid
 from ..models import load_adapter
 from ..models.lora import apply_lora
-from ..models.preflight import check_before_loading
+from ..models.preflight import check_before_loading, set_attention_backend
 from ..rewards import RewardSet
 from ..rewards.base import parse_dtype
 from ..sampling import Rollouts, SamplingSettings, collect_rollouts, sample_prompts
@@ -91,14 +91,17 @@ class Trainer:
     def _build(self, resumed: dict) -> None:
         """The rewards, the model and what trains it; the resumed state (``resumed``: its trainer state)."""
         cfg, train, model = self.cfg, self.cfg.train, self.cfg.model
-        self.rewards = RewardSet.from_configs(cfg.rewards)
-        self.eval_rewards = RewardSet.from_configs(cfg.eval_rewards) if cfg.eval_rewards else self.rewards
+        self.rewards = RewardSet.from_configs(cfg.rewards, accelerator=self.accelerator)
+        self.eval_rewards = (RewardSet.from_configs(cfg.eval_rewards, accelerator=self.accelerator)
+                             if cfg.eval_rewards else self.rewards)
 
         precision = self.accelerator.mixed_precision  # "no" on CPU, whatever the config says
         dtype = parse_dtype("float32" if precision == "no" else precision)
         self.latent_storage_dtype = parse_dtype(train.latent_storage_dtype or dtype)
         self.adapter = load_adapter(model.model_type, model.model_name_or_path, self.accelerator.device, dtype)
         check_pipeline_finite(self.adapter.pipeline, f"model.model_name_or_path: {model.model_name_or_path}")
+        if model.attn_backend is not None:  # the name is checked before loading (models/preflight.py)
+            set_attention_backend(self.adapter.transformer, model.attn_backend, model.model_type)
         self.dynamics = make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level)
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
         self.params = self._make_trainable()
