@@ -38,8 +38,11 @@ def make_config(tmp: Path, model: str, url: str, args, run: str, is_async: bool)
         "seed": 0,
         "data": {"dataset_dir": str(data)},
         "model": {"model_name_or_path": model, "model_type": "sd3-5", "lora_rank": 8, "lora_alpha": 8},
-        "scheduler": {"dynamics_type": "Flow-SDE", "noise_level": 0.7},
+        # every step stochastic and trained, fp32 trajectories, no EMA: the world this bench was measured in
+        "scheduler": {"dynamics_type": "Flow-SDE", "noise_level": 0.7, "sde_steps": list(range(args.steps)),
+                      "num_sde_steps": None},
         "train": {"trainer_type": "grpo", "resolution": 64, "num_inference_steps": args.steps,
+                  "latent_storage_dtype": "fp32", "ema_decay": 0.0, "global_std": False, "advantage_aggregation": "sum",
                   "guidance_scale": 4.5, "per_device_batch_size": args.micro_batch, "group_size": 4,
                   "unique_sample_num_per_epoch": args.prompts, "gradient_step_per_epoch": 1,
                   "max_epochs": args.epochs + 1},

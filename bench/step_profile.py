@@ -57,8 +57,11 @@ def make_config(tmp: Path, args) -> dict:
         "data": {"dataset_dir": str(data)},
         "model": {"model_name_or_path": str(build_tiny_pipeline("sd3-5", tmp / "sd3")), "model_type": "sd3-5",
                   "lora_rank": 8, "lora_alpha": 8},
-        "scheduler": {"dynamics_type": "Flow-SDE", "noise_level": 0.7},
+        # every step stochastic and trained, fp32 trajectories, no EMA: the world this bench was measured in
+        "scheduler": {"dynamics_type": "Flow-SDE", "noise_level": 0.7, "sde_steps": list(range(args.steps)),
+                      "num_sde_steps": None},
         "train": {"trainer_type": "grpo", "resolution": 64, "num_inference_steps": args.steps,
+                  "latent_storage_dtype": "fp32", "ema_decay": 0.0, "global_std": False, "advantage_aggregation": "sum",
                   "guidance_scale": 4.5, "per_device_batch_size": args.group, "group_size": args.group,
                   "unique_sample_num_per_epoch": args.prompts, "gradient_step_per_epoch": 2,
                   "max_epochs": args.epochs + 1},
