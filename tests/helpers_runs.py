@@ -27,7 +27,7 @@ def tiny_run_config(tmp: Path, model_type: str, model_path, **train) -> dict:
     _, resolution, frames, guidance = TINY_MODELS[model_type]
     return {
         "seed": 7,
-        "data": {"dataset_dir": str(write_dataset(tmp / "data"))},
+        "data": {"dataset_dir": str(write_dataset(tmp / "data")), "cache_dir": str(tmp / "prompt_cache")},
         "model": {"model_name_or_path": str(model_path), "model_type": model_type, "finetune_type": "lora",
                   "lora_rank": 4, "lora_alpha": 8},
         "scheduler": {"dynamics_type": "Flow-SDE", "noise_level": 0.7, "seed": 3},

@@ -183,6 +183,8 @@ def test_two_processes_make_the_same_update_as_one(tmp_path, tiny_sd3_path):
     update is rejected."""
     one = _train_in_subprocess(tmp_path / "p1", tiny_sd3_path, 1)
     two = _train_in_subprocess(tmp_path / "p2", tiny_sd3_path, 2)
+    # each process encoded its share of the prompt cache (shards are named by the rank that wrote them)
+    assert {p.name[:3] for p in (tmp_path / "p2" / "prompt_cache").rglob("*.safetensors")} == {"000", "001"}
     relative, moved = _difference_over_movement(one, two)
     assert moved > 1e-4, f"training did not move the LoRA (largest B entry {moved:.2e})"
     assert relative <= TOLERANCE, (f"1 and 2 processes differ by {relative:.2e} of how far the weights moved "

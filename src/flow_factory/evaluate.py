@@ -50,6 +50,7 @@ def evaluate_config(cfg, checkpoint=None):
     from .data import load_prompts
     from .rewards import RewardSet
     from .checkpoint import load_for_sampling
+    from .prompt_cache import PromptCache
     from .sampling import SamplingSettings, sample_prompts
 
     ev = cfg.eval
@@ -57,7 +58,9 @@ def evaluate_config(cfg, checkpoint=None):
     items = items[: ev.num_samples] if ev.num_samples else items
     rewards = RewardSet.from_configs(cfg.eval_rewards or cfg.rewards)
     adapter = load_for_sampling(cfg.model.model_type, cfg.model.model_name_or_path, checkpoint)
-    rollouts = sample_prompts(adapter, items, SamplingSettings.for_eval(ev), reward_set=rewards)
+    # the run's prompt cache where it exists (the same embeddings its evaluation used); else encode
+    cache = PromptCache.open(adapter, cfg.data.cache_dir) if cfg.data.enable_preprocess else None
+    rollouts = sample_prompts(adapter, items, SamplingSettings.for_eval(ev), reward_set=rewards, prompt_cache=cache)
     return summarise(rollouts.rewards), rollouts
 
 

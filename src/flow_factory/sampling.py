@@ -67,11 +67,12 @@ class Rollouts:
 @torch.no_grad()
 def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_ids: list[int],
                      settings: SamplingSettings, *, epoch: int, reward_set=None, timer: PhaseTimer | None = None,
-                     autocast=nullcontext) -> Rollouts:
+                     autocast=nullcontext, prompt_cache=None) -> Rollouts:
     """Sample ``items`` (``.prompt``, ``.negative_prompt``) in batches, decode, and score with ``reward_set``.
 
     ``sample_ids``: each item's global sample index (its noise seed); ``autocast``: a context
-    factory for mixed precision (``accelerator.autocast``)."""
+    factory for mixed precision (``accelerator.autocast``); ``prompt_cache``: a ``PromptCache``
+    that answers for the prompts it holds (the others are encoded)."""
     s, timer = settings, timer or PhaseTimer()
     sigmas = adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float()
     # async rewards start on each batch as soon as it is decoded; the rest score at the end
@@ -83,7 +84,7 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
         ids = sample_ids[start:start + s.batch_size]
         groups = group_ids[start:start + s.batch_size]
         with timer.phase("sampling"):
-            cond = _encode_unique(adapter, batch, s.guidance_scale, autocast)
+            cond = _conditioning(adapter, batch, s.guidance_scale, autocast, prompt_cache)
             keys = [("noise", s.seed, epoch, "group", int(g)) if s.same_latent else ("noise", s.seed, epoch, i)
                     for g, i in zip(groups.tolist(), ids)]
             noise = per_sample_noise(adapter, keys, s.height, s.width, s.num_frames)
@@ -122,12 +123,13 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
 
 
 def sample_prompts(adapter, items: list, settings: SamplingSettings, *, sample_ids: list[int] | None = None,
-                   reward_set=None, timer: PhaseTimer | None = None, autocast=nullcontext) -> Rollouts:
+                   reward_set=None, timer: PhaseTimer | None = None, autocast=nullcontext,
+                   prompt_cache=None) -> Rollouts:
     """ODE samples of ``items``, sample ``i`` seeded as the Trainer's eval seeds it (epoch -1)."""
     ids = list(range(len(items))) if sample_ids is None else list(sample_ids)
     settings = replace(settings, sde_steps=[], same_latent=False)
     return collect_rollouts(adapter, ODE(), items, torch.tensor(ids), ids, settings, epoch=-1,
-                            reward_set=reward_set, timer=timer, autocast=autocast)
+                            reward_set=reward_set, timer=timer, autocast=autocast, prompt_cache=prompt_cache)
 
 
 def _to_cpu(traj):
@@ -147,6 +149,15 @@ def on_device(batch, device):
             return {k: v.to(device, non_blocking=True) for k, v in value.items()}
         return value
     return replace(batch, **{f.name: move(getattr(batch, f.name)) for f in fields(batch)})
+
+
+def _conditioning(adapter, batch: list, guidance_scale: float, autocast, prompt_cache) -> Conditioning:
+    if prompt_cache is not None:
+        pairs = [(it.prompt, it.negative_prompt) for it in batch]
+        cond = prompt_cache.lookup(pairs, adapter.uses_cfg(guidance_scale), adapter.device)
+        if cond is not None:
+            return cond
+    return _encode_unique(adapter, batch, guidance_scale, autocast)
 
 
 def _encode_unique(adapter, batch: list, guidance_scale: float, autocast) -> Conditioning:

@@ -174,15 +174,7 @@ def without_effect(cfg) -> list[str]:
     them, so a config written for it loads, but nobody should believe they act."""
     notes = []
     data, train = cfg.data, cfg.train
-    given = data.model_fields_set
-    preprocessing = [k for k in ("cache_dir", "force_reprocess", "preprocessing_batch_size", "preprocess_parallelism")
-                     if k in given]
-    if data.enable_preprocess and "enable_preprocess" in given:
-        preprocessing.insert(0, "enable_preprocess")
-    if preprocessing:
-        notes.append(f"data.{', data.'.join(preprocessing)}: prompts are encoded as each rollout batch needs "
-                     "them (each distinct prompt once per batch); this version builds no preprocessing cache")
-    if data.dataloader_num_workers and "dataloader_num_workers" in given:
+    if data.dataloader_num_workers and "dataloader_num_workers" in data.model_fields_set:
         notes.append("data.dataloader_num_workers: prompts are read into memory once; there is no loader to "
                      "give workers")
     if data.sampler_type != "auto" or data.sampler_subgroup_size is not None:

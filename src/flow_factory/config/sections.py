@@ -56,18 +56,19 @@ DYNAMICS_ALIASES = {"flow-sde": "Flow-SDE", "flowsde": "Flow-SDE", "dance-sde": 
 class DataConfig(Section):
     dataset_dir: str = setting(description="folder of prompts: train.txt / train.jsonl (and test.* for eval)")
     max_dataset_size: PositiveInt | None = setting(None, "use at most this many prompts per split; null = all")
-    enable_preprocess: bool = setting(True, "encode prompts ahead of training (Flow-Factory compatibility: this "
-                                      "version encodes them per rollout batch)")
-    preprocessing_batch_size: PositiveInt = setting(8, "batch size when encoding prompts ahead of training "
-                                                    "(Flow-Factory compatibility: see enable_preprocess)")
+    enable_preprocess: bool = setting(True, "encode every train and test prompt once before training, into the "
+                                      "prompt cache under cache_dir; false = encode them per rollout batch")
+    preprocessing_batch_size: PositiveInt = setting(8, "prompts encoded at a time when building the cache")
+    text_encoders_after_preprocess: Literal["cpu", "free"] = setting(
+        "cpu", "where the text encoders go once every prompt is cached: cpu (as Flow-Factory), or free (dropped)")
     dataloader_num_workers: NonNegativeInt = setting(
         0, "worker processes for data loading (Flow-Factory compatibility: prompts are read into memory, so none)")
-    cache_dir: str | None = setting(None, "folder for the cached prompt conditioning (Flow-Factory compatibility: "
-                                    "no cache is built in this version)")
-    force_reprocess: bool = setting(False, "re-encode prompts even when a cache exists (Flow-Factory "
-                                    "compatibility: no cache is built in this version)")
+    cache_dir: str = setting("~/.cache/flow_factory/prompt_cache", "folder of the prompt cache (a subfolder per "
+                             "text-encoder fingerprint, so a changed model never reads a stale entry)")
+    force_reprocess: bool = setting(False, "encode every prompt again even when the cache holds it")
     preprocess_parallelism: Literal["local", "global"] = setting(
-        "local", "where the preprocessing cache is shared (Flow-Factory compatibility: see enable_preprocess)")
+        "local", "who shares the prompt cache's work: the processes of each machine (local: cache_dir per machine) "
+        "or all processes (global: cache_dir on a shared file system)")
     sampler_subgroup_size: PositiveInt | None = setting(
         None, "processes per tile of sampler_type subgroup_tile (Flow-Factory compatibility: see sampler_type)")
     sampler_type: Literal[SAMPLER_TYPES] = setting(

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor
 
 Conditioning = dict[str, Tensor]
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
 
 
 # The image and text projections of a joint (MM-DiT) attention block, under diffusers' names:
@@ -67,8 +69,7 @@ class FlowAdapter:
         self.device = torch.device(device)
         self.dtype = dtype
         pipeline.to(self.device)
-        for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
-            module = getattr(pipeline, name, None)
+        for module in [getattr(pipeline, "vae", None), *self.text_encoders().values()]:
             if module is not None:
                 module.requires_grad_(False)
         self.transformer.requires_grad_(False)
@@ -106,6 +107,29 @@ class FlowAdapter:
             yield
         finally:
             self.transformer, self._wrapped = saved
+
+    # --- the text side, which the prompt cache (prompt_cache.py) stands in for ----------
+    def text_encoders(self) -> dict[str, torch.nn.Module]:
+        """The pipeline's text encoders that are loaded, by component name."""
+        found = {name: getattr(self.pipeline, name, None) for name in TEXT_ENCODERS}
+        return {name: module for name, module in found.items() if module is not None}
+
+    def tokenizers(self) -> dict:
+        found = {name: getattr(self.pipeline, name, None) for name in TOKENIZERS}
+        return {name: tokenizer for name, tokenizer in found.items() if tokenizer is not None}
+
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        """Whether ``encode`` at this guidance scale also encodes the negative prompts (true CFG)."""
+        return guidance_scale > 1
+
+    def release_text_encoders(self, where: str) -> None:
+        """Once every prompt is cached: move the text encoders to the CPU (``cpu``) or drop them
+        (``free``); ``encode`` then fails for ``free`` (the cache answers instead)."""
+        for name, module in self.text_encoders().items():
+            if where == "free":
+                setattr(self.pipeline, name, None)
+            else:
+                module.to("cpu")
 
     @property
     def loaded_pixel_factor(self) -> int:

@@ -37,6 +37,9 @@ class FluxAdapter(FlowAdapter):
         return 2 ** (len(vae["block_out_channels"]) - 1) * 2
 
     @torch.no_grad()
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        return False  # FLUX.1-dev's guidance is an embedding: no negative branch
+
     def encode(self, prompts: list[str], negative_prompts: list[str] | None = None,
                guidance_scale: float = 3.5) -> Conditioning:
         # negative prompts have no effect: the guidance is distilled into the embedding

@@ -29,6 +29,7 @@ from ..media import caption, plot_curves, sample_grid
 from ..models import load_adapter
 from ..models.lora import apply_lora
 from ..models.preflight import check_before_loading, set_attention_backend
+from ..prompt_cache import PromptCache
 from ..rewards import RewardSet
 from ..rewards.base import parse_dtype
 from ..sampling import Rollouts, SamplingSettings, collect_rollouts, sample_prompts
@@ -102,6 +103,7 @@ class Trainer:
         check_pipeline_finite(self.adapter.pipeline, f"model.model_name_or_path: {model.model_name_or_path}")
         if model.attn_backend is not None:  # the name is checked before loading (models/preflight.py)
             set_attention_backend(self.adapter.transformer, model.attn_backend, model.model_type)
+        self.prompt_cache = self._cache_prompts() if cfg.data.enable_preprocess else None
         self.dynamics = make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level)
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
         self.params = self._make_trainable()
@@ -152,6 +154,21 @@ class Trainer:
             logger.warning("%s; evaluation is off for this run (eval.eval_freq: %d)", missing,
                            self.cfg.eval.eval_freq)
             return []
+
+    def _cache_prompts(self) -> PromptCache:
+        """Every train and test prompt encoded once (``prompt_cache.py``); then the text encoders
+        leave the device (``data.text_encoders_after_preprocess``)."""
+        cfg, acc = self.cfg, self.accelerator
+        items = ([(it.prompt, it.negative_prompt, cfg.train.guidance_scale) for it in self.train_prompts]
+                 + [(it.prompt, it.negative_prompt, cfg.eval.guidance_scale) for it in self.test_prompts])
+        local = cfg.data.preprocess_parallelism == "local"  # each machine encodes into its own cache_dir
+        share = ((acc.local_process_index, acc.num_processes // cfg.num_machines, acc.is_local_main_process)
+                 if local else (acc.process_index, acc.num_processes, acc.is_main_process))
+        with acc.autocast():  # as the rollout would encode them
+            cache = PromptCache.build(self.adapter, items, cfg.data.cache_dir, cfg.data.preprocessing_batch_size,
+                                      force=cfg.data.force_reprocess, share=share, barrier=acc.wait_for_everyone)
+        self.adapter.release_text_encoders(cfg.data.text_encoders_after_preprocess)
+        return cache
 
     def _from_main(self, fn):
         """``fn()`` on the main process, its result (or its RunFolderError) on every process."""
@@ -210,7 +227,7 @@ class Trainer:
             rollouts = collect_rollouts(
                 self.adapter, self.dynamics, [self.train_prompts[i] for i in indices[share]], group_ids[share],
                 sample_ids, settings, epoch=epoch, reward_set=self.rewards, timer=self.timer,
-                autocast=self.accelerator.autocast)
+                autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache)
         return rollouts
 
     def compute_advantages(self, rollouts: Rollouts, epoch: int) -> torch.Tensor | None:
@@ -260,7 +277,7 @@ class Trainer:
         # what ff-eval samples for the same config: its numbers agree with these
         rollouts = sample_prompts(self.adapter, items[share], SamplingSettings.for_eval(ev),
                                   sample_ids=list(range(len(items)))[share], reward_set=self.eval_rewards,
-                                  autocast=self.accelerator.autocast)
+                                  autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache)
         scores = rollouts.rewards
         means = {f"eval/reward/{k}": self.accelerator.gather(v).mean().item() for k, v in scores.items()}
         self.eval_history.append({"epoch": epoch, **means})

@@ -1,0 +1,176 @@
+"""The prompt cache: every prompt's text conditioning, encoded once, read from disk after.
+
+Flow-Factory's preprocessing (``data.enable_preprocess``): before training, each distinct
+(prompt, negative prompt, CFG or not) of the train and test splits is encoded once, in
+batches of ``data.preprocessing_batch_size``, into safetensors shards under
+``data.cache_dir/<fingerprint>/``. Training then reads the rows it needs (memory-mapped),
+so the text encoders can leave the device.
+
+Never stale: the folder is named by a fingerprint of everything the encoding depends on
+(the adapter class and text length, each text encoder's config and a checksum of every
+weight tensor, each tokenizer's class, length limit and vocabulary; dtypes included), and an
+entry by a hash of its prompt, negative prompt and CFG flag. Never corrupt: a shard is
+written beside its final name and renamed once complete, and its name carries the
+sha256 of its bytes, checked when the cache is opened; a shard that does not match is
+removed (with a warning) and its prompts are encoded again. With several processes each
+encodes its share of what is missing, and all read the shards once every process is done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from .models.base import Conditioning
+
+logger = logging.getLogger(__name__)
+FORMAT = 1  # bump when what a shard holds changes
+SAMPLED_VALUES = 4096  # values of each weight tensor that enter the fingerprint
+
+
+def encoder_fingerprint(adapter) -> str:
+    """What the text conditioning depends on, hashed: 16 hex digits."""
+    h = hashlib.sha256(f"format {FORMAT} {type(adapter).__name__} {adapter.max_sequence_length}".encode())
+    for name, module in sorted(adapter.text_encoders().items()):
+        config = {k: v for k, v in module.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+        h.update(f"{name} {type(module).__name__} {json.dumps(config, sort_keys=True, default=str)}".encode())
+        for key, tensor in module.state_dict().items():
+            h.update(f"{key} {tuple(tensor.shape)} {tensor.dtype} {weight_checksum(tensor)}".encode())
+    for name, tokenizer in sorted(adapter.tokenizers().items()):
+        h.update(f"{name} {type(tokenizer).__name__} {tokenizer.model_max_length}".encode())
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    return h.hexdigest()[:16]
+
+
+def weight_checksum(tensor: torch.Tensor) -> str:
+    """The integer sum of the tensor's bits (exact, so the same on any device and thread count;
+    any one changed value changes it) and a strided sample of its values (which places them)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    bits = flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()])
+    total = int(bits.sum(dtype=torch.int64))
+    sample = flat[:: max(1, flat.numel() // SAMPLED_VALUES)].cpu().contiguous()
+    return f"{total} {hashlib.sha256(sample.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]}"
+
+
+def entry_key(prompt: str, negative_prompt: str | None, cfg: bool) -> str:
+    negative = (negative_prompt or "") if cfg else ""  # without CFG the negative prompt is not encoded
+    return hashlib.sha256(f"{prompt}\0{negative}\0{int(cfg)}".encode()).hexdigest()[:32]
+
+
+class PromptCache:
+    """The shards of one fingerprint: ``lookup`` gives the conditioning of a batch of prompts."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.index: dict[str, tuple[Path, list[str]]] = {}  # entry key -> (shard, its tensor names)
+        self._open: dict[Path, object] = {}
+
+    @classmethod
+    def build(cls, adapter, items: list[tuple[str, str | None, float]], root, batch_size: int, *,
+              force: bool = False, share: tuple[int, int, bool] = (0, 1, True),
+              barrier=lambda: None) -> "PromptCache":
+        """The cache holding every ``(prompt, negative_prompt, guidance_scale)`` of ``items``,
+        encoding whatever is missing. ``share``: (this process's index, how many processes share
+        the folder, whether this one tidies it); ``barrier``: waits for all of those processes."""
+        rank, world, main = share
+        cache = cls(Path(root).expanduser() / encoder_fingerprint(adapter))
+        if main:
+            cache.folder.mkdir(parents=True, exist_ok=True)
+            if force:
+                for shard in cache.folder.glob("*.safetensors"):
+                    shard.unlink()
+            cache.scan(remove_bad=True)
+        barrier()
+        cache.scan()
+        wanted = {}
+        for prompt, negative, guidance in items:
+            cfg = adapter.uses_cfg(guidance)
+            wanted.setdefault(entry_key(prompt, negative, cfg), (prompt, negative or "", guidance))
+        missing = [v for k, v in wanted.items() if k not in cache.index]
+        cache._encode(adapter, missing[rank::world], batch_size, f"{rank:03d}", show=main)
+        barrier()
+        cache.scan()
+        absent = [v[0] for k, v in wanted.items() if k not in cache.index]
+        if absent:
+            raise RuntimeError(f"prompt cache {cache.folder}: {len(absent)} prompts missing after encoding "
+                               f"(e.g. {absent[0]!r}); is data.cache_dir shared by every process?")
+        return cache
+
+    @classmethod
+    def open(cls, adapter, root) -> "PromptCache | None":
+        """The existing cache of this adapter's encoders under ``root``, read-only; None when there
+        is none (``ff-eval``: what is cached is read, the rest is encoded)."""
+        folder = Path(root).expanduser() / encoder_fingerprint(adapter)
+        if not folder.is_dir():
+            return None
+        cache = cls(folder)
+        cache.scan()
+        return cache
+
+    def scan(self, remove_bad: bool = False) -> None:
+        """Index the complete shards; a shard whose bytes do not match its name is skipped (removed
+        with ``remove_bad``), so its prompts are encoded again."""
+        self.index, self._open = {}, {}
+        for shard in sorted(self.folder.glob("*.safetensors")):
+            digest = shard.stem.rpartition("-")[2]
+            if hashlib.sha256(shard.read_bytes()).hexdigest()[:16] != digest:
+                if remove_bad:
+                    logger.warning("prompt cache: %s is damaged (its bytes do not match its checksum); it is "
+                                   "removed and its prompts are encoded again", shard)
+                    shard.unlink(missing_ok=True)
+                continue
+            with safe_open(shard, "pt") as f:
+                for name in f.keys():
+                    key, _, tensor_name = name.partition(".")
+                    self.index.setdefault(key, (shard, []))[1].append(tensor_name)
+
+    def _encode(self, adapter, items: list, batch_size: int, tag: str, show: bool) -> None:
+        by_guidance: dict[float, list] = {}
+        for prompt, negative, guidance in items:
+            by_guidance.setdefault(guidance, []).append((prompt, negative))
+        bar = tqdm(total=len(items), desc="encoding prompts", disable=not show or not items)
+        for guidance, pairs in by_guidance.items():
+            cfg = adapter.uses_cfg(guidance)
+            for start in range(0, len(pairs), batch_size):
+                batch = pairs[start:start + batch_size]
+                with torch.no_grad():
+                    cond = adapter.encode([p for p, _ in batch], [n for _, n in batch], guidance)
+                tensors = {f"{entry_key(p, n, cfg)}.{name}": value[i].detach().cpu().contiguous()
+                           for name, value in cond.items() for i, (p, n) in enumerate(batch)}
+                self._write(tensors, f"{tag}-{guidance:g}-{start:07d}")
+                bar.update(len(batch))
+        bar.close()
+
+    def _write(self, tensors: dict, stem: str) -> None:
+        partial = self.folder / f".{stem}.partial"
+        save_file(tensors, partial)
+        with open(partial, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+            os.fsync(f.fileno())
+        os.replace(partial, self.folder / f"{stem}-{digest}.safetensors")
+
+    def lookup(self, pairs: list[tuple[str, str | None]], cfg: bool, device) -> Conditioning | None:
+        """The conditioning of ``pairs`` (prompt, negative prompt) stacked in order, on ``device``;
+        None when one of them is not cached."""
+        keys = [entry_key(p, n, cfg) for p, n in pairs]
+        if not all(k in self.index for k in keys):
+            return None
+        names = self.index[keys[0]][1]
+        rows = {name: [] for name in names}
+        for key in keys:
+            shard, _ = self.index[key]
+            handle = self._open.get(shard)
+            if handle is None:
+                handle = self._open[shard] = safe_open(shard, "pt")
+            for name in names:
+                rows[name].append(handle.get_tensor(f"{key}.{name}"))
+        return {name: torch.stack(values).to(device) for name, values in rows.items()}
+

@@ -1,0 +1,173 @@
+"""The prompt cache (data.enable_preprocess): what it returns is what the encoders return,
+it is never stale and never corrupt, and training with it is training without it."""
+
+import logging
+
+import pytest
+import torch
+from helpers_runs import TINY_MODELS, tiny_run_config
+
+from flow_factory.config import parse_config
+from flow_factory.models import load_adapter
+from flow_factory.prompt_cache import PromptCache, encoder_fingerprint
+from flow_factory.trainer import Trainer
+
+PAIRS = [("a red circle", "blurry"), ("a blue square", None), ("two yellow stars", "ugly"), ("a lake", None),
+         ("a cat", "dark")]
+
+
+def _build(adapter, folder, guidance, batch_size=2, **kw):
+    return PromptCache.build(adapter, [(p, n, guidance) for p, n in PAIRS], folder, batch_size, **kw)
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_MODELS))
+@pytest.mark.parametrize("guidance", [1.0, 4.5])
+def test_cached_conditioning_is_what_the_encoders_give(request, tmp_path, model_type, guidance):
+    adapter = load_adapter(model_type, request.getfixturevalue(TINY_MODELS[model_type][0]))
+    cache = _build(adapter, tmp_path, guidance)
+    for start in range(0, len(PAIRS), 2):  # the batches the cache was built in
+        batch = PAIRS[start:start + 2]
+        fresh = adapter.encode([p for p, _ in batch], [n or "" for _, n in batch], guidance)
+        cached = cache.lookup(batch, adapter.uses_cfg(guidance), "cpu")
+        assert cached.keys() == fresh.keys()
+        for name in fresh:
+            assert cached[name].dtype == fresh[name].dtype and torch.equal(cached[name], fresh[name]), name
+    # any order and repetition, as a group repeats its prompt
+    again = cache.lookup([PAIRS[3], PAIRS[0], PAIRS[3]], adapter.uses_cfg(guidance), "cpu")
+    first = cache.lookup([PAIRS[3]], adapter.uses_cfg(guidance), "cpu")
+    assert all(torch.equal(again[k][0], first[k][0]) and torch.equal(again[k][2], first[k][0]) for k in first)
+    assert cache.lookup([("never cached", None)], adapter.uses_cfg(guidance), "cpu") is None
+
+
+def test_the_fingerprint_follows_what_the_encoding_depends_on(tiny_sd3_path):
+    adapter = load_adapter("sd3-5", tiny_sd3_path)
+    base = encoder_fingerprint(adapter)
+    assert encoder_fingerprint(load_adapter("sd3-5", tiny_sd3_path)) == base  # a fresh load: the same
+    with torch.no_grad():
+        weight = next(adapter.pipeline.text_encoder_3.parameters())
+        weight.view(-1)[7] += 1e-3  # one value of one tensor
+    assert encoder_fingerprint(adapter) != base
+    adapter = load_adapter("sd3-5", tiny_sd3_path)
+    adapter.pipeline.tokenizer_3.model_max_length = 8
+    assert encoder_fingerprint(adapter) != base
+    adapter = load_adapter("sd3-5", tiny_sd3_path)
+    adapter.max_sequence_length = 7
+    assert encoder_fingerprint(adapter) != base
+    adapter = load_adapter("sd3-5", tiny_sd3_path)
+    adapter.pipeline.tokenizer.add_tokens(["<new-word>"])
+    assert encoder_fingerprint(adapter) != base
+
+
+def test_training_settings_reuse_the_cache_and_a_new_prompt_adds_to_it(tmp_path, tiny_sd3_path, monkeypatch):
+    config = tiny_run_config(tmp_path / "a", "sd3-5", tiny_sd3_path, learning_rate=1e-3)
+    config["data"]["cache_dir"] = str(tmp_path / "cache")
+    Trainer(parse_config(config)).close()
+    shards = sorted((tmp_path / "cache").rglob("*.safetensors"))
+    assert shards and len({p.parent for p in shards}) == 1
+
+    # other training settings, the same encoders: nothing is encoded again
+    other = tiny_run_config(tmp_path / "b", "sd3-5", tiny_sd3_path, learning_rate=1e-5, group_size=3,
+                            per_device_batch_size=3)
+    other["data"]["cache_dir"] = str(tmp_path / "cache")
+    calls = []
+    monkeypatch.setattr(PromptCache, "_encode", lambda self, adapter, items, *a, **k: calls.append(len(items)))
+    Trainer(parse_config(other)).close()
+    assert calls == [0] and sorted((tmp_path / "cache").rglob("*.safetensors")) == shards
+    monkeypatch.undo()
+
+    # a prompt file with one new prompt: only it is encoded
+    (tmp_path / "b" / "data" / "train.txt").write_text("a red circle\na brand new prompt\n")
+    encoded = []
+    original = PromptCache._encode
+    monkeypatch.setattr(PromptCache, "_encode",
+                        lambda self, adapter, items, *a, **k: (encoded.append(items), original(self, adapter, items,
+                                                                                             *a, **k)))
+    Trainer(parse_config(other)).close()
+    assert [p for p, _, _ in encoded[0]] == ["a brand new prompt"]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_shard_is_rebuilt_with_a_warning(tmp_path, tiny_sd3_path, damage, caplog):
+    adapter = load_adapter("sd3-5", tiny_sd3_path)
+    good = _build(adapter, tmp_path, 4.5)
+    reference = good.lookup(PAIRS, True, "cpu")
+    shard = sorted(good.folder.glob("*.safetensors"))[0]
+    original = shard.read_bytes()
+    data = bytearray(original)
+    if damage == "flip":
+        data[-5] ^= 0xFF
+    else:
+        data = data[: len(data) // 2]
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        rebuilt = _build(adapter, tmp_path, 4.5)
+    assert any("is damaged" in r.getMessage() for r in caplog.records)
+    assert shard.read_bytes() == original  # encoded again: the same batch gives the same shard
+    again = rebuilt.lookup(PAIRS, True, "cpu")
+    assert all(torch.equal(again[k], reference[k]) for k in reference)
+
+
+def test_force_reprocess_encodes_everything_again(tmp_path, tiny_sd3_path):
+    adapter = load_adapter("sd3-5", tiny_sd3_path)
+    first = {p.name for p in _build(adapter, tmp_path, 4.5).folder.glob("*.safetensors")}
+    shards = list(_build(adapter, tmp_path, 4.5, batch_size=5, force=True).folder.glob("*.safetensors"))
+    assert len(shards) == 1 and shards[0].name not in first  # one batch of 5 now, the old shards gone
+
+
+def _one_epoch_weights(tmp_path, model_path, **data):
+    config = tiny_run_config(tmp_path, "sd3-5", model_path, max_epochs=1)
+    config["data"].update(data)
+    config["log"]["logging_backend"] = "none"
+    trainer = Trainer(parse_config(config))
+    trainer.train()
+    return trainer, [p.detach().clone() for p in trainer.params]
+
+
+def test_a_run_with_the_cache_ends_with_the_weights_of_a_run_without(tmp_path, tiny_sd3_path, monkeypatch):
+    """The same encoder calls give the same run. The text encoders' float32 matmuls round by batch
+    shape (a pooled embedding moves by ~4e-7 between a prompt encoded alone and in a batch of 4),
+    so the cache is built one prompt at a time here, as the live run encodes them (a rollout batch
+    of 2 holds one prompt twice); with other batchings both runs are equally valid and differ by
+    that rounding."""
+    _, without = _one_epoch_weights(tmp_path / "live", tiny_sd3_path, enable_preprocess=False)
+    original = PromptCache.build
+
+    def build_then_forbid_encoding(*args, **kwargs):  # after the cache is built, no encoder may run
+        cache = original(*args, **kwargs)
+        monkeypatch.setattr("flow_factory.models.sd3.SD3Adapter.encode",
+                            lambda *a, **k: pytest.fail("a text encoder ran during training"))
+        return cache
+
+    monkeypatch.setattr(PromptCache, "build", build_then_forbid_encoding)
+    trainer, cached = _one_epoch_weights(tmp_path / "cached", tiny_sd3_path, text_encoders_after_preprocess="free",
+                                         preprocessing_batch_size=1)
+    assert trainer.adapter.text_encoders() == {}  # freed: the adapter holds none
+    assert trainer.eval_history  # evaluation read the cache too
+    for a, b in zip(without, cached):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_text_encoders_move_to_the_cpu_after_caching_by_default(tmp_path, tiny_sd3_path):
+    config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path)
+    trainer = Trainer(parse_config(config))
+    assert trainer.cfg.data.text_encoders_after_preprocess == "cpu"
+    encoders = trainer.adapter.text_encoders()
+    assert len(encoders) == 3
+    assert {p.device.type for m in encoders.values() for p in m.parameters()} == {"cpu"}
+    trainer.close()
+
+
+def test_ff_eval_reads_the_runs_cache_and_matches_its_evaluation(tmp_path, tiny_sd3_path, monkeypatch):
+    from flow_factory.evaluate import evaluate_config
+
+    config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path, max_epochs=1)
+    config["log"]["logging_backend"] = "none"
+    cfg = parse_config(config)
+    trainer = Trainer(cfg)
+    trainer.train()
+    monkeypatch.setattr("flow_factory.models.sd3.SD3Adapter.encode",
+                        lambda *a, **k: pytest.fail("ff-eval encoded a prompt the run's cache holds"))
+    summary, _ = evaluate_config(cfg, tmp_path / "saves" / "run" / "checkpoints" / "epoch_1")
+    final = trainer.eval_history[-1]
+    assert final["epoch"] == 1
+    assert summary["jpeg"]["mean"] == pytest.approx(final["eval/reward/jpeg"], abs=1e-6)
