@@ -90,7 +90,8 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
     name = dynamics or ("Flow-SDE" if coupled else "ODE")
     cfg = TrainConfig(**{"clip_range": 0.2, "kl_type": "v-based", "nft_beta": 1.0, "beta": 2000.0,
                          "num_train_timesteps": 4, "time_sampling_strategy": "uniform", "time_shift": 1.0,
-                         "timestep_range": [0.0, 1.0], "num_inference_steps": num_steps, **train})
+                         "timestep_range": [0.0, 1.0], "num_inference_steps": num_steps, "group_size": group_size,
+                         "per_device_batch_size": groups * group_size, **train})
     dyn = make_dynamics(name, 0.7 if name != "ODE" else 0.0)
     algorithm = make_algorithm(trainer_type, cfg, dyn)
     params = [p for p in adapter.transformer.parameters()]

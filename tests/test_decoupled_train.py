@@ -1,5 +1,5 @@
 """`ff-train` end to end for nft, awm and dpo on tiny SD3, FLUX and Wan, each with ODE and
-with CPS rollouts (and one DPM-Solver++2M run), exact resume with the EMA,
+with CPS rollouts (and one DPM-Solver++2M run; dgpo with ODE), exact resume with the EMA,
 and off-policy sampling with the EMA weights."""
 
 import json
@@ -16,6 +16,7 @@ from flow_factory.trainer.trainer import Trainer
 RUNS = [(algorithm, model, dynamics) for algorithm in ("nft", "awm", "dpo")
         for model in ("sd3-5", "flux1", "wan2_t2v") for dynamics in ("ODE", "CPS")]
 RUNS += [("dpo", "wan2_t2v", "DPM-Solver++2M")]
+RUNS += [("dgpo", model, "ODE") for model in ("sd3-5", "flux1", "wan2_t2v")]
 
 
 def decoupled_config(tmp, model_type, path, trainer_type, dynamics, **train):
@@ -32,7 +33,8 @@ def test_ff_train_decoupled(request, tmp_path, trainer_type, model_type, dynamic
     run_dir = tmp_path / "saves" / "run"
     history = json.loads((run_dir / "history.json").read_text())["train"]
     assert [r["epoch"] for r in history] == [0, 1, 2]
-    expected = {"nft": "train/positive_loss", "awm": "train/ratio_mean", "dpo": "train/implicit_accuracy"}
+    expected = {"nft": "train/positive_loss", "awm": "train/ratio_mean", "dpo": "train/implicit_accuracy",
+                "dgpo": "train/group_weight"}
     for key in (expected[trainer_type], "train/loss", "train/grad_norm", "reward/jpeg/mean"):
         assert key in history[-1], key
     lora = load_file(run_dir / "checkpoints" / "epoch_3" / "pytorch_lora_weights.safetensors")
@@ -43,6 +45,7 @@ def test_ff_train_decoupled(request, tmp_path, trainer_type, model_type, dynamic
     ("nft", {"ema_decay": 0.5, "off_policy": True, "ema_decay_schedule": "piecewise_linear", "ramp_rate": 0.3}),
     ("awm", {"ema_decay": 0.7, "ema_kl_beta": 0.1}),
     ("dpo", {}),
+    ("dgpo", {"kl_beta": 0.1, "clip_kl": True, "ema_decay": 0.5}),
 ])
 def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_sd3_path, trainer_type, extra):
     def run(folder, epochs, resume=None, name="run"):

@@ -329,6 +329,9 @@ def test_shuffle_samples_false_trains_in_rollout_order(shuffle):
         def training_units(self, group_ids, advantages):
             return torch.arange(len(advantages)).unsqueeze(1)
 
+        def units_per_chunk(self, batch_size):
+            return batch_size
+
         def micro_batches(self, rollouts, advantages, units, generator):
             seen.extend(units[:, 0].tolist())
             yield Batch(torch.zeros(1))

@@ -92,6 +92,11 @@ class Algorithm:
         alone (k = 1); the trainer shuffles units and takes ``per_device_batch_size`` at a time."""
         return torch.arange(len(advantages)).unsqueeze(1)
 
+    def units_per_chunk(self, batch_size: int) -> int:
+        """Units the loop takes at a time, given ``per_device_batch_size``. Default: that many
+        (DGPO, whose unit is a whole group: that many samples)."""
+        return batch_size
+
     def micro_batches(self, rollouts: RolloutsLike, advantages: Tensor, units: Tensor,
                       generator: torch.Generator) -> Iterator[TrainBatch]:
         """Coupled: the chosen samples at each trained (stochastic) step of their rollout."""

@@ -7,7 +7,7 @@ checks and the training loop cannot disagree:
   samples per epoch    = unique_sample_num_per_epoch * group_size
   batches per process  = samples per epoch / (num_processes * per_device_batch_size)
   trained steps        = coupled (grpo*): num_sde_steps, else len(sde_steps), else num_inference_steps
-                         decoupled (nft, awm, dpo): num_train_timesteps (resolved)
+                         decoupled (nft, awm, dpo, dgpo): num_train_timesteps (resolved)
   optimize batches     = batches per process; dpo: ceil(groups per process / per_device_batch_size)
                          (a dpo micro-batch holds per_device_batch_size best / worst pairs)
   micro-steps          = optimize batches * trained steps   (one backward each)
@@ -126,7 +126,7 @@ class Config(Section):
     # ------------------------------------------------------------------ resolution
     def _trainer_defaults(self) -> None:
         """Flow-Factory's per-algorithm defaults of the decoupled timestep keys a config leaves out
-        (its training_args/nft.py, awm.py, dpo.py)."""
+        (its training_args/nft.py, awm.py, dpo.py, dgpo.py)."""
         train = self.train
         dpo = train.trainer_type == "dpo"
         if train.time_shift is None:
@@ -137,6 +137,8 @@ class Config(Section):
                                ("num_train_timesteps", 1)):
                 if key not in given:
                     setattr(train, key, value)
+        if train.trainer_type == "dgpo" and "timestep_range" not in train.model_fields_set:
+            train.timestep_range = 0.6
 
     def _fill_defaults(self) -> None:
         train, ev = self.train, self.eval
@@ -160,7 +162,7 @@ class Config(Section):
     # ------------------------------------------------------------------ checks
     def _contradictions(self) -> list[str]:
         train, sched, model = self.train, self.scheduler, self.model
-        out = self._launch_problems()
+        out = self._launch_problems() + self._dgpo_contradictions()
         coupled = train.trainer_type in COUPLED_TRAINER_TYPES
         if not coupled:
             out += self._decoupled_contradictions()
@@ -237,6 +239,35 @@ class Config(Section):
             out.append(f"train.unique_sample_num_per_epoch: dpo pairs the best and worst sample of each group on "
                        f"one process, so the {train.unique_sample_num_per_epoch} groups must split evenly over "
                        f"num_processes = {self.num_processes}")
+        return out
+
+    def _dgpo_contradictions(self) -> list[str]:
+        train, out = self.train, []
+        dgpo_keys = ("dpo_beta", "use_shared_noise", "clip_dsm", "clip_kl", "kl_cfg", "switch_ema_ref", "use_ema_ref")
+        if train.trainer_type != "dgpo":
+            fields = type(train).model_fields  # a resolved config writes every default: only other values count
+            given = [k for k in dgpo_keys if getattr(train, k) != fields[k].default]
+            if given:
+                out.append(f"train: {', '.join(given)} are dgpo's; {train.trainer_type} does not use them")
+            return out
+        if train.per_device_batch_size % train.group_size:
+            out.append(f"train.per_device_batch_size: dgpo weighs each group by its members' summed preference, "
+                       f"so a micro-batch holds whole groups; {train.per_device_batch_size} is not a multiple of "
+                       f"group_size {train.group_size} (Flow-Factory splits a group over processes and all-reduces; "
+                       "not in this version)")
+        if train.use_ema_ref:
+            out.append("train.use_ema_ref: true takes Flow-Factory's fast old-policy EMA (ema_ref) as the reference; "
+                       "that EMA is not in this version; use false (the frozen starting weights)")
+        if train.switch_ema_ref is not None:
+            total = train.max_epochs * train.num_inner_epochs * train.gradient_step_per_epoch
+            if train.gradient_accumulation_steps == "auto" and train.switch_ema_ref < total:
+                out.append(f"train.switch_ema_ref: {train.switch_ema_ref}: Flow-Factory samples with its fast "
+                           f"old-policy EMA after that many optimizer steps, and this run takes {total}; that EMA "
+                           "is not in this version; use null (sample with the current weights, or the EMA with "
+                           f"off_policy) or a value >= {total}")
+            elif train.gradient_accumulation_steps != "auto":
+                out.append("train.switch_ema_ref: Flow-Factory's fast old-policy EMA is not in this version; "
+                           "use null")
         return out
 
     def _window_problems(self) -> list[str]:

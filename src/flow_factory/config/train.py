@@ -12,9 +12,9 @@ from pydantic import NonNegativeInt, PositiveInt, field_validator, model_validat
 
 from .base import DTYPE_NAMES, Section, as_list, canonical_choice, check_resolution, problem, resolution_pair, setting, show
 
-TRAINER_TYPES = ("grpo", "grpo-guard", "nft", "awm", "dpo")
+TRAINER_TYPES = ("grpo", "grpo-guard", "nft", "awm", "dpo", "dgpo")
 COUPLED_TRAINER_TYPES = ("grpo", "grpo-guard")  # train the sampler's own SDE steps
-DECOUPLED_TRAINER_TYPES = ("nft", "awm", "dpo")  # train on the forward process at their own timesteps
+DECOUPLED_TRAINER_TYPES = ("nft", "awm", "dpo", "dgpo")  # train on the forward process at their own timesteps
 TIME_SAMPLING_STRATEGIES = ("uniform", "logit_normal", "discrete", "discrete_with_init", "discrete_wo_init")
 
 
@@ -36,8 +36,9 @@ def resolve_num_train_timesteps(train) -> int:
 
 
 class TrainConfig(Section):
-    trainer_type: Literal["grpo", "grpo-guard", "nft", "awm", "dpo"] = setting(
-        "grpo", "algorithm: grpo, grpo-guard (coupled, SDE rollouts) or nft, awm, dpo (decoupled, any dynamics)")
+    trainer_type: Literal["grpo", "grpo-guard", "nft", "awm", "dpo", "dgpo"] = setting(
+        "grpo", "algorithm: grpo, grpo-guard (coupled, SDE rollouts) or nft, awm, dpo, dgpo (decoupled, any "
+        "dynamics)")
     resolution: int | list[int] = setting(512, "image size, an int or [height, width]",
                                           expects="an integer or [height, width]")
     num_frames: PositiveInt | None = setting(None, "frames per video (video models only; Wan needs 4k + 1); "
@@ -86,7 +87,7 @@ class TrainConfig(Section):
     advantage_aggregation: Literal["sum", "gdpo"] = setting(
         "gdpo", "several rewards: advantage of the weighted sum (sum) or weighted per-reward advantages (gdpo)")
 
-    # decoupled algorithms (nft, awm, dpo)
+    # decoupled algorithms (nft, awm, dpo, dgpo)
     nft_beta: float = setting(1.0, "nft: strength of the implicit positive / negative policies", gt=0)
     nft_weighting: Literal["adaptive", "uniform"] = setting(
         "adaptive", "nft: flow error in x0 space normalised per sample (adaptive) or plain velocity MSE (uniform)")
@@ -96,6 +97,18 @@ class TrainConfig(Section):
     ema_kl_beta: float = setting(0.0, "awm: coefficient of the v-based KL to the EMA policy (needs ema_decay > 0)",
                                  ge=0)
     beta: float = setting(2000.0, "dpo: DPO temperature on the per-dimension flow-matching errors", gt=0)
+    dpo_beta: float = setting(100.0, "dgpo: temperature of the group preference on the flow-matching errors", gt=0)
+    use_shared_noise: bool = setting(True, "dgpo: the samples of a group are noised with the same noise")
+    clip_dsm: bool = setting(True, "dgpo: PPO-style clipping of each sample's flow-matching error against the "
+                             "rollout's weights (clip_range)")
+    clip_kl: bool = setting(False, "dgpo: the clip_dsm mask also stops the KL penalty's gradient")
+    kl_cfg: float = setting(1.0, "dgpo: CFG scale of the frozen reference's velocity; values <= 1 mean none, the only "
+                            "ones here (CFG on the reference is not in this version)")
+    switch_ema_ref: NonNegativeInt | None = setting(
+        None, "dgpo: Flow-Factory samples with a fast old-policy EMA after this many optimizer steps; that EMA is not "
+        "in this version, so a value is accepted only when the run never reaches it; null = never")
+    use_ema_ref: bool = setting(False, "dgpo: the fast old-policy EMA as the preference reference; only false here "
+                                "(that EMA is not in this version)")
     num_train_timesteps: PositiveInt | None = setting(
         None, "training timesteps per micro-batch (decoupled); null = num_inference_steps x the timestep_range span "
         "(dpo: 1 when omitted)")
@@ -108,7 +121,7 @@ class TrainConfig(Section):
         "null = 3 for nft and awm, 1 for dpo. The discrete strategies use the rollout's own (shifted) sigmas", gt=0)
     timestep_range: float | list[float] = setting(
         0.9, "fraction of the denoising axis trained (decoupled): f = [0, f] (the first f of the trajectory, from "
-        "sigma = 1) or [lo, hi]; dpo: 0.99 when omitted", expects="a number in (0, 1] or [lo, hi] with 0 <= lo < hi <= 1")
+        "sigma = 1) or [lo, hi]; dpo: 0.99, dgpo: 0.6 when omitted", expects="a number in (0, 1] or [lo, hi] with 0 <= lo < hi <= 1")
     off_policy: bool = setting(False, "sample rollouts with the EMA weights while the current policy trains")
 
     ema_decay: float = setting(0.995, "EMA decay of the trained weights (the maximum, for ramped schedules); "
@@ -147,6 +160,14 @@ class TrainConfig(Section):
         if isinstance(value, dict):
             raise problem(f"{show(value)}: only {{mode: full}} or {{mode: none}} (every block or none) here; "
                           "selective checkpointing is not in this version")
+        return value
+
+    @field_validator("kl_cfg")
+    @classmethod
+    def _kl_cfg(cls, value):
+        if value > 1:
+            raise problem(f"{show(value)}: CFG on the frozen reference (an unconditional reference pass) is not in "
+                          "this version; values <= 1 (no CFG, Flow-Factory's default 1.0) only")
         return value
 
     @field_validator("num_train_timesteps", mode="before")

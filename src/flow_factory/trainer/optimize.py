@@ -29,6 +29,7 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
     optimizer steps skipped for a non-finite gradient."""
     acc = accelerator
     units = algorithm.training_units(rollouts.group_ids, advantages)
+    batch_size = algorithm.units_per_chunk(batch_size)
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     micro, steps, skipped = 0, 0, 0
