@@ -93,8 +93,9 @@ class Algorithm:
         return torch.arange(len(advantages)).unsqueeze(1)
 
     def units_per_chunk(self, batch_size: int) -> int:
-        """Units the loop takes at a time, given ``per_device_batch_size``. Default: that many
-        (DGPO, whose unit is a whole group: that many samples)."""
+        """Units the loop takes at a time, given ``per_device_batch_size``. Default: that many; an
+        algorithm whose unit holds several samples (DGPO: a whole group) takes fewer, so that a
+        micro-batch still holds ``per_device_batch_size`` samples."""
         return batch_size
 
     def micro_batches(self, rollouts: RolloutsLike, advantages: Tensor, units: Tensor,
