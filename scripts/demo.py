@@ -1,6 +1,6 @@
 """`make tiny-demo`: GRPO end to end on CPU, from one YAML, with nothing downloaded.
 
-Builds a tiny SD3 pipeline from config into runs/demo/tiny-sd3 (once), trains it with
+Builds a tiny SD3 pipeline from config into runs/tiny-sd3 (once), trains it with
 examples/demo_tiny_sd3.yaml, and prints the eval reward before and after training.
 Extra arguments are config overrides, e.g. `python scripts/demo.py train.max_epochs=4`.
 """
