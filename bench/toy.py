@@ -10,6 +10,8 @@ the untrained model samples roughly N(0, I), a mean reward near ``-(2 + |TARGET|
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -98,21 +100,24 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
     for p in params:
         p.requires_grad_(True)
     rollout_weights = WeightCopy(params)
+    snapshots = {name: WeightCopy(params) for name in algorithm.weight_snapshots}  # CRD's old / sampling models
     policy = AdapterPolicy(adapter, 1.0, "full", keep_reference=algorithm.needs_reference,
-                           sampling_weights=rollout_weights)
+                           sampling_weights=rollout_weights, snapshots=snapshots)
     optimizer = torch.optim.Adam(params, lr=lr)
     acc = Accelerator(cpu=True)
     n = groups * group_size
     group_ids = torch.arange(groups).repeat_interleave(group_size)
     sigmas = adapter.sigmas(num_steps)
     cond = adapter.encode([""] * n, None, 1.0)
-    history = []
+    history, steps = [], 0
     for epoch in range(epochs + 1):
         gen = torch.Generator().manual_seed(seed * 100003 + epoch)
         noise = torch.randn(n, 2, generator=gen)
         rollout_weights.copy_from_params()
-        traj = sample_trajectory(adapter, dyn, cond, noise, sigmas, 1.0, generator=gen,
-                                 record_means=algorithm.records_step_means)
+        sampling = algorithm.rollout_snapshot
+        with snapshots[sampling].applied() if sampling else contextlib.nullcontext():
+            traj = sample_trajectory(adapter, dyn, cond, noise, sigmas, 1.0, generator=gen,
+                                     record_means=algorithm.records_step_means)
         rewards = toy_reward(traj.final)
         history.append(rewards.mean().item())
         if epoch == epochs:
@@ -120,7 +125,11 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
         rollouts = ToyRollouts(group_ids, traj.latents, traj.log_probs, traj.sigmas, traj.sde_steps, cond,
                                traj.means)
         advantages = combine_advantages({"r": rewards}, {"r": 1.0}, group_ids, "sum", False)
-        optimize_epoch(algorithm, policy, rollouts, advantages, accelerator=acc, optimizer=optimizer,
-                       params=params, denoiser=adapter.transformer, batch_size=n, num_inner_epochs=1,
-                       accumulation=1, max_grad_norm=1.0, seed=seed, epoch=epoch, guard=NonFiniteGuard(0))
+        _, done = optimize_epoch(algorithm, policy, rollouts, advantages, accelerator=acc, optimizer=optimizer,
+                                 params=params, denoiser=adapter.transformer, batch_size=n, num_inner_epochs=1,
+                                 accumulation=1, max_grad_norm=1.0, seed=seed, epoch=epoch,
+                                 guard=NonFiniteGuard(0))
+        steps += done
+        for name, decay_of in algorithm.weight_snapshots.items():
+            snapshots[name].update(decay_of(steps))
     return history

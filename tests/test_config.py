@@ -301,7 +301,7 @@ def test_reward_extra_keys_are_constructor_options():
     ("train.group_size=2.5", "train.group_size: expected a positive integer, got 2.5"),
     ("train.group_size=true", "train.group_size: expected a positive integer, got true"),
     ("train.trainer_type=gpro",
-     "train.trainer_type: expected one of 'grpo', 'grpo-guard', 'nft', 'awm', 'dpo', 'dgpo', got 'gpro'; did you mean 'grpo'?"),
+     "train.trainer_type: expected one of 'grpo', 'grpo-guard', 'nft', 'awm', 'dpo', 'dgpo', 'crd', got 'gpro'; did you mean 'grpo'?"),
     ("scheduler.dynamics_type=Flow-SDF",
      "scheduler.dynamics_type: expected one of 'Flow-SDE', 'Dance-SDE', 'CPS', 'ODE', 'DPM-Solver++2M', got 'Flow-SDF'; "
      "did you mean 'Flow-SDE'?"),
@@ -528,7 +528,7 @@ def _combination_accepted_by_classes(trainer_type: str, dynamics: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize("trainer_type", ["grpo", "grpo-guard", "nft", "awm", "dpo", "dgpo"])
+@pytest.mark.parametrize("trainer_type", ["grpo", "grpo-guard", "nft", "awm", "dpo", "dgpo", "crd"])
 @pytest.mark.parametrize("dynamics", ["Flow-SDE", "Dance-SDE", "CPS", "ODE", "DPM-Solver++2M"])
 def test_the_config_refuses_exactly_the_combinations_the_classes_refuse(trainer_type, dynamics):
     """Which algorithm trains through which dynamics is the classes' rule (GRPO needs a stochastic

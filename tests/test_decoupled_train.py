@@ -1,6 +1,7 @@
 """`ff-train` end to end for nft, awm and dpo on tiny SD3, FLUX and Wan, each with ODE and
-with CPS rollouts (and one DPM-Solver++2M run; dgpo with ODE), exact resume with the EMA,
-and off-policy sampling with the EMA weights."""
+with CPS rollouts (and one DPM-Solver++2M run; dgpo and crd with ODE), exact resume with the EMA
+(and crd's old and sampling models),
+off-policy sampling with the EMA weights, and crd sampling with its sampling model."""
 
 import json
 
@@ -17,6 +18,7 @@ RUNS = [(algorithm, model, dynamics) for algorithm in ("nft", "awm", "dpo")
         for model in ("sd3-5", "flux1", "wan2_t2v") for dynamics in ("ODE", "CPS")]
 RUNS += [("dpo", "wan2_t2v", "DPM-Solver++2M")]
 RUNS += [("dgpo", model, "ODE") for model in ("sd3-5", "flux1", "wan2_t2v")]
+RUNS += [("crd", model, "ODE") for model in ("sd3-5", "flux1", "wan2_t2v")]
 
 
 def decoupled_config(tmp, model_type, path, trainer_type, dynamics, **train):
@@ -34,7 +36,7 @@ def test_ff_train_decoupled(request, tmp_path, trainer_type, model_type, dynamic
     history = json.loads((run_dir / "history.json").read_text())["train"]
     assert [r["epoch"] for r in history] == [0, 1, 2]
     expected = {"nft": "train/positive_loss", "awm": "train/ratio_mean", "dpo": "train/implicit_accuracy",
-                "dgpo": "train/group_weight"}
+                "dgpo": "train/group_weight", "crd": "train/r_theta_mean"}
     for key in (expected[trainer_type], "train/loss", "train/grad_norm", "reward/jpeg/mean"):
         assert key in history[-1], key
     lora = load_file(run_dir / "checkpoints" / "epoch_3" / "pytorch_lora_weights.safetensors")
@@ -46,6 +48,7 @@ def test_ff_train_decoupled(request, tmp_path, trainer_type, model_type, dynamic
     ("awm", {"ema_decay": 0.7, "ema_kl_beta": 0.1}),
     ("dpo", {}),
     ("dgpo", {"kl_beta": 0.1, "clip_kl": True, "ema_decay": 0.5}),
+    ("crd", {"old_model_decay": "0-0.3-0.1-0.9", "sampling_model_decay": "1-0.0-0.2-0.9", "ema_decay": 0.5}),
 ])
 def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_sd3_path, trainer_type, extra):
     def run(folder, epochs, resume=None, name="run"):
@@ -64,8 +67,10 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_sd3_path, trainer_ty
     b = load_file(resumed / "pytorch_lora_weights.safetensors")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
-    if extra.get("ema_decay"):
-        ema_a, ema_b = (torch.load(d / "ema.pt", weights_only=True)["weights"] for d in (straight, resumed))
+    saved = ["ema.pt"] if extra.get("ema_decay") else []
+    saved += ["crd_old.pt", "crd_sampling.pt"] if trainer_type == "crd" else []
+    for name in saved:
+        ema_a, ema_b = (torch.load(d / name, weights_only=True)["weights"] for d in (straight, resumed))
         for x, y in zip(ema_a, ema_b):
             torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
 
@@ -97,3 +102,29 @@ def test_off_policy_rollouts_use_the_ema_weights(tmp_path, tiny_sd3_path):
     torch.testing.assert_close(on.sample_epoch(0).latents[:, -1], sampled, atol=1e-6, rtol=0)
     for p_off, p_on in zip(off.params, on.params):  # sampling swapped the EMA in and back out
         assert not torch.equal(p_off, p_on)
+
+
+def test_crd_rollouts_use_its_sampling_model(tmp_path, tiny_sd3_path):
+    config = decoupled_config(tmp_path, "sd3-5", tiny_sd3_path, "crd", "ODE")
+    config["log"]["logging_backend"] = "none"
+    t = Trainer(parse_config(config))
+    snapshot = t.snapshots["crd_sampling"]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        current = [torch.randn(p.shape, generator=gen) * 0.1 for p in t.params]
+        other = [c + torch.randn(c.shape, generator=gen) * 0.3 for c in current]
+        for p, c in zip(t.params, current):
+            p.copy_(c)
+
+    def sample_with(weights):
+        with torch.no_grad():
+            for w, x in zip(snapshot.weights, weights):
+                w.copy_(x)
+        return t.sample_epoch(0).latents[:, -1]
+
+    sampled = sample_with(other)
+    assert not torch.allclose(sampled, sample_with(current), atol=1e-4), "the rollout ignored the sampling model"
+    with torch.no_grad():  # the same weights live: the rollout must match
+        for p, x in zip(t.params, other):
+            p.copy_(x)
+    torch.testing.assert_close(sample_with(other), sampled, atol=1e-6, rtol=0)

@@ -6,6 +6,7 @@ the algorithm reads its settings from the ``train`` section.
 
 from .awm import AWM, AWM_WEIGHTINGS, awm_log_prob
 from .base import Algorithm, Policy, TrainBatch
+from .crd import CRD, crd_policy_loss, decay_at, implicit_reward
 from .decoupled import DecoupledAlgorithm, NoisedBatch
 from .dgpo import DGPO, dgpo_loss, dsm_clip_mask, group_members
 from .dpo import DPO, best_and_worst, dpo_loss
@@ -14,7 +15,7 @@ from .grpo_guard import GRPOGuard, normalized_log_ratio
 from .kl import KL_TYPES, v_based_kl, x_based_kl
 from .nft import NFT, NFT_WEIGHTINGS, nft_loss, optimality_probability
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (GRPO, GRPOGuard, NFT, AWM, DPO, DGPO)}
+ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (GRPO, GRPOGuard, NFT, AWM, DPO, DGPO, CRD)}
 
 
 def make_algorithm(name: str, train_cfg, dynamics) -> Algorithm:
@@ -24,9 +25,9 @@ def make_algorithm(name: str, train_cfg, dynamics) -> Algorithm:
 
 
 __all__ = [
-    "ALGORITHMS", "AWM", "AWM_WEIGHTINGS", "Algorithm", "DGPO", "DPO", "DecoupledAlgorithm", "GRPO", "GRPOGuard",
+    "ALGORITHMS", "AWM", "AWM_WEIGHTINGS", "Algorithm", "CRD", "DGPO", "DPO", "DecoupledAlgorithm", "GRPO", "GRPOGuard",
     "KL_TYPES", "NFT", "NFT_WEIGHTINGS", "NoisedBatch", "Policy", "TrainBatch", "awm_log_prob",
-    "best_and_worst", "clipped_policy_loss", "clipped_surrogate", "dgpo_loss", "dpo_loss", "dsm_clip_mask",
-    "group_members", "make_algorithm", "nft_loss",
+    "best_and_worst", "clipped_policy_loss", "clipped_surrogate", "crd_policy_loss", "decay_at", "dgpo_loss", "dpo_loss", "dsm_clip_mask",
+    "group_members", "implicit_reward", "make_algorithm", "nft_loss",
     "normalized_log_ratio", "optimality_probability", "v_based_kl", "x_based_kl",
 ]

@@ -75,6 +75,8 @@ class Algorithm:
     uses_sampling_policy: ClassVar[bool] = False
     # the loss always calls policy.reference_velocity (not only when kl_beta > 0)
     always_uses_reference: ClassVar[bool] = False
+    # the name of a weight snapshot (``weight_snapshots``) the rollout samples with, else None
+    rollout_snapshot: ClassVar[str | None] = None
 
     def __init__(self, train_cfg, dynamics: Dynamics):
         self.cfg = train_cfg
@@ -85,6 +87,14 @@ class Algorithm:
         """The loss calls policy.reference_velocity, so the policy keeps the starting weights."""
         cfg = self.cfg
         return self.always_uses_reference or cfg.kl_beta > 0 or cfg.outside_kl_beta > 0
+
+    @property
+    def weight_snapshots(self) -> dict:
+        """Named copies of the trained weights the trainer keeps (CRD's old and sampling models):
+        name -> ``decay(optimizer_steps) -> float``. After each epoch's update every copy moves as
+        ``w <- d w + (1 - d) theta``; the loss reads one through ``policy.snapshot_velocity(name, ...)``,
+        checkpoints carry them. Default: none."""
+        return {}
 
     # --- how an epoch's rollouts become micro-batches --------------------------------
     def training_units(self, group_ids: Tensor, advantages: Tensor) -> Tensor:

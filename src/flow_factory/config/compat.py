@@ -183,7 +183,7 @@ def without_effect(cfg) -> list[str]:
                      "a contiguous share of the epoch's group-ordered samples (advantages are computed over the "
                      "gathered batch, so the placement changes which process computes a sample, not its advantage)")
     if ("time_shift" in train.model_fields_set and train.time_shift != 1
-            and train.trainer_type in ("nft", "awm", "dpo", "dgpo") and train.time_sampling_strategy.startswith("discrete")):
+            and train.trainer_type in ("nft", "awm", "dpo", "dgpo", "crd") and train.time_sampling_strategy.startswith("discrete")):
         notes.append(f"train.time_shift: {train.time_shift:g} shifts continuous sigmas; time_sampling_strategy "
                      f"{train.time_sampling_strategy!r} trains on the rollout's own sigmas, which the model's "
                      "scheduler has shifted already")

@@ -126,7 +126,7 @@ class Config(Section):
     # ------------------------------------------------------------------ resolution
     def _trainer_defaults(self) -> None:
         """Flow-Factory's per-algorithm defaults of the decoupled timestep keys a config leaves out
-        (its training_args/nft.py, awm.py, dpo.py, dgpo.py)."""
+        (its training_args/nft.py, awm.py, dpo.py, dgpo.py, crd.py)."""
         train = self.train
         dpo = train.trainer_type == "dpo"
         if train.time_shift is None:
@@ -139,6 +139,10 @@ class Config(Section):
                     setattr(train, key, value)
         if train.trainer_type == "dgpo" and "timestep_range" not in train.model_fields_set:
             train.timestep_range = 0.6
+        if train.trainer_type == "crd":  # training_args/crd.py
+            for key, value in (("timestep_range", 0.99), ("kl_beta", 0.1)):
+                if key not in train.model_fields_set:
+                    setattr(train, key, value)
 
     def _fill_defaults(self) -> None:
         train, ev = self.train, self.eval
@@ -162,7 +166,7 @@ class Config(Section):
     # ------------------------------------------------------------------ checks
     def _contradictions(self) -> list[str]:
         train, sched, model = self.train, self.scheduler, self.model
-        out = self._launch_problems() + self._dgpo_contradictions()
+        out = self._launch_problems() + self._dgpo_contradictions() + self._crd_contradictions()
         coupled = train.trainer_type in COUPLED_TRAINER_TYPES
         if not coupled:
             out += self._decoupled_contradictions()
@@ -244,6 +248,8 @@ class Config(Section):
     def _dgpo_contradictions(self) -> list[str]:
         train, out = self.train, []
         dgpo_keys = ("dpo_beta", "use_shared_noise", "clip_dsm", "clip_kl", "kl_cfg", "switch_ema_ref", "use_ema_ref")
+        if train.trainer_type == "crd":
+            dgpo_keys = tuple(k for k in dgpo_keys if k != "kl_cfg")  # shared with crd
         if train.trainer_type != "dgpo":
             fields = type(train).model_fields  # a resolved config writes every default: only other values count
             given = [k for k in dgpo_keys if getattr(train, k) != fields[k].default]
@@ -269,6 +275,19 @@ class Config(Section):
                 out.append("train.switch_ema_ref: Flow-Factory's fast old-policy EMA is not in this version; "
                            "use null")
         return out
+
+    def _crd_contradictions(self) -> list[str]:
+        train = self.train
+        crd_keys = ("crd_beta", "crd_loss_type", "use_old_for_loss", "adaptive_logp", "weight_temp",
+                    "old_model_decay", "sampling_model_decay", "reward_adaptive_kl")
+        if train.trainer_type != "crd":
+            fields = type(train).model_fields
+            given = [k for k in crd_keys if getattr(train, k) != fields[k].default]
+            return [f"train: {', '.join(given)} are crd's; {train.trainer_type} does not use them"] if given else []
+        if train.off_policy:
+            return ["train.off_policy: crd samples with its own sampling model (sampling_model_decay), not the EMA; "
+                    "use false"]
+        return []
 
     def _window_problems(self) -> list[str]:
         sched, steps = self.scheduler, self.train.num_inference_steps

@@ -12,9 +12,9 @@ from pydantic import NonNegativeInt, PositiveInt, field_validator, model_validat
 
 from .base import DTYPE_NAMES, Section, as_list, canonical_choice, check_resolution, problem, resolution_pair, setting, show
 
-TRAINER_TYPES = ("grpo", "grpo-guard", "nft", "awm", "dpo", "dgpo")
+TRAINER_TYPES = ("grpo", "grpo-guard", "nft", "awm", "dpo", "dgpo", "crd")
 COUPLED_TRAINER_TYPES = ("grpo", "grpo-guard")  # train the sampler's own SDE steps
-DECOUPLED_TRAINER_TYPES = ("nft", "awm", "dpo", "dgpo")  # train on the forward process at their own timesteps
+DECOUPLED_TRAINER_TYPES = ("nft", "awm", "dpo", "dgpo", "crd")  # train on the forward process at their own timesteps
 TIME_SAMPLING_STRATEGIES = ("uniform", "logit_normal", "discrete", "discrete_with_init", "discrete_wo_init")
 
 
@@ -35,9 +35,37 @@ def resolve_num_train_timesteps(train) -> int:
     return max(1, int(train.num_inference_steps * (hi - lo) + 1e-9))
 
 
+# crd's decay schedules (Flow-Factory's trainers/crd.py); parsed here so the config checks them without
+# torch. Named presets: (start_step, start_value, slope, end_value)
+DECAY_PRESETS = {
+    "0": (0, 0.0, 0.0, 0.0), "1": (0, 0.0, 0.001, 0.5), "2": (75, 0.0, 0.0075, 0.999), "3": (0, 1.0, 0.0, 1.0),
+    "4": (0, 0.0, 0.02, 0.99), "5": (0, 0.0, 0.01, 0.5), "6": (0, 0.0, 0.0075, 0.999),
+    "none": (0, 0.0, 0.0, 0.0), "slow": (0, 0.0, 0.001, 0.5), "medium": (75, 0.0, 0.0075, 0.999),
+    "offline": (0, 1.0, 0.0, 1.0), "fast": (0, 0.0, 0.02, 0.99), "moderate": (0, 0.0, 0.01, 0.5),
+}
+
+
+def parse_decay(schedule: str | int) -> tuple[int, float, float, float]:
+    """A preset name / number or ``"start_step-start_value-slope-end_value"``."""
+    key = str(schedule).strip()
+    if key in DECAY_PRESETS:
+        return DECAY_PRESETS[key]
+    parts = key.split("-")
+    try:
+        if len(parts) != 4:
+            raise ValueError
+        start, v0, slope, end = (float(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"{schedule!r}: a decay is 'start_step-start_value-slope-end_value' (e.g. "
+                         f"'0-0.25-0.005-0.999') or one of {list(DECAY_PRESETS)}") from None
+    if start < 0 or start != int(start) or not (0 <= v0 <= 1 and 0 <= end <= 1) or slope < 0:
+        raise ValueError(f"{schedule!r}: start_step must be a whole number >= 0, the values in [0, 1], slope >= 0")
+    return int(start), v0, slope, end
+
+
 class TrainConfig(Section):
-    trainer_type: Literal["grpo", "grpo-guard", "nft", "awm", "dpo", "dgpo"] = setting(
-        "grpo", "algorithm: grpo, grpo-guard (coupled, SDE rollouts) or nft, awm, dpo, dgpo (decoupled, any "
+    trainer_type: Literal["grpo", "grpo-guard", "nft", "awm", "dpo", "dgpo", "crd"] = setting(
+        "grpo", "algorithm: grpo, grpo-guard (coupled, SDE rollouts) or nft, awm, dpo, dgpo, crd (decoupled, any "
         "dynamics)")
     resolution: int | list[int] = setting(512, "image size, an int or [height, width]",
                                           expects="an integer or [height, width]")
@@ -76,7 +104,7 @@ class TrainConfig(Section):
     adv_clip_range: float = setting(5.0, "advantages are clipped to [-adv_clip_range, adv_clip_range]", gt=0)
     kl_type: Literal["x-based", "v-based"] = setting(
         "x-based", "KL to the reference on step means (x-based) or on velocities (v-based)")
-    kl_beta: float = setting(0.0, "KL coefficient; 0 = no KL and no reference model", ge=0)
+    kl_beta: float = setting(0.0, "KL coefficient; 0 = no KL and no reference model (crd: 0.1 when omitted)", ge=0)
     outside_kl_beta: float = setting(
         0.0, "grpo family: coefficient of the v-based KL to the reference at one step the SDE window does not "
         "train, drawn per sample (those steps share the trained weights); 0 = none", ge=0)
@@ -87,7 +115,7 @@ class TrainConfig(Section):
     advantage_aggregation: Literal["sum", "gdpo"] = setting(
         "gdpo", "several rewards: advantage of the weighted sum (sum) or weighted per-reward advantages (gdpo)")
 
-    # decoupled algorithms (nft, awm, dpo, dgpo)
+    # decoupled algorithms (nft, awm, dpo, dgpo, crd)
     nft_beta: float = setting(1.0, "nft: strength of the implicit positive / negative policies", gt=0)
     nft_weighting: Literal["adaptive", "uniform"] = setting(
         "adaptive", "nft: flow error in x0 space normalised per sample (adaptive) or plain velocity MSE (uniform)")
@@ -102,7 +130,22 @@ class TrainConfig(Section):
     clip_dsm: bool = setting(True, "dgpo: PPO-style clipping of each sample's flow-matching error against the "
                              "rollout's weights (clip_range)")
     clip_kl: bool = setting(False, "dgpo: the clip_dsm mask also stops the KL penalty's gradient")
-    kl_cfg: float = setting(1.0, "dgpo: CFG scale of the frozen reference's velocity; values <= 1 mean none, the only "
+    crd_beta: float = setting(1.0, "crd: scale of the implicit reward matched to the centered external one", gt=0)
+    crd_loss_type: Literal["mse", "bce"] = setting("mse", "crd: squared error (mse) or binary cross-entropy (bce) "
+                                                   "between the centered implicit and external rewards")
+    use_old_for_loss: bool = setting(True, "crd: the implicit reward compares with the old model (a slow copy of "
+                                     "the weights, old_model_decay); false = with the frozen reference")
+    adaptive_logp: bool = setting(True, "crd: each sample's squared errors are divided by its mean absolute error")
+    weight_temp: float = setting(-1.0, "crd: centering temperature; < 0 = one uniform mean, 0 = the means over "
+                                 "the positive and the negative advantages, > 0 = softmax(+-q / T) weights")
+    old_model_decay: str = setting(
+        "0-0.25-0.005-0.999", "crd: decay of the old model per epoch, 'start_step-start_value-slope-end_value' "
+        "over optimizer steps, or a preset (0-6, none, slow, medium, offline, fast, moderate)")
+    sampling_model_decay: str = setting(
+        "75-0.0-0.0075-0.999", "crd: decay of the model the rollout samples with, same format as old_model_decay")
+    reward_adaptive_kl: bool = setting(True, "crd: each sample's KL is weighted by 1e-4 / kl_beta + q (1 - "
+                                       "1e-4 / kl_beta), q its advantage mapped onto [0, 1]")
+    kl_cfg: float = setting(1.0, "dgpo, crd: CFG scale of the frozen reference's velocity; values <= 1 mean none, the only "
                             "ones here (CFG on the reference is not in this version)")
     switch_ema_ref: NonNegativeInt | None = setting(
         None, "dgpo: Flow-Factory samples with a fast old-policy EMA after this many optimizer steps; that EMA is not "
@@ -121,7 +164,7 @@ class TrainConfig(Section):
         "null = 3 for nft and awm, 1 for dpo. The discrete strategies use the rollout's own (shifted) sigmas", gt=0)
     timestep_range: float | list[float] = setting(
         0.9, "fraction of the denoising axis trained (decoupled): f = [0, f] (the first f of the trajectory, from "
-        "sigma = 1) or [lo, hi]; dpo: 0.99, dgpo: 0.6 when omitted", expects="a number in (0, 1] or [lo, hi] with 0 <= lo < hi <= 1")
+        "sigma = 1) or [lo, hi]; dpo, crd: 0.99, dgpo: 0.6 when omitted", expects="a number in (0, 1] or [lo, hi] with 0 <= lo < hi <= 1")
     off_policy: bool = setting(False, "sample rollouts with the EMA weights while the current policy trains")
 
     ema_decay: float = setting(0.995, "EMA decay of the trained weights (the maximum, for ramped schedules); "
@@ -162,12 +205,21 @@ class TrainConfig(Section):
                           "selective checkpointing is not in this version")
         return value
 
+    @field_validator("old_model_decay", "sampling_model_decay", mode="before")
+    @classmethod
+    def _decay(cls, value):
+        try:
+            parse_decay(value)
+        except ValueError as err:
+            raise problem(str(err)) from None
+        return str(value)
+
     @field_validator("kl_cfg")
     @classmethod
     def _kl_cfg(cls, value):
         if value > 1:
             raise problem(f"{show(value)}: CFG on the frozen reference (an unconditional reference pass) is not in "
-                          "this version; values <= 1 (no CFG, Flow-Factory's default 1.0) only")
+                          "this version; values <= 1 (no CFG) only")
         return value
 
     @field_validator("num_train_timesteps", mode="before")

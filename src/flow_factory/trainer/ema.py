@@ -101,9 +101,10 @@ class WeightCopy:
             w.copy_(saved)
 
 
-def load_ema(ema: WeightCopy, checkpoint_dir: Path) -> bool:
-    """Restore the EMA from a checkpoint folder; False when it holds none."""
-    path = Path(checkpoint_dir) / EMA_FILE
+def load_ema(ema: WeightCopy, checkpoint_dir: Path, file_name: str = EMA_FILE) -> bool:
+    """Restore the EMA (or another WeightCopy saved as ``file_name``) from a checkpoint folder;
+    False when it holds none."""
+    path = Path(checkpoint_dir) / file_name
     if not path.exists():
         return False
     ema.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))

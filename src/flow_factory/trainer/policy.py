@@ -23,13 +23,15 @@ from ..models.lora import lora_disabled
 
 class AdapterPolicy:
     def __init__(self, adapter: FlowAdapter, guidance_scale: float, finetune_type: str,
-                 keep_reference: bool, ref_param_device: str = "same", ema=None, sampling_weights=None):
+                 keep_reference: bool, ref_param_device: str = "same", ema=None, sampling_weights=None,
+                 snapshots=None):
         self.adapter = adapter
         self.guidance_scale = guidance_scale
         self.finetune_type = finetune_type
         self.reference = None
         self.sampling_weights = sampling_weights  # WeightCopy of the weights the rollout used
         self.ema = ema  # WeightCopy of the EMA weights, when train.ema_decay > 0
+        self.snapshots = snapshots or {}  # name -> WeightCopy: the algorithm's weight_snapshots
         if keep_reference and finetune_type == "full":
             # a frozen copy of the starting weights, in the load dtype (the trained ones are kept
             # float32); "cpu" keeps accelerator memory free
@@ -51,6 +53,14 @@ class AdapterPolicy:
             raise RuntimeError("sampling_velocity needs the rollout's weights: construct the policy with "
                                "sampling_weights for algorithms with uses_sampling_policy")
         with self.sampling_weights.applied():
+            return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
+
+    @torch.no_grad()
+    def snapshot_velocity(self, name: str, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
+        if name not in self.snapshots:
+            raise RuntimeError(f"snapshot_velocity: no weight snapshot {name!r}; the algorithm's weight_snapshots "
+                               f"name {sorted(self.snapshots)}")
+        with self.snapshots[name].applied():
             return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
 
     @torch.no_grad()

@@ -113,11 +113,15 @@ class Trainer:
         self.ema = WeightCopy(self.params, ema_device) if train.ema_decay > 0 else None
         self.rollout_weights = (WeightCopy(self.params, ema_device)
                                 if self.algorithm.uses_sampling_policy and not train.off_policy else None)
+        # the algorithm's own named copies of the weights (CRD's old and sampling models)
+        self.snapshot_decays = self.algorithm.weight_snapshots
+        self.snapshots = {name: WeightCopy(self.params, ema_device) for name in self.snapshot_decays}
         # the reference is the starting weights: taken before any resume
         self.policy = AdapterPolicy(self.adapter, train.guidance_scale, model.finetune_type,
                                     keep_reference=self.algorithm.needs_reference,
                                     ref_param_device=train.ref_param_device, ema=self.ema,
-                                    sampling_weights=self.ema if train.off_policy else self.rollout_weights)
+                                    sampling_weights=self.ema if train.off_policy else self.rollout_weights,
+                                    snapshots=self.snapshots)
         self.optimizer = torch.optim.AdamW(
             self.params, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2),
             weight_decay=train.adam_weight_decay, eps=train.adam_epsilon)
@@ -131,6 +135,8 @@ class Trainer:
             load_checkpoint(self.start_weights, self.adapter, model.finetune_type)
             logger.info("starting from the weights of %s (model.resume_type: %s)", self.start_weights,
                         model.resume_type)
+            for snapshot in self.snapshots.values():  # CRD's old and sampling models start from them too
+                snapshot.copy_from_params()
         if self.resume_from is not None:
             if not load_checkpoint(self.resume_from, self.adapter, model.finetune_type, self.optimizer):
                 logger.warning("model.resume_path %s holds no optimizer state (saved with log.save_model_only); "
@@ -140,6 +146,11 @@ class Trainer:
             if self.ema is not None and not load_ema(self.ema, self.resume_from):
                 logger.warning("model.resume_path %s holds no EMA state (ema.pt); the EMA restarts from the "
                                "resumed weights", self.resume_from)
+            for name, snapshot in self.snapshots.items():
+                if not load_ema(snapshot, self.resume_from, f"{name}.pt"):
+                    snapshot.copy_from_params()
+                    logger.warning("model.resume_path %s holds no %s weights (%s.pt); they restart from the "
+                                   "resumed weights", self.resume_from, name, name)
             logger.info("resuming from %s (%d epochs done)", self.resume_from, self.epoch)
 
     def _test_prompts(self) -> list:
@@ -223,6 +234,8 @@ class Trainer:
             self.rollout_weights.copy_from_params()  # NFT / AWM's old policy: the weights sampled with
         # off_policy: the rollout samples with the EMA weights while the current policy trains
         sampling_weights = self.ema.applied() if train.off_policy else nullcontext()
+        if self.algorithm.rollout_snapshot is not None:  # CRD: its sampling model
+            sampling_weights = self.snapshots[self.algorithm.rollout_snapshot].applied()
         with sampling_weights:
             rollouts = collect_rollouts(
                 self.adapter, self.dynamics, [self.train_prompts[i] for i in indices[share]], group_ids[share],
@@ -266,6 +279,10 @@ class Trainer:
                                  train.flat_steps, train.ramp_rate)
             self.ema.update(decay)
             metrics["train/ema_decay"] = decay
+        for name, decay_of in self.snapshot_decays.items():
+            decay = decay_of(self.global_step)
+            self.snapshots[name].update(decay)
+            metrics[f"train/{name}_decay"] = decay
         return metrics
 
     @torch.no_grad()
@@ -399,7 +416,8 @@ class Trainer:
         except CheckpointError:
             state = {"epoch": self.epoch, "global_step": self.global_step, "model_type": self.cfg.model.model_type,
                      "history": self.history, "eval_history": self.eval_history}
-            extra = {EMA_FILE: self.ema.state_dict()} if self.ema is not None else None
+            extra = {EMA_FILE: self.ema.state_dict()} if self.ema is not None else {}
+            extra.update({f"{name}.pt": snapshot.state_dict() for name, snapshot in self.snapshots.items()})
             optimizer = None if self.cfg.log.save_model_only else self.optimizer
             save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, optimizer, state, extra)
         self._plot_rewards()
