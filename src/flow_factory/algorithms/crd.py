@@ -43,6 +43,8 @@ from .kl import v_based_kl
 from .nft import optimality_probability
 
 CRD_LOSS_TYPES = ("mse", "bce")
+
+
 def decay_at(schedule: str | int, step: int) -> float:
     """The decay after ``step`` optimizer steps: ``start_value`` before ``start_step``, then rising by
     ``slope`` per step up to ``end_value``."""
