@@ -7,7 +7,7 @@ checks and the training loop cannot disagree:
   samples per epoch    = unique_sample_num_per_epoch * group_size
   batches per process  = samples per epoch / (num_processes * per_device_batch_size)
   trained steps        = coupled (grpo*): num_sde_steps, else len(sde_steps), else num_inference_steps
-                         decoupled (nft, awm, dpo, dgpo): num_train_timesteps (resolved)
+                         decoupled (nft, awm, dpo, dgpo, crd): num_train_timesteps (resolved)
   optimize batches     = batches per process; dpo: ceil(groups per process / per_device_batch_size)
                          (a dpo micro-batch holds per_device_batch_size best / worst pairs)
   micro-steps          = optimize batches * trained steps   (one backward each)
@@ -30,7 +30,8 @@ from .explain import explain
 from .rewards import RewardConfig, as_entry_list, duplicate_names
 from .sections import (MODEL_FAMILIES, VIDEO_MODEL_TYPES, DataConfig, EvalConfig, LogConfig, ModelConfig,
                        SchedulerConfig)
-from .train import COUPLED_TRAINER_TYPES, TrainConfig, resolve_num_train_timesteps
+from .train import (COUPLED_TRAINER_TYPES, TrainConfig, fill_trainer_defaults, resolve_num_train_timesteps,
+                    trainer_problems)
 
 STOCHASTIC = ("Flow-SDE", "Dance-SDE", "CPS")
 DEFAULT_LEARNING_RATE = {"lora": 1e-4, "full": 1e-5}
@@ -113,7 +114,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _resolve_and_check(self):
-        self._trainer_defaults()
+        fill_trainer_defaults(self.train)
         # checks next: they must see what the user wrote, not the filled-in defaults
         problems = self._contradictions() + self._size_problems() + self._window_problems()
         if not problems:
@@ -124,26 +125,6 @@ class Config(Section):
         return self
 
     # ------------------------------------------------------------------ resolution
-    def _trainer_defaults(self) -> None:
-        """Flow-Factory's per-algorithm defaults of the decoupled timestep keys a config leaves out
-        (its training_args/nft.py, awm.py, dpo.py, dgpo.py, crd.py)."""
-        train = self.train
-        dpo = train.trainer_type == "dpo"
-        if train.time_shift is None:
-            train.time_shift = 1.0 if dpo else 3.0
-        if dpo:
-            given = train.model_fields_set
-            for key, value in (("time_sampling_strategy", "logit_normal"), ("timestep_range", 0.99),
-                               ("num_train_timesteps", 1)):
-                if key not in given:
-                    setattr(train, key, value)
-        if train.trainer_type == "dgpo" and "timestep_range" not in train.model_fields_set:
-            train.timestep_range = 0.6
-        if train.trainer_type == "crd":  # training_args/crd.py
-            for key, value in (("timestep_range", 0.99), ("kl_beta", 0.1)):
-                if key not in train.model_fields_set:
-                    setattr(train, key, value)
-
     def _fill_defaults(self) -> None:
         train, ev = self.train, self.eval
         if train.trainer_type not in COUPLED_TRAINER_TYPES and "dynamics_type" not in self.scheduler.model_fields_set:
@@ -166,7 +147,7 @@ class Config(Section):
     # ------------------------------------------------------------------ checks
     def _contradictions(self) -> list[str]:
         train, sched, model = self.train, self.scheduler, self.model
-        out = self._launch_problems() + self._dgpo_contradictions() + self._crd_contradictions()
+        out = self._launch_problems() + trainer_problems(train)
         coupled = train.trainer_type in COUPLED_TRAINER_TYPES
         if not coupled:
             out += self._decoupled_contradictions()
@@ -244,50 +225,6 @@ class Config(Section):
                        f"one process, so the {train.unique_sample_num_per_epoch} groups must split evenly over "
                        f"num_processes = {self.num_processes}")
         return out
-
-    def _dgpo_contradictions(self) -> list[str]:
-        train, out = self.train, []
-        dgpo_keys = ("dpo_beta", "use_shared_noise", "clip_dsm", "clip_kl", "kl_cfg", "switch_ema_ref", "use_ema_ref")
-        if train.trainer_type == "crd":
-            dgpo_keys = tuple(k for k in dgpo_keys if k != "kl_cfg")  # shared with crd
-        if train.trainer_type != "dgpo":
-            fields = type(train).model_fields  # a resolved config writes every default: only other values count
-            given = [k for k in dgpo_keys if getattr(train, k) != fields[k].default]
-            if given:
-                out.append(f"train: {', '.join(given)} are dgpo's; {train.trainer_type} does not use them")
-            return out
-        if train.per_device_batch_size % train.group_size:
-            out.append(f"train.per_device_batch_size: dgpo weighs each group by its members' summed preference, "
-                       f"so a micro-batch holds whole groups; {train.per_device_batch_size} is not a multiple of "
-                       f"group_size {train.group_size} (Flow-Factory splits a group over processes and all-reduces; "
-                       "not in this version)")
-        if train.use_ema_ref:
-            out.append("train.use_ema_ref: true takes Flow-Factory's fast old-policy EMA (ema_ref) as the reference; "
-                       "that EMA is not in this version; use false (the frozen starting weights)")
-        if train.switch_ema_ref is not None:
-            total = train.max_epochs * train.num_inner_epochs * train.gradient_step_per_epoch
-            if train.gradient_accumulation_steps == "auto" and train.switch_ema_ref < total:
-                out.append(f"train.switch_ema_ref: {train.switch_ema_ref}: Flow-Factory samples with its fast "
-                           f"old-policy EMA after that many optimizer steps, and this run takes {total}; that EMA "
-                           "is not in this version; use null (sample with the current weights, or the EMA with "
-                           f"off_policy) or a value >= {total}")
-            elif train.gradient_accumulation_steps != "auto":
-                out.append("train.switch_ema_ref: Flow-Factory's fast old-policy EMA is not in this version; "
-                           "use null")
-        return out
-
-    def _crd_contradictions(self) -> list[str]:
-        train = self.train
-        crd_keys = ("crd_beta", "crd_loss_type", "use_old_for_loss", "adaptive_logp", "weight_temp",
-                    "old_model_decay", "sampling_model_decay", "reward_adaptive_kl")
-        if train.trainer_type != "crd":
-            fields = type(train).model_fields
-            given = [k for k in crd_keys if getattr(train, k) != fields[k].default]
-            return [f"train: {', '.join(given)} are crd's; {train.trainer_type} does not use them"] if given else []
-        if train.off_policy:
-            return ["train.off_policy: crd samples with its own sampling model (sampling_model_decay), not the EMA; "
-                    "use false"]
-        return []
 
     def _window_problems(self) -> list[str]:
         sched, steps = self.scheduler, self.train.num_inference_steps

@@ -35,6 +35,72 @@ def resolve_num_train_timesteps(train) -> int:
     return max(1, int(train.num_inference_steps * (hi - lo) + 1e-9))
 
 
+# Flow-Factory's per-algorithm defaults of keys a config leaves out (its training_args/<trainer>.py);
+# time_shift: null is resolved per trainer too (TIME_SHIFT, else 3)
+TRAINER_DEFAULTS = {
+    "dpo": {"time_sampling_strategy": "logit_normal", "timestep_range": 0.99, "num_train_timesteps": 1},
+    "dgpo": {"timestep_range": 0.6},
+    "crd": {"timestep_range": 0.99, "kl_beta": 0.1},
+}
+TIME_SHIFT = {"dpo": 1.0}
+# keys only some algorithms read: set to another value under any other trainer, they are an error
+TRAINER_KEYS = {
+    "dgpo": ("dpo_beta", "use_shared_noise", "clip_dsm", "clip_kl", "kl_cfg", "switch_ema_ref", "use_ema_ref"),
+    "crd": ("crd_beta", "crd_loss_type", "use_old_for_loss", "adaptive_logp", "weight_temp", "old_model_decay",
+            "sampling_model_decay", "reward_adaptive_kl", "kl_cfg"),
+}
+
+
+def fill_trainer_defaults(train) -> None:
+    """``TRAINER_DEFAULTS`` of ``train.trainer_type`` for the keys the config does not give."""
+    if train.time_shift is None:
+        train.time_shift = TIME_SHIFT.get(train.trainer_type, 3.0)
+    for key, value in TRAINER_DEFAULTS.get(train.trainer_type, {}).items():
+        if key not in train.model_fields_set:
+            setattr(train, key, value)
+
+
+def trainer_problems(train) -> list[str]:
+    """Keys of another algorithm given other values than their defaults (a resolved config writes
+    every default), and what dgpo / crd cannot do in this version."""
+    out, named = [], set(TRAINER_KEYS.get(train.trainer_type, ()))
+    for owner, keys in TRAINER_KEYS.items():
+        if owner == train.trainer_type:
+            continue
+        given = [k for k in keys if k not in named and getattr(train, k) != TrainConfig.model_fields[k].default]
+        named.update(keys)
+        if given:
+            out.append(f"train: {', '.join(given)} are {owner}'s; {train.trainer_type} does not use them")
+    if train.trainer_type == "dgpo":
+        out += _dgpo_problems(train)
+    if train.trainer_type == "crd" and train.off_policy:
+        out.append("train.off_policy: crd samples with its own sampling model (sampling_model_decay), not the EMA; "
+                   "use false")
+    return out
+
+
+def _dgpo_problems(train) -> list[str]:
+    out = []
+    if train.per_device_batch_size % train.group_size:
+        out.append(f"train.per_device_batch_size: dgpo weighs each group by its members' summed preference, "
+                   f"so a micro-batch holds whole groups; {train.per_device_batch_size} is not a multiple of "
+                   f"group_size {train.group_size} (Flow-Factory splits a group over processes and all-reduces; "
+                   "not in this version)")
+    if train.use_ema_ref:
+        out.append("train.use_ema_ref: true takes Flow-Factory's fast old-policy EMA (ema_ref) as the reference; "
+                   "that EMA is not in this version; use false (the frozen starting weights)")
+    if train.switch_ema_ref is not None:
+        total = train.max_epochs * train.num_inner_epochs * train.gradient_step_per_epoch
+        if train.gradient_accumulation_steps == "auto" and train.switch_ema_ref < total:
+            out.append(f"train.switch_ema_ref: {train.switch_ema_ref}: Flow-Factory samples with its fast "
+                       f"old-policy EMA after that many optimizer steps, and this run takes {total}; that EMA "
+                       "is not in this version; use null (sample with the current weights, or the EMA with "
+                       f"off_policy) or a value >= {total}")
+        elif train.gradient_accumulation_steps != "auto":
+            out.append("train.switch_ema_ref: Flow-Factory's fast old-policy EMA is not in this version; use null")
+    return out
+
+
 # crd's decay schedules (Flow-Factory's trainers/crd.py); parsed here so the config checks them without
 # torch. Named presets: (start_step, start_value, slope, end_value)
 DECAY_PRESETS = {
