@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from tqdm.auto import tqdm
 
 from .models.base import Conditioning
@@ -60,6 +60,11 @@ def weight_checksum(tensor: torch.Tensor) -> str:
     return f"{total} {hashlib.sha256(sample.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]}"
 
 
+def _digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+
+
 def entry_key(prompt: str, negative_prompt: str | None, cfg: bool) -> str:
     negative = (negative_prompt or "") if cfg else ""  # without CFG the negative prompt is not encoded
     return hashlib.sha256(f"{prompt}\0{negative}\0{int(cfg)}".encode()).hexdigest()[:32]
@@ -87,7 +92,7 @@ class PromptCache:
             if force:
                 for shard in cache.folder.glob("*.safetensors"):
                     shard.unlink()
-            cache.scan(remove_bad=True)
+            cache.scan(check=True, remove=True)  # once, here: what is written later is complete by construction
         barrier()
         cache.scan()
         wanted = {}
@@ -112,17 +117,16 @@ class PromptCache:
         if not folder.is_dir():
             return None
         cache = cls(folder)
-        cache.scan()
+        cache.scan(check=True)
         return cache
 
-    def scan(self, remove_bad: bool = False) -> None:
-        """Index the complete shards; a shard whose bytes do not match its name is skipped (removed
-        with ``remove_bad``), so its prompts are encoded again."""
+    def scan(self, check: bool = False, remove: bool = False) -> None:
+        """Index the shards. ``check``: first compare each one's bytes with the checksum in its name
+        and skip one that differs (``remove``: delete it, so its prompts are encoded again)."""
         self.index, self._open = {}, {}
         for shard in sorted(self.folder.glob("*.safetensors")):
-            digest = shard.stem.rpartition("-")[2]
-            if hashlib.sha256(shard.read_bytes()).hexdigest()[:16] != digest:
-                if remove_bad:
+            if check and _digest(shard) != shard.stem.rpartition("-")[2]:
+                if remove:
                     logger.warning("prompt cache: %s is damaged (its bytes do not match its checksum); it is "
                                    "removed and its prompts are encoded again", shard)
                     shard.unlink(missing_ok=True)
@@ -150,12 +154,13 @@ class PromptCache:
         bar.close()
 
     def _write(self, tensors: dict, stem: str) -> None:
+        data = save(tensors)
         partial = self.folder / f".{stem}.partial"
-        save_file(tensors, partial)
-        with open(partial, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        with open(partial, "wb") as f:
+            f.write(data)
+            f.flush()
             os.fsync(f.fileno())
-        os.replace(partial, self.folder / f"{stem}-{digest}.safetensors")
+        os.replace(partial, self.folder / f"{stem}-{hashlib.sha256(data).hexdigest()[:16]}.safetensors")
 
     def lookup(self, pairs: list[tuple[str, str | None]], cfg: bool, device) -> Conditioning | None:
         """The conditioning of ``pairs`` (prompt, negative prompt) stacked in order, on ``device``;
