@@ -20,6 +20,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from ..config import ConfigError
+
 Conditioning = dict[str, Tensor]
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
@@ -130,6 +132,17 @@ class FlowAdapter:
                 setattr(self.pipeline, name, None)
             else:
                 module.to("cpu")
+
+    def set_attention_backend(self, name: str) -> None:
+        """diffusers' ``set_attention_backend`` on the transformer (``model.attn_backend``; the name is
+        checked before loading, in preflight.py). diffusers skips, without a word, attention
+        processors that take no backend: a model none of whose processors took it is an error."""
+        self.transformer.set_attention_backend(name)
+        processors = [m.processor for m in self.transformer.modules() if getattr(m, "processor", None) is not None]
+        if not any(getattr(p, "_attention_backend", None) for p in processors):
+            kinds = ", ".join(sorted({type(p).__name__ for p in processors}))
+            raise ConfigError(f"model.attn_backend: {self.model_type}'s attention processors ({kinds}) do not "
+                              "take diffusers' attention backends; remove the key")
 
     @property
     def loaded_pixel_factor(self) -> int:

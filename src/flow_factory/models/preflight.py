@@ -56,17 +56,6 @@ def check_attention_backend(name: str) -> None:
             raise ConfigError(f"model.attn_backend: {name!r} cannot run here: {e}") from None
 
 
-def set_attention_backend(transformer, name: str, model_type: str) -> None:
-    """diffusers' ``set_attention_backend``, which skips attention processors that do not take a
-    backend without a word: a model none of whose processors took it is an error, not a no-op."""
-    transformer.set_attention_backend(name)
-    taken = [m for m in transformer.modules() if getattr(getattr(m, "processor", None), "_attention_backend", None)]
-    if not taken:
-        kinds = sorted({type(m.processor).__name__ for m in transformer.modules() if hasattr(m, "processor")})
-        raise ConfigError(f"model.attn_backend: {model_type}'s attention processors ({', '.join(kinds)}) do not "
-                          "take diffusers' attention backends; remove the key")
-
-
 def pipeline_folder(name_or_path: str) -> Path | None:
     """The local folder ``model.model_name_or_path`` names, or None for a hub id."""
     path = Path(name_or_path).expanduser()

@@ -28,7 +28,7 @@ from ..guards import NonFiniteError, NonFiniteGuard, all_finite, check_pipeline_
 from ..media import caption, plot_curves, sample_grid
 from ..models import load_adapter
 from ..models.lora import apply_lora
-from ..models.preflight import check_before_loading, set_attention_backend
+from ..models.preflight import check_before_loading
 from ..prompt_cache import PromptCache
 from ..rewards import RewardSet
 from ..rewards.base import parse_dtype
@@ -102,7 +102,7 @@ class Trainer:
         self.adapter = load_adapter(model.model_type, model.model_name_or_path, self.accelerator.device, dtype)
         check_pipeline_finite(self.adapter.pipeline, f"model.model_name_or_path: {model.model_name_or_path}")
         if model.attn_backend is not None:  # the name is checked before loading (models/preflight.py)
-            set_attention_backend(self.adapter.transformer, model.attn_backend, model.model_type)
+            self.adapter.set_attention_backend(model.attn_backend)
         self.prompt_cache = self._cache_prompts() if cfg.data.enable_preprocess else None
         self.dynamics = make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level)
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
