@@ -7,11 +7,12 @@ import math
 
 import pytest
 import torch
+from helpers_algorithms import toy_rollouts
+from test_config import minimal as base_config
 
 from flow_factory.algorithms import CRD, crd_policy_loss, decay_at, implicit_reward
 from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import ODE
-from flow_factory.models.base import Conditioning
 
 R = torch.tensor([0.2, -0.1, 0.4, 0.0])
 Q = torch.tensor([0.9, 0.3, 0.6, 0.2])
@@ -86,18 +87,9 @@ def cfg(**kw):
     return TrainConfig(**base)
 
 
-class Rollouts:
-    def __init__(self, n):
-        gen = torch.Generator().manual_seed(0)
-        self.latents = torch.randn(n, 3, 2, 2, generator=gen)
-        self.sigmas = torch.linspace(1, 0, 3)
-        self.cond = Conditioning({"prompt_embeds": torch.arange(n).float().unsqueeze(1)})
-        self.log_probs, self.sde_steps, self.means = torch.zeros(n, 2), [], None
-
-
 def first_batch(algo, advantages):
     units = algo.training_units(torch.zeros(len(advantages)), advantages)
-    return next(algo.micro_batches(Rollouts(len(advantages)), advantages, units, torch.Generator().manual_seed(1)))
+    return next(algo.micro_batches(toy_rollouts(len(advantages)), advantages, units, torch.Generator().manual_seed(1)))
 
 
 @pytest.mark.parametrize("loss_type", ["mse", "bce"])
@@ -149,11 +141,7 @@ def test_decay_schedules():
 
 # ------------------------------------------------------------------------ config
 def minimal(**train) -> dict:
-    return {"data": {"dataset_dir": "prompts"},
-            "model": {"model_name_or_path": "some/model", "model_type": "sd3-5"},
-            "train": {"trainer_type": "crd", "per_device_batch_size": 4, "group_size": 2,
-                      "unique_sample_num_per_epoch": 4, "num_inference_steps": 10, **train},
-            "rewards": [{"reward_model": "PickScore"}]}
+    return base_config(train={"trainer_type": "crd", "group_size": 2, "num_inference_steps": 10, **train})
 
 
 def test_flow_factory_defaults():

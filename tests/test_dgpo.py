@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
+from helpers_algorithms import toy_rollouts
+from test_config import minimal as base_config
 
 from flow_factory.algorithms import DGPO, dgpo_loss, dsm_clip_mask, group_members
 from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import ODE
-from flow_factory.models.base import Conditioning
 
 
 def sig(x):
@@ -75,21 +76,12 @@ def cfg(**kw):
     return TrainConfig(**base)
 
 
-class Rollouts:
-    def __init__(self, n):
-        gen = torch.Generator().manual_seed(0)
-        self.latents = torch.randn(n, 3, 2, 2, generator=gen)
-        self.sigmas = torch.linspace(1, 0, 3)
-        self.cond = Conditioning({"prompt_embeds": torch.arange(n).float().unsqueeze(1)})
-        self.log_probs, self.sde_steps, self.means = torch.zeros(n, 2), [], None
-
-
 @pytest.mark.parametrize("clip_dsm", [True, False])
 def test_preferred_samples_likelihood_goes_up(clip_dsm):
     """Only the preferred sample of the group moves w: its error (w - 1)^2 |target|^2 falls as w
     goes from 0.8 toward 1, so the gradient on w is negative."""
     algo = DGPO(cfg(clip_dsm=clip_dsm), ODE())
-    rollouts = Rollouts(2)
+    rollouts = toy_rollouts(2)
     units = group_members(torch.tensor([7, 7]))
     batch = next(algo.micro_batches(rollouts, torch.tensor([1.0, 0.0]), units, torch.Generator().manual_seed(1)))
     policy = OneParameter(0.8)
@@ -110,7 +102,7 @@ def test_micro_batches_hold_whole_groups_with_shared_noise():
     group_ids = torch.tensor([3, 3, 5, 5, 9, 9])
     units = group_members(group_ids)
     assert units.tolist() == [[0, 1], [2, 3], [4, 5]]
-    rollouts = Rollouts(6)
+    rollouts = toy_rollouts(6)
     batch = next(algo.micro_batches(rollouts, torch.zeros(6), units[[2, 0]], torch.Generator().manual_seed(0)))
     assert batch.group.tolist() == [0, 1, 0, 1]  # samples 4, 0, 5, 1
     torch.testing.assert_close(batch.x0, rollouts.latents[[4, 0, 5, 1], -1])
@@ -124,11 +116,7 @@ def test_micro_batches_hold_whole_groups_with_shared_noise():
 
 # ------------------------------------------------------------------------ config
 def minimal(**train) -> dict:
-    return {"data": {"dataset_dir": "prompts"},
-            "model": {"model_name_or_path": "some/model", "model_type": "sd3-5"},
-            "train": {"trainer_type": "dgpo", "per_device_batch_size": 4, "group_size": 2,
-                      "unique_sample_num_per_epoch": 4, "num_inference_steps": 10, **train},
-            "rewards": [{"reward_model": "PickScore"}]}
+    return base_config(train={"trainer_type": "dgpo", "group_size": 2, "num_inference_steps": 10, **train})
 
 
 def test_flow_factory_defaults():
@@ -174,7 +162,7 @@ def test_the_epoch_arithmetic_counts_the_micro_batches_dgpo_makes():
     n = cfg.samples_per_epoch
     units = algo.training_units(torch.arange(n) // cfg.train.group_size, torch.zeros(n))
     chunk = algo.units_per_chunk(cfg.train.per_device_batch_size)
-    micro = sum(len(list(algo.micro_batches(Rollouts(n), torch.zeros(n), units[i:i + chunk],
+    micro = sum(len(list(algo.micro_batches(toy_rollouts(n), torch.zeros(n), units[i:i + chunk],
                                             torch.Generator().manual_seed(i))))
                 for i in range(0, len(units), chunk))
     assert micro == cfg.micro_steps_per_epoch == 6

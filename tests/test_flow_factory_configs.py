@@ -12,18 +12,7 @@ import torch
 from flow_factory.algorithms.timesteps import draw_training_sigmas
 from flow_factory.config import ConfigError, parse_config
 from flow_factory.dynamics.window import choose_sde_steps
-
-
-def run(**sections) -> dict:
-    data = {
-        "data": {"dataset_dir": "prompts"},
-        "model": {"model_name_or_path": "some/model", "model_type": "sd3-5"},
-        "train": {"per_device_batch_size": 4, "group_size": 4, "unique_sample_num_per_epoch": 4},
-        "rewards": [{"reward_model": "PickScore"}],
-    }
-    for name, values in sections.items():
-        data[name] = {**data.get(name, {}), **values}
-    return data
+from test_config import minimal as run
 
 
 @pytest.mark.parametrize("dynamics", ["Flow-SDE", "Dance-SDE", "CPS", "ODE"])
