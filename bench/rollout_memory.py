@@ -113,8 +113,8 @@ def ratio_drift(folder, steps: int) -> None:
     def drift(traj, latents) -> float:
         worst = 0.0
         for step in traj.sde_steps:
-            batch = on_device(TrainBatch(latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond,
-                                         step), "cpu")
+            batch = on_device(TrainBatch.at_step(latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas,
+                                                 cond, step), "cpu")
             _, m = algorithm.loss(policy, batch)
             worst = max(worst, abs(m["ratio_min"].item() - 1), abs(m["ratio_max"].item() - 1))
         return worst

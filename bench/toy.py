@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -26,6 +25,7 @@ from flow_factory.dynamics import make_dynamics
 from flow_factory.guards import NonFiniteGuard
 from flow_factory.models.base import Conditioning, FlowAdapter
 from flow_factory.rollout import sample_trajectory
+from flow_factory.sampling import Rollouts
 from flow_factory.trainer.ema import WeightCopy
 from flow_factory.trainer.optimize import optimize_epoch
 from flow_factory.trainer.policy import AdapterPolicy
@@ -71,21 +71,11 @@ def toy_reward(x0: Tensor) -> Tensor:
     return -((x0 - TARGET) ** 2).sum(dim=1)
 
 
-@dataclass
-class ToyRollouts:  # what optimize_epoch and the algorithms read (sampling.Rollouts' fields)
-    group_ids: Tensor
-    latents: Tensor
-    log_probs: Tensor
-    sigmas: Tensor
-    sde_steps: list[int]
-    cond: Conditioning
-    means: Tensor | None = None
-    rewards: dict = field(default_factory=dict)
-
-
 def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | None = None, groups: int = 8,
-              group_size: int = 8, num_steps: int = 8, lr: float = 3e-3, **train) -> list[float]:
-    """Trains a fresh toy model; returns the mean reward of each epoch's rollouts, then of a final one."""
+              group_size: int = 8, num_steps: int = 8, lr: float = 3e-3, accumulation: int = 1,
+              sgd: bool = False, max_grad_norm: float = 1.0, **train) -> list[float]:
+    """Trains a fresh toy model; returns the mean reward of each epoch's rollouts, then of a final one.
+    ``sgd``: plain SGD instead of Adam (whose steps ignore the gradient's scale)."""
     torch.manual_seed(seed)
     adapter = ToyAdapter(ToyVelocity())
     coupled = trainer_type in ("grpo", "grpo-guard")
@@ -103,7 +93,7 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
     snapshots = {name: WeightCopy(params) for name in algorithm.weight_snapshots}  # CRD's old / sampling models
     policy = AdapterPolicy(adapter, 1.0, "full", keep_reference=algorithm.needs_reference,
                            sampling_weights=rollout_weights, snapshots=snapshots)
-    optimizer = torch.optim.Adam(params, lr=lr)
+    optimizer = torch.optim.SGD(params, lr=lr) if sgd else torch.optim.Adam(params, lr=lr)
     acc = Accelerator(cpu=True)
     n = groups * group_size
     group_ids = torch.arange(groups).repeat_interleave(group_size)
@@ -117,17 +107,19 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
         sampling = algorithm.rollout_snapshot
         with snapshots[sampling].applied() if sampling else contextlib.nullcontext():
             traj = sample_trajectory(adapter, dyn, cond, noise, sigmas, 1.0, generator=gen,
-                                     record_means=algorithm.records_step_means)
+                                     record_means=algorithm.records_step_means,
+                                     keep_states=algorithm.kept_states(num_steps, None))
         rewards = toy_reward(traj.final)
         history.append(rewards.mean().item())
         if epoch == epochs:
             break
-        rollouts = ToyRollouts(group_ids, traj.latents, traj.log_probs, traj.sigmas, traj.sde_steps, cond,
-                               traj.means)
+        rollouts = Rollouts([""] * n, group_ids, traj.latents, traj.log_probs, traj.sigmas, traj.sde_steps, cond,
+                            media=traj.final, means=traj.means, latent_steps=traj.latent_steps)
         advantages = combine_advantages({"r": rewards}, {"r": 1.0}, group_ids, "sum", False)
         _, done = optimize_epoch(algorithm, policy, rollouts, advantages, accelerator=acc, optimizer=optimizer,
                                  params=params, denoiser=adapter.transformer, batch_size=n, num_inner_epochs=1,
-                                 accumulation=1, max_grad_norm=1.0, seed=seed, epoch=epoch,
+                                 accumulation=accumulation, max_grad_norm=max_grad_norm, seed=seed, epoch=epoch,
+                                 steps_per_call=cfg.steps_per_call,
                                  guard=NonFiniteGuard(0))
         steps += done
         for name, decay_of in algorithm.weight_snapshots.items():

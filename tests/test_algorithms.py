@@ -18,9 +18,10 @@ from flow_factory.algorithms import (
 )
 from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import CPS, ODE, DanceSDE, FlowSDE
-from flow_factory.dynamics.base import Dynamics
+from flow_factory.dynamics.base import Dynamics, step_inputs
 from flow_factory.dynamics.dpm_solver import DPMSolver2M
 from flow_factory.rollout import sample_trajectory
+from flow_factory.sampling import Rollouts
 
 
 def train_cfg(**overrides) -> TrainConfig:
@@ -34,8 +35,9 @@ class EulerGaussian(Dynamics):
     name = "euler-gaussian"
 
     def mean_and_std(self, x, v, sigma, sigma_next):
-        dt = float(sigma_next) - float(sigma)
-        return x.float() + v.float() * dt, torch.tensor(self.noise_level * math.sqrt(-dt))
+        x, v, sigma, sigma_next = step_inputs(x, v, sigma, sigma_next)  # (B,) sigmas as columns
+        dt = sigma_next - sigma
+        return x + v * dt, self.noise_level * torch.sqrt(-dt)
 
 
 class LinearPolicy(torch.nn.Module):
@@ -61,14 +63,18 @@ class LinearPolicy(torch.nn.Module):
         return self.velocity(latents, sigma, cond)
 
 
-def rollout_batch(policy, dynamics, advantages, sigmas, step, seed=0, shape=(2, 3, 3)):
-    """A TrainBatch from the project's own rollout loop, as the trainer builds it."""
+def rollout(policy, dynamics, n, sigmas, seed=0, shape=(2, 3, 3)):
+    """A trajectory of the project's own rollout loop."""
     adapter = SimpleNamespace(velocity=policy.velocity_for_rollout)
     g = torch.Generator().manual_seed(seed)
-    noise = torch.randn(len(advantages), *shape, generator=g)
-    traj = sample_trajectory(adapter, dynamics, {}, noise, sigmas, 1.0, generator=g)
-    return TrainBatch(latents=traj.latents, old_log_probs=traj.log_probs, advantages=advantages,
-                      sigmas=traj.sigmas, cond={}, step=step)
+    noise = torch.randn(n, *shape, generator=g)
+    return sample_trajectory(adapter, dynamics, {}, noise, sigmas, 1.0, generator=g)
+
+
+def rollout_batch(policy, dynamics, advantages, sigmas, step, seed=0, shape=(2, 3, 3)):
+    """A TrainBatch from the project's own rollout loop, as the trainer builds it."""
+    traj = rollout(policy, dynamics, len(advantages), sigmas, seed, shape)
+    return TrainBatch.at_step(traj.latents, traj.log_probs, advantages, traj.sigmas, {}, step)
 
 
 def guard_rollout(dynamics, v_fn, advantages, sigmas, seed=0, shape=(2, 3, 3)):
@@ -81,10 +87,9 @@ def guard_rollout(dynamics, v_fn, advantages, sigmas, seed=0, shape=(2, 3, 3)):
         out = dynamics.step(x, v_fn(x), sigmas[i], sigmas[i + 1], noise=eps)
         x = out.sample
         latents.append(x), log_probs.append(out.log_prob), means.append(out.mean), noises.append(eps)
-    batch = TrainBatch(latents=torch.stack(latents, 1), old_log_probs=torch.stack(log_probs, 1),
-                       advantages=advantages, sigmas=sigmas, cond={}, step=0,
-                       old_means=torch.stack(means, 1))
-    return batch, torch.stack(noises, 1)
+    trajectory = dict(latents=torch.stack(latents, 1), old_log_probs=torch.stack(log_probs, 1),
+                      advantages=advantages, sigmas=sigmas, cond={}, old_means=torch.stack(means, 1))
+    return trajectory, torch.stack(noises, 1)
 
 
 SIGMAS = torch.tensor([1.0, 0.8, 0.5, 0.2, 0.0])
@@ -142,9 +147,8 @@ def test_v_based_kl_literal_values():
 # ------------------------------------------------------------------------- GRPO
 def hand_dlogp_dtheta(batch, theta, a):
     """d logp_b / d theta for EulerGaussian with v = theta x: mean_j((x' - mu) x dt / s^2)."""
-    i = batch.step
-    x, x_next = batch.latents[:, i], batch.latents[:, i + 1]
-    dt = float(batch.sigmas[i + 1] - batch.sigmas[i])
+    x, x_next = batch.x, batch.x_next
+    dt = float(batch.sigma_next[0] - batch.sigma[0])
     s2 = a**2 * (-dt)
     mu = x + theta * x * dt
     return ((x_next - mu) * x * dt / s2).reshape(len(x), -1).mean(1)
@@ -183,11 +187,10 @@ def test_grpo_descent_step_raises_logprob_of_positive_advantage(advantage):
 
     with torch.no_grad():
         policy.theta -= 1e-3 * policy.theta.grad
-        i = batch.step
-        x = batch.latents[:, i]
-        mean, std = dyn.mean_and_std(x, policy.velocity(x, None, {}), SIGMAS[i], SIGMAS[i + 1])
-        new_logp = dyn.log_prob(batch.latents[:, i + 1], mean, std)
-    old_logp = batch.old_log_probs[:, i]
+        x = batch.x
+        mean, std = dyn.mean_and_std(x, policy.velocity(x, None, {}), SIGMAS[1], SIGMAS[2])
+        new_logp = dyn.log_prob(batch.x_next, mean, std)
+    old_logp = batch.old_log_prob
     assert (new_logp > old_logp).item() == (advantage > 0)
 
 
@@ -198,7 +201,7 @@ def test_grpo_v_based_kl_adds_to_loss_and_keeps_reference_frozen():
     adv = torch.tensor([1.0, -1.0])
     batch = rollout_batch(policy, dyn, adv, SIGMAS, step=1)
     loss, m = GRPO(train_cfg(kl_type="v-based", kl_beta=beta), dyn).loss(policy, batch)
-    x = batch.latents[:, 1]
+    x = batch.x
     # v - v_ref = (theta - theta_ref) x -> KL = mean(0.2^2 x^2) = 0.04 mean(x^2)
     expected_kl = (0.04 * x**2).mean()
     assert m["kl"].item() == pytest.approx(expected_kl.item(), rel=1e-5)
@@ -226,12 +229,13 @@ def test_outside_kl_is_the_v_based_kl_at_each_samples_untrained_step():
     policy = SigmaLinearPolicy(theta, theta_ref)
     dyn = EulerGaussian(0.7)
     adv = torch.tensor([1.0, -1.0])
-    batch = rollout_batch(policy, dyn, adv, SIGMAS, step=1)
+    traj = rollout(policy, dyn, len(adv), SIGMAS)
+    batch = TrainBatch.at_step(traj.latents, traj.log_probs, adv, traj.sigmas, {}, 1)
     plain, _ = GRPO(train_cfg(), dyn).loss(policy, batch)
-    batch.outside_steps = torch.tensor([0, 3])
-    loss, m = GRPO(train_cfg(outside_kl_beta=beta), dyn).loss(policy, batch)
     # sample 0 at step 0 (sigma 1.0), sample 1 at step 3 (sigma 0.2); v - v_ref = 0.2 sigma x
-    per_sample = [((0.2 * s * batch.latents[b, k]) ** 2).mean() for b, (k, s) in enumerate([(0, 1.0), (3, 0.2)])]
+    batch.outside_x, batch.outside_sigma = traj.latents[[0, 1], [0, 3]], torch.tensor([1.0, 0.2])
+    loss, m = GRPO(train_cfg(outside_kl_beta=beta), dyn).loss(policy, batch)
+    per_sample = [((0.2 * s * traj.latents[b, k]) ** 2).mean() for b, (k, s) in enumerate([(0, 1.0), (3, 0.2)])]
     expected = torch.stack(per_sample).mean()
     assert m["outside_kl"].item() == pytest.approx(expected.item(), rel=1e-5)
     assert loss.item() == pytest.approx(plain.item() + beta * expected.item(), rel=1e-5)
@@ -240,15 +244,19 @@ def test_outside_kl_is_the_v_based_kl_at_each_samples_untrained_step():
 
 
 def test_micro_batches_draw_outside_steps_from_the_untrained_steps_only():
-    rollouts = SimpleNamespace(latents=torch.zeros(64, 5, 1, 2, 2), log_probs=torch.zeros(64, 4), sigmas=SIGMAS,
-                               sde_steps=[1], cond={}, means=None)
+    state = torch.arange(5.0).view(1, 5, 1, 1, 1).expand(64, 5, 1, 2, 2)  # each state holds its index
+    rollouts = Rollouts(prompts=[""] * 64, group_ids=torch.arange(64), latents=state, log_probs=torch.zeros(64, 4),
+                        sigmas=SIGMAS, sde_steps=[1], cond={}, media=torch.empty(0))
     units = torch.arange(64).unsqueeze(1)
     adv = torch.zeros(64)
     with_kl = GRPO(train_cfg(outside_kl_beta=0.1), FlowSDE(0.7))
     (batch,) = with_kl.micro_batches(rollouts, adv, units, torch.Generator().manual_seed(0))
-    assert batch.step == 1 and set(batch.outside_steps.tolist()) == {0, 2, 3}
+    assert batch.step.tolist() == [1] * 64 and batch.x.unique().tolist() == [1.0]
+    assert batch.x_next.unique().tolist() == [2.0]
+    assert set(batch.outside_x.flatten().tolist()) == {0, 2, 3}
+    torch.testing.assert_close(batch.outside_sigma, SIGMAS[batch.outside_x[:, 0, 0, 0].long()])
     (batch,) = GRPO(train_cfg(), FlowSDE(0.7)).micro_batches(rollouts, adv, units, torch.Generator())
-    assert batch.outside_steps is None
+    assert batch.outside_x is None
     rollouts.sde_steps = [0, 1, 2, 3]
     with pytest.raises(ValueError, match="train.outside_kl_beta: every step of this rollout was trained"):
         list(with_kl.micro_batches(rollouts, adv, units, torch.Generator()))
@@ -260,7 +268,7 @@ def test_grpo_x_based_kl_is_gaussian_kl_of_the_step():
     dyn = EulerGaussian(a)
     batch = rollout_batch(policy, dyn, torch.tensor([1.0, -1.0]), SIGMAS, step=2)
     _, m = GRPO(train_cfg(kl_type="x-based", kl_beta=0.1), dyn).loss(policy, batch)
-    x = batch.latents[:, 2]
+    x = batch.x
     dt = 0.2 - 0.5
     # mu - mu_ref = (theta - theta_ref) x dt; scale^2 = a^2 (-dt)
     expected = ((0.2 * x * dt) ** 2).mean() / (2 * a**2 * (-dt))
@@ -317,12 +325,12 @@ def test_grpo_guard_on_policy_ratio_one_and_equal_gradient_across_steps():
     a, theta = 0.7, 0.3
     dyn = FlowSDE(a)
     adv = torch.tensor([1.0, -0.5])
-    batch, noises = guard_rollout(dyn, lambda x: theta * x, adv, SIGMAS)
+    trajectory, noises = guard_rollout(dyn, lambda x: theta * x, adv, SIGMAS)
     algo = GRPOGuard(train_cfg(clip_range=1e-6), dyn)
-    n = batch.latents[0, 0].numel()
+    n = trajectory["latents"][0, 0].numel()
     for step in (1, 3):  # sigma < 1, where Flow-SDE's dmu/dv is exactly (1 + a^2 / 2) dt
-        batch.step = step
-        v_leaf = (theta * batch.latents[:, step]).detach().requires_grad_()
+        batch = TrainBatch.at_step(**trajectory, step=step)
+        v_leaf = (theta * batch.x).detach().requires_grad_()
         policy = SimpleNamespace(velocity=lambda x, sigma, cond: v_leaf)
         loss, m = algo.loss(policy, batch)
         for k in ("ratio_mean", "ratio_min", "ratio_max"):
@@ -340,7 +348,7 @@ def test_grpo_guard_needs_recorded_means_and_flow_sde():
     dyn = FlowSDE(0.7)
     policy = LinearPolicy(0.3, 0.3)
     batch = rollout_batch(policy, dyn, torch.tensor([1.0, -1.0]), SIGMAS, step=1)
-    assert batch.old_means is None
+    assert batch.old_mean is None
     with pytest.raises(ValueError, match="needs the rollout's step means"):
         GRPOGuard(train_cfg(), dyn).loss(policy, batch)
     assert GRPOGuard.records_step_means and not GRPO.records_step_means

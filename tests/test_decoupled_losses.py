@@ -2,7 +2,6 @@
 the decoupled micro-batches (pairs share noise and sigma, x0 is the rollout's last latent)."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +9,8 @@ import torch
 from flow_factory.algorithms import AWM, DPO, NFT, NoisedBatch, awm_log_prob, best_and_worst, dpo_loss, nft_loss
 from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import ODE
+
+from helpers_algorithms import rollouts_of
 
 X0 = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
 NOISE = torch.tensor([[0.0, 1.0], [1.0, 0.0]])  # targets eps - x0: [-1, 1] and [1, -2]
@@ -165,8 +166,7 @@ def test_dpo_pairs_best_and_worst_per_group_with_shared_noise_and_sigma():
     units = best_and_worst(group_ids, adv)
     assert units.tolist() == [[1, 2], [3, 4]]
     latents = torch.arange(6 * 3 * 2, dtype=torch.float32).reshape(6, 3, 2)  # (N, T + 1, 2)
-    rollouts = SimpleNamespace(latents=latents, sigmas=torch.tensor([1.0, 0.5, 0.0]),
-                               cond={"c": torch.arange(6.0).unsqueeze(1)})
+    rollouts = rollouts_of(latents, torch.tensor([1.0, 0.5, 0.0]), {"c": torch.arange(6.0).unsqueeze(1)})
     algo = DPO(cfg(num_train_timesteps=3), ODE())
     batches = list(algo.micro_batches(rollouts, adv, units, torch.Generator().manual_seed(0)))
     assert len(batches) == 3
@@ -179,7 +179,7 @@ def test_dpo_pairs_best_and_worst_per_group_with_shared_noise_and_sigma():
 
 
 def test_nft_micro_batches_draw_fresh_noise_per_sample_and_follow_the_generator():
-    rollouts = SimpleNamespace(latents=torch.randn(4, 3, 2), sigmas=torch.tensor([1.0, 0.5, 0.0]), cond={})
+    rollouts = rollouts_of(torch.randn(4, 3, 2), torch.tensor([1.0, 0.5, 0.0]), {})
     algo = NFT(cfg(num_train_timesteps=2), ODE())
     units = torch.arange(4).unsqueeze(1)
     a = list(algo.micro_batches(rollouts, torch.zeros(4), units, torch.Generator().manual_seed(5)))

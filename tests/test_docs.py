@@ -9,6 +9,7 @@ import types
 from pathlib import Path
 
 import pytest
+from helpers_algorithms import rollouts_of
 
 from flow_factory.config import reference
 
@@ -171,9 +172,8 @@ def test_algorithm_guide_example_weights_better_samples_more(monkeypatch):
     assert algorithm.needs_reference
 
     gen = torch.Generator().manual_seed(0)
-    rollouts = types.SimpleNamespace(latents=torch.randn(4, 5, 2, 3, generator=gen), sigmas=torch.linspace(1, 0, 5),
-                                     log_probs=torch.zeros(4, 4), sde_steps=[], means=None,
-                                     cond={"c": torch.randn(4, 1, 1, generator=gen)})
+    rollouts = rollouts_of(torch.randn(4, 5, 2, 3, generator=gen), torch.linspace(1, 0, 5),
+                           {"c": torch.randn(4, 1, 1, generator=gen)})
     advantages = torch.tensor([3.0, -1.0, 0.5, -2.5])
     units = algorithm.training_units(torch.tensor([0, 0, 1, 1]), advantages)
     batches = list(algorithm.micro_batches(rollouts, advantages, units, torch.Generator().manual_seed(1)))

@@ -310,6 +310,7 @@ def test_shuffle_samples_false_trains_in_rollout_order(shuffle):
     @dataclass
     class Batch:
         x: torch.Tensor
+        parts: int = 1
 
     seen = []
     weight = torch.nn.Parameter(torch.ones(1))

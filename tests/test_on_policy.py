@@ -44,7 +44,7 @@ def test_on_policy_ratio_is_one(request, model_type, path_fixture, size, frames,
                              generator=torch.Generator().manual_seed(2))
     assert traj.sde_steps == [0, 1, 2]
     for step in traj.sde_steps:
-        batch = TrainBatch(traj.latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond, step)
+        batch = TrainBatch.at_step(traj.latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond, step)
         _, metrics = algorithm.loss(policy, batch)
         assert abs(metrics["ratio_min"].item() - 1) < 1e-6 and abs(metrics["ratio_max"].item() - 1) < 1e-6, \
             (step, metrics)
@@ -77,9 +77,9 @@ def test_half_precision_storage_halves_the_trajectory_and_keeps_the_ratio_at_one
     scale = full.latents.abs().max().item()
     assert (half.latents.float() - full.latents).abs().max().item() < 8 * rounding * scale
     for step in half.sde_steps:
-        batch = on_device(TrainBatch(half.latents, half.log_probs, torch.tensor([1.0, -1.0]), half.sigmas, cond,
-                                     step), "cpu")
-        assert batch.latents.dtype == torch.float32
+        batch = on_device(TrainBatch.at_step(half.latents, half.log_probs, torch.tensor([1.0, -1.0]), half.sigmas,
+                                             cond, step), "cpu")
+        assert batch.x.dtype == batch.x_next.dtype == torch.float32
         _, metrics = algorithm.loss(policy, batch)
         assert abs(metrics["ratio_min"].item() - 1) < 1e-6 and abs(metrics["ratio_max"].item() - 1) < 1e-6, \
             (step, metrics)

@@ -67,13 +67,23 @@ def test_ff_train_runs_and_writes_a_loadable_lora(request, tmp_path, model_type,
     assert not torch.allclose(base, tuned, atol=1e-6), "the trained LoRA does not change the output"
 
 
-def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_sd3_path):
-    straight = tiny_run_config(tmp_path / "a", "sd3-5", tiny_sd3_path, max_epochs=4)
+@pytest.mark.parametrize("batched", [False, True], ids=["per-step", "steps-in-one-call"])
+def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_sd3_path, batched):
+    """Invariant 5; also with the window's 2 steps trained in one transformer call."""
+    extra = dict(steps_per_call="all") if batched else {}
+
+    def config(folder, epochs):
+        c = tiny_run_config(folder, "sd3-5", tiny_sd3_path, max_epochs=epochs, **extra)
+        if batched:
+            c["scheduler"]["num_sde_steps"] = 2
+        return c
+
+    straight = config(tmp_path / "a", 4)
     _run(tmp_path / "a", straight)
 
-    first = tiny_run_config(tmp_path / "b", "sd3-5", tiny_sd3_path, max_epochs=2)
+    first = config(tmp_path / "b", 2)
     _run(tmp_path / "b", first)
-    resumed = tiny_run_config(tmp_path / "b", "sd3-5", tiny_sd3_path, max_epochs=4)
+    resumed = config(tmp_path / "b", 4)
     resumed["model"]["resume_path"] = str(tmp_path / "b" / "saves" / "run" / "checkpoints" / "epoch_2")
     resumed["log"]["run_name"] = "resumed"
     _run(tmp_path / "b", resumed)

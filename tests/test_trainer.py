@@ -48,7 +48,7 @@ def test_only_the_sde_window_is_stochastic_and_trained(tmp_path, tiny_sd3_path):
 
     calls = []
     original = trainer.algorithm.loss
-    trainer.algorithm.loss = lambda policy, batch: calls.append(batch.step) or original(policy, batch)
+    trainer.algorithm.loss = lambda policy, batch: calls.append(int(batch.step[0])) or original(policy, batch)
     rollouts = trainer.sample_epoch(0)
     trainer.optimize(rollouts, trainer.compute_advantages(rollouts, 0), 0)
     batches = len(rollouts.prompts) // trainer.cfg.train.per_device_batch_size

@@ -10,6 +10,10 @@ trajectory until its first stochastic step; ``shared_rows`` says which rows thos
 are, and the deterministic prefix is then computed once per group (with the window
 on steps 0-4 and groups of 8, about a sixth of the sampling compute).
 
+``keep_states`` keeps only the states an algorithm trains on (the decoupled ones need
+the final latent alone, the GRPO family its window's steps): memory in proportion to
+what is used, not to the number of steps.
+
 ``storage_dtype`` (``train.latent_storage_dtype``) stores the trajectory in half the
 bytes. The state is rounded to it after every step, and a step's log-prob is that of the
 rounded sample, so the stored trajectory is exactly the one sampled: training recomputes
@@ -28,17 +32,37 @@ from .dynamics.ode import ODE
 from .models.base import Conditioning, FlowAdapter, index_cond
 
 
+class KeptStates:
+    """Latents kept at some of a trajectory's T + 1 states: ``latents`` (B, K, *latent) holds
+    state ``latent_steps[k]`` (state i: the latent before step i; T: the final one) at ``k``."""
+
+    latents: Tensor
+    latent_steps: list[int]
+
+    def latents_at(self, idx: Tensor, step: int | Tensor) -> Tensor:
+        """(len(idx), *latent): sample ``idx[j]``'s state ``step`` (one for all, or one per row)."""
+        where = {s: k for k, s in enumerate(self.latent_steps)}
+        steps = torch.as_tensor(step).reshape(-1).tolist()
+        missing = sorted(set(steps) - set(where))
+        if missing:
+            raise KeyError(f"states {missing} were not kept (kept: {self.latent_steps})")
+        pos = torch.tensor([where[s] for s in steps], device=self.latents.device)
+        return self.latents[idx.to(self.latents.device), pos]
+
+
 @dataclass
-class Trajectory:
-    latents: Tensor  # (B, T + 1, *latent) in the storage dtype (float32 by default): x at every step, [:, 0] the noise
+class Trajectory(KeptStates):
+    latents: Tensor  # (B, K, *latent) in the storage dtype (float32 by default): the kept states
     log_probs: Tensor  # (B, T) float32, log-prob of each step's sample (0 at ODE steps)
     sigmas: Tensor  # (T + 1,) float32
     sde_steps: list[int]  # the stochastic (trained) step indices, ascending
     means: Tensor | None = None  # (B, T, *latent): each step's Gaussian mean, when recorded
+    latent_steps: list[int] | None = None  # the states ``latents`` holds; None: all T + 1
+    final: Tensor | None = None  # (B, *latent): the last state, always kept (decode needs it)
 
-    @property
-    def final(self) -> Tensor:
-        return self.latents[:, -1]
+    def __post_init__(self):
+        if self.latent_steps is None:
+            self.latent_steps = list(range(len(self.sigmas)))
 
 
 @torch.no_grad()
@@ -54,17 +78,22 @@ def sample_trajectory(
     record_means: bool = False,
     shared_rows: Tensor | None = None,
     storage_dtype: torch.dtype | None = None,
+    keep_states: list[int] | None = None,
 ) -> Trajectory:
     """Integrate from ``noise`` along ``sigmas``. ``sde_steps=None``: every step uses ``dynamics``.
 
     ``record_means`` also keeps each step's mean (GRPO-Guard's ratio normalisation needs it).
     ``shared_rows`` (B,): rows with equal ids have equal ``noise`` and ``cond``; the steps
     before the first stochastic one are then integrated once per id. ``storage_dtype``: the
-    trajectory is kept (and integrated) at that precision; None = float32.
+    trajectory is kept (and integrated) at that precision; None = float32. ``keep_states``: the
+    states (0 the noise .. T the final latent) the trajectory keeps; None = all.
     """
     keep = (lambda t: t) if storage_dtype is None else (lambda t: t.to(storage_dtype))
 
     num_steps = len(sigmas) - 1
+    kept = list(range(num_steps + 1)) if keep_states is None else sorted(set(keep_states))
+    if kept and not 0 <= kept[0] <= kept[-1] <= num_steps:
+        raise ValueError(f"keep_states: states run 0..{num_steps}, got {kept}")
     if sde_steps is None:
         sde_steps = list(range(num_steps)) if dynamics.stochastic else []
     stochastic = set(sde_steps)
@@ -72,12 +101,12 @@ def sample_trajectory(
     # solver(): a fresh per-trajectory object, so a multistep solver's history starts empty
     solver, ode = dynamics.solver(), ODE()
     x = keep(noise.float()).float()
-    latents, log_probs, means = [keep(x)], [], []
+    latents, log_probs, means = [keep(x)] if 0 in kept else [], [], []
     prefix = min(stochastic, default=num_steps) if dynamics.stochastic else num_steps
     groups = _shared_groups(shared_rows) if shared_rows is not None and prefix > 0 else None
     if groups is not None:  # integrate one row per group until the rows part
         first, expand = (t.to(x.device) for t in groups)
-        full_cond, cond, x, latents = cond, index_cond(cond, first), x[first], [latents[0][first]]
+        full_cond, cond, x, latents = cond, index_cond(cond, first), x[first], [t[first] for t in latents]
     for i in range(num_steps):
         if groups is not None and i == prefix:
             x, latents, log_probs, means = _expand(expand, x, latents, log_probs, means)
@@ -89,8 +118,10 @@ def sample_trajectory(
         if step_dynamics.stochastic:
             step_noise = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(x.device)
         out = step_dynamics.step(x, v, sigmas[i], sigmas[i + 1], noise=step_noise)
-        latents.append(keep(out.sample))
-        x = latents[-1].float()  # integrate on from the value stored
+        stored = keep(out.sample)
+        if i + 1 in kept:
+            latents.append(stored)
+        x = stored.float()  # integrate on from the value stored
         if record_means:
             means.append(out.mean)
         if out.log_prob is None:
@@ -99,8 +130,11 @@ def sample_trajectory(
             log_probs.append(out.log_prob if storage_dtype is None else step_dynamics.log_prob(x, out.mean, out.std))
     if groups is not None:  # deterministic to the end
         x, latents, log_probs, means = _expand(expand, x, latents, log_probs, means)
-    return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), sigmas.float(), sorted(stochastic),
-                      torch.stack(means, 1) if record_means else None)
+    final = keep(x)  # exactly the stored value: x is it in float32
+    empty = final.new_empty((x.shape[0], 0, *x.shape[1:]))
+    return Trajectory(torch.stack(latents, 1) if latents else empty, torch.stack(log_probs, 1), sigmas.float(),
+                      sorted(stochastic), torch.stack(means, 1) if record_means else None, latent_steps=kept,
+                      final=final)
 
 
 def _shared_groups(shared_rows: Tensor) -> tuple[Tensor, Tensor] | None:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .dynamics.ode import ODE
 from .models.base import Conditioning, cat_cond, index_cond
-from .rollout import sample_trajectory
+from .rollout import KeptStates, sample_trajectory
 from .seeding import generator, per_sample_noise
 from .timer import PhaseTimer
 
@@ -39,6 +39,7 @@ class SamplingSettings:
     keep_trajectory: bool = True  # False: keep only the media and the rewards (eval)
     storage_dtype: torch.dtype | None = None  # precision of the kept trajectory; None = float32
     offload: bool = False  # keep the trajectory and conditioning in CPU memory until a micro-batch needs them
+    keep_states: tuple[int, ...] | None = None  # the trajectory states kept (0 noise .. T final); None = all
 
     @classmethod
     def for_eval(cls, ev) -> "SamplingSettings":
@@ -49,12 +50,12 @@ class SamplingSettings:
 
 
 @dataclass
-class Rollouts:
+class Rollouts(KeptStates):
     """An epoch's samples: what the algorithms train on, what the rewards scored."""
 
     prompts: list[str]
     group_ids: Tensor  # (N,)
-    latents: Tensor  # (N, T + 1, *latent)
+    latents: Tensor  # (N, K, *latent): the states ``latent_steps`` of each trajectory
     log_probs: Tensor  # (N, T)
     sigmas: Tensor  # (T + 1,)
     sde_steps: list[int]
@@ -62,6 +63,11 @@ class Rollouts:
     media: Tensor  # images (N, 3, H, W) or videos (N, F, 3, H, W) in [0, 1]
     means: Tensor | None = None  # (N, T, *latent) step means, when recorded
     rewards: dict[str, Tensor] | None = None  # raw score per reward name, (N,)
+    latent_steps: list[int] | None = None  # the states ``latents`` holds; None: all T + 1
+
+    def __post_init__(self):
+        if self.latent_steps is None:
+            self.latent_steps = list(range(len(self.sigmas)))
 
 
 @torch.no_grad()
@@ -92,7 +98,8 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
                 traj = sample_trajectory(adapter, dynamics, cond, noise, sigmas, s.guidance_scale, s.sde_steps,
                                          generator=generator("sde", s.seed, epoch, ids[0]),
                                          record_means=s.record_means, storage_dtype=s.storage_dtype,
-                                         shared_rows=groups if s.same_latent else None)
+                                         shared_rows=groups if s.same_latent else None,
+                                         keep_states=None if s.keep_states is None else list(s.keep_states))
             if s.offload:
                 traj, cond = _to_cpu(traj), {k: v.cpu() for k, v in cond.items()}
         with timer.phase("decode"):
@@ -114,6 +121,7 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
         cond=cat_cond([c[1] for c in chunks]) if keep else {},
         media=torch.cat([c[2] for c in chunks]),
         means=torch.cat([t.means for t in trajs]) if s.record_means else None,
+        latent_steps=trajs[0].latent_steps,
     )
     if job is not None:
         with timer.phase("reward"):
@@ -133,7 +141,7 @@ def sample_prompts(adapter, items: list, settings: SamplingSettings, *, sample_i
 
 
 def _to_cpu(traj):
-    return replace(traj, latents=traj.latents.cpu(), log_probs=traj.log_probs.cpu(),
+    return replace(traj, latents=traj.latents.cpu(), log_probs=traj.log_probs.cpu(), final=traj.final.cpu(),
                    means=None if traj.means is None else traj.means.cpu())
 
 

@@ -12,22 +12,27 @@ The trainer's loop is the same for every algorithm (``trainer/optimize.py``):
     units = algorithm.training_units(group_ids, advantages)      # rows of sample indices
     for each shuffled chunk of per_device_batch_size units:
         for batch in algorithm.micro_batches(rollouts, advantages, chunk, generator):
+            (up to train.steps_per_call batches merged into one: one transformer call)
             loss = algorithm.loss(policy, batch); backward; step every N micro-batches
 
 Coupled algorithms (GRPO family) make one micro-batch per trained SDE step of the
-rollout; decoupled ones (``decoupled.py``) one per training timestep they draw.
+rollout; decoupled ones (``decoupled.py``) one per training timestep they draw. Batches
+are per row, so several steps' batches concatenate (``merge_batches``); a loss over a
+merged batch is the mean of its per-step losses, which every loss over independent rows
+is already, and the others (pairs, groups, centering) get through ``mean_over_parts``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar, Iterator, Protocol
 
 import torch
 from torch import Tensor
 
 from ..dynamics import Dynamics
-from ..models.base import Conditioning, index_cond
+from ..models.base import Conditioning, cat_cond, index_cond
 
 
 class Policy(Protocol):
@@ -39,30 +44,89 @@ class Policy(Protocol):
 class RolloutsLike(Protocol):
     """What ``micro_batches`` reads from an epoch's rollouts (``sampling.Rollouts``)."""
 
-    latents: Tensor  # (N, T + 1, *latent)
+    latents: Tensor  # (N, K, *latent): the latents at the steps ``latent_steps`` names
+    latent_steps: list[int]  # which of the T + 1 states of a trajectory ``latents`` keeps, ascending
     log_probs: Tensor  # (N, T)
     sigmas: Tensor  # (T + 1,)
     sde_steps: list[int]
     cond: Conditioning
     means: Tensor | None
 
+    def latents_at(self, idx: Tensor, step: int | Tensor) -> Tensor:
+        """(len(idx), *latent): sample ``idx[j]``'s latent before step ``step`` (one, or one per row)."""
+
 
 @dataclass
 class TrainBatch:
-    """A micro-batch of rollout samples, all trained at the same step index ``step``."""
+    """A micro-batch of rollout samples, each row one sample at one trained SDE step.
 
-    latents: Tensor  # (B, T + 1, *latent)
-    old_log_probs: Tensor  # (B, T)
+    Every field is per row, so the batches of several steps concatenate into one
+    (``merge_batches``) and go through the transformer in one call; ``parts`` says how many
+    per-step batches a batch joins (equal-sized, one after the other)."""
+
+    x: Tensor  # (B, *latent) the latent before the step
+    x_next: Tensor  # (B, *latent) the sample the rollout drew
+    sigma: Tensor  # (B,)
+    sigma_next: Tensor  # (B,)
+    old_log_prob: Tensor  # (B,) the log-prob the rollout recorded
     advantages: Tensor  # (B,)
-    sigmas: Tensor  # (T + 1,)
     cond: Conditioning
-    step: int  # which denoising step this loss is for
-    # (B, T, *latent): each step's Gaussian mean as the rollout computed it; recorded
-    # only for algorithms with ``records_step_means`` (GRPO-Guard), else None
-    old_means: Tensor | None = None
-    # (B,) long: per sample, one step its rollout did not train, where the loss compares the
-    # policy with the reference (train.outside_kl_beta > 0), else None
-    outside_steps: Tensor | None = None
+    step: Tensor  # (B,) long: which denoising step each row is
+    # (B, *latent): the step's Gaussian mean as the rollout computed it; recorded only for
+    # algorithms with ``records_step_means`` (GRPO-Guard), else None
+    old_mean: Tensor | None = None
+    # (B, *latent) and (B,): per sample, the latent and sigma at one step its rollout did not
+    # train, where the loss compares the policy with the reference (train.outside_kl_beta > 0)
+    outside_x: Tensor | None = None
+    outside_sigma: Tensor | None = None
+    parts: int = 1
+
+    @classmethod
+    def at_step(cls, latents: Tensor, old_log_probs: Tensor, advantages: Tensor, sigmas: Tensor,
+                cond: Conditioning, step: int, old_means: Tensor | None = None) -> "TrainBatch":
+        """The batch of whole trajectories ``latents`` (B, T + 1, *latent) at ``step``."""
+        n = len(latents)
+        return cls(x=latents[:, step], x_next=latents[:, step + 1], sigma=sigmas[step].expand(n),
+                   sigma_next=sigmas[step + 1].expand(n), old_log_prob=old_log_probs[:, step],
+                   advantages=advantages, cond=cond, step=torch.full((n,), step, dtype=torch.long),
+                   old_mean=None if old_means is None else old_means[:, step])
+
+
+def merge_batches(batches: list):
+    """One batch of the rows of ``batches`` (per-row dataclasses of one type, equal sizes), in
+    order: tensors and conditioning concatenate, ``parts`` add up, other fields must agree."""
+    if len(batches) == 1:
+        return batches[0]
+    merged = {}
+    for f in fields(batches[0]):
+        values = [getattr(b, f.name) for b in batches]
+        if f.name == "parts":
+            merged[f.name] = sum(values)
+        elif isinstance(values[0], Tensor):
+            merged[f.name] = torch.cat(values)
+        elif isinstance(values[0], dict):
+            merged[f.name] = cat_cond(values)
+        elif any(v != values[0] for v in values[1:]):
+            raise ValueError(f"merge_batches: field {f.name!r} differs between the batches")
+        else:
+            merged[f.name] = values[0]
+    return replace(batches[0], **merged)
+
+
+def mean_over_parts(batch, loss_of_part: Callable[[slice], tuple[Tensor, dict[str, Tensor]]]):
+    """For losses whose rows are not independent (pairs, groups, batch centering): the mean of
+    ``loss_of_part(rows)`` over the batch's ``parts``, loss and metrics alike, so a merged batch
+    gives the mean of what its per-step batches give."""
+    n = len(batch.advantages) // batch.parts
+    results = [loss_of_part(slice(p * n, (p + 1) * n)) for p in range(batch.parts)]
+    if len(results) == 1:
+        return results[0]
+    loss = torch.stack([r[0] for r in results]).mean()
+    metrics = {}
+    for k in results[0][1]:
+        values = torch.stack([r[1][k] for r in results])
+        metrics[k] = values.min() if k.endswith("_min") else values.max() if k.endswith("_max") else values.mean()
+    return loss, metrics
 
 
 class Algorithm:
@@ -97,6 +161,16 @@ class Algorithm:
         return {}
 
     # --- how an epoch's rollouts become micro-batches --------------------------------
+    def kept_states(self, num_steps: int, sde_steps: list[int] | None) -> list[int]:
+        """The trajectory states (0 the noise .. ``num_steps`` the final latent) the rollout keeps for
+        training. Coupled: each trained step's latent and the sample it drew, and with
+        ``outside_kl_beta`` the untrained steps' latents too; the rest is never read again."""
+        trained = range(num_steps) if sde_steps is None else sde_steps
+        kept = {s for i in trained for s in (i, i + 1)}
+        if self.cfg.outside_kl_beta > 0:
+            kept |= set(range(num_steps)) - set(trained)
+        return sorted(kept)
+
     def training_units(self, group_ids: Tensor, advantages: Tensor) -> Tensor:
         """(U, k) long: the sample indices each training unit holds. Default: every sample
         alone (k = 1); the trainer shuffles units and takes ``per_device_batch_size`` at a time."""
@@ -112,20 +186,25 @@ class Algorithm:
                       generator: torch.Generator) -> Iterator[TrainBatch]:
         """Coupled: the chosen samples at each trained (stochastic) step of their rollout."""
         idx = units[:, 0]
-        outside = [s for s in range(len(rollouts.sigmas) - 1) if s not in rollouts.sde_steps]
+        n = len(idx)
+        sigmas = rollouts.sigmas
+        outside = [s for s in range(len(sigmas) - 1) if s not in rollouts.sde_steps]
+        cond = index_cond(rollouts.cond, idx)
         for step in rollouts.sde_steps:
-            outside_steps = None
+            outside_x = outside_sigma = None
             if self.cfg.outside_kl_beta > 0:
                 if not outside:
                     raise ValueError("train.outside_kl_beta: every step of this rollout was trained, so no "
                                      "step is outside the SDE window; narrow scheduler.sde_steps")
-                pick = torch.randint(len(outside), (len(idx),), generator=generator)
-                outside_steps = torch.tensor(outside)[pick]
+                picks = torch.tensor(outside)[torch.randint(len(outside), (n,), generator=generator)]
+                outside_x, outside_sigma = rollouts.latents_at(idx, picks), sigmas[picks.to(sigmas.device)]
             yield TrainBatch(
-                latents=rollouts.latents[idx], old_log_probs=rollouts.log_probs[idx],
-                advantages=advantages[idx], sigmas=rollouts.sigmas, cond=index_cond(rollouts.cond, idx),
-                step=step, old_means=None if rollouts.means is None else rollouts.means[idx],
-                outside_steps=outside_steps)
+                x=rollouts.latents_at(idx, step), x_next=rollouts.latents_at(idx, step + 1),
+                sigma=sigmas[step].expand(n), sigma_next=sigmas[step + 1].expand(n),
+                old_log_prob=rollouts.log_probs[idx, step], advantages=advantages[idx], cond=cond,
+                step=torch.full((n,), step, dtype=torch.long),
+                old_mean=None if rollouts.means is None else rollouts.means[idx, step],
+                outside_x=outside_x, outside_sigma=outside_sigma)
 
     def loss(self, policy: Policy, batch) -> tuple[Tensor, dict[str, Tensor]]:
         """Scalar loss and detached metrics (each a 0-d tensor) for one micro-batch."""

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from ..config.train import parse_decay
 from ..dynamics.base import mean_over_sample
+from .base import mean_over_parts
 from .decoupled import DecoupledAlgorithm, NoisedBatch
 from .kl import v_based_kl
 from .nft import optimality_probability
@@ -131,7 +132,9 @@ class CRD(DecoupledAlgorithm):
                      else policy.reference_velocity(x_t, batch.sigma, batch.cond))
         r = implicit_reward(v, v_old, target, cfg.adaptive_logp)
         q = optimality_probability(batch.advantages, cfg.adv_clip_range)
-        raw = crd_policy_loss(r, q, gather(r), gather(q), cfg.crd_beta, cfg.crd_loss_type, cfg.weight_temp)
+        # centred over one timestep's batch (on every process): one part at a time
+        raw, _ = mean_over_parts(batch, lambda rows: (crd_policy_loss(
+            r[rows], q[rows], gather(r[rows]), gather(q[rows]), cfg.crd_beta, cfg.crd_loss_type, cfg.weight_temp), {}))
         loss = raw * cfg.adv_clip_range / cfg.crd_beta
         metrics = {"policy_loss": loss.detach(), "unweighted_policy_loss": raw.detach(),
                    "r_theta_mean": r.detach().mean(), "old_deviation": mean_over_sample(

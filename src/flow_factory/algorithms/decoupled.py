@@ -31,6 +31,7 @@ class NoisedBatch:
     sigma: Tensor  # (B,)
     advantages: Tensor  # (B,)
     cond: Conditioning
+    parts: int = 1  # per-timestep batches this one joins (``base.merge_batches``)
 
     @property
     def x_t(self) -> Tensor:
@@ -52,11 +53,14 @@ class DecoupledAlgorithm(Algorithm):
         super().__init__(train_cfg, dynamics)
         self.num_timesteps = num_train_timesteps(train_cfg)
 
+    def kept_states(self, num_steps: int, sde_steps: list[int] | None) -> list[int]:
+        return [num_steps]  # only the final latent: training draws its own noise levels
+
     def micro_batches(self, rollouts: RolloutsLike, advantages: Tensor, units: Tensor,
                       generator: torch.Generator) -> Iterator[NoisedBatch]:
         # units (b, k) -> samples ordered column by column: [all first members, all second members, ...]
         idx = units.t().reshape(-1)
-        x0 = rollouts.latents[idx, -1].float()
+        x0 = rollouts.latents_at(idx, len(rollouts.sigmas) - 1).float()
         cond = index_cond(rollouts.cond, idx)
         sigmas = draw_training_sigmas(self.cfg.time_sampling_strategy, self.num_timesteps, rollouts.sigmas.cpu(),
                                       self.cfg.timestep_range, self.cfg.time_shift, generator)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ..dynamics.base import mean_over_sample
+from .base import mean_over_parts
 from .decoupled import DecoupledAlgorithm, NoisedBatch
 from .kl import v_based_kl
 
@@ -115,7 +116,9 @@ class DGPO(DecoupledAlgorithm):
                 err_old = mean_over_sample((v_old.float() - target.float()) ** 2)
             clip = dsm_clip_mask(err, err_old, adv, cfg.clip_range)
         dsm = torch.where(clip, err.detach(), err) if clip is not None and cfg.clip_dsm else err
-        loss, metrics = dgpo_loss(dsm, err_ref, adv, batch.group, batch.group_size, cfg.dpo_beta)
+        # a group's margin sums its members at one timestep: one part at a time
+        loss, metrics = mean_over_parts(batch, lambda rows: dgpo_loss(
+            dsm[rows], err_ref[rows], adv[rows], batch.group[rows], batch.group_size, cfg.dpo_beta))
         metrics.update(policy_loss=loss.detach(), dsm_loss=err.detach().mean(),
                        **self.advantage_metrics(batch.advantages))
         if clip is not None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..dynamics.base import mean_over_sample
+from .base import mean_over_parts
 from .decoupled import DecoupledAlgorithm, NoisedBatch
 
 
@@ -65,8 +66,13 @@ class DPO(DecoupledAlgorithm):
         x_t = batch.x_t
         v = policy.velocity(x_t, batch.sigma, batch.cond)
         v_ref = policy.reference_velocity(x_t, batch.sigma, batch.cond)
-        p = len(batch.advantages) // 2
-        valid = batch.advantages[:p] > batch.advantages[p:]
-        loss, metrics = dpo_loss(v, v_ref, batch.target, self.cfg.beta, valid)
-        metrics.update(policy_loss=loss.detach(), **self.advantage_metrics(batch.advantages))
+        target, adv = batch.target, batch.advantages
+
+        def pairs_of(rows: slice):  # each timestep's rows are its winners, then its losers
+            p = len(adv[rows]) // 2
+            valid = adv[rows][:p] > adv[rows][p:]
+            return dpo_loss(v[rows], v_ref[rows], target[rows], self.cfg.beta, valid)
+
+        loss, metrics = mean_over_parts(batch, pairs_of)
+        metrics.update(policy_loss=loss.detach(), **self.advantage_metrics(adv))
         return loss, metrics

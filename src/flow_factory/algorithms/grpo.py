@@ -28,9 +28,11 @@ from .kl import v_based_kl, x_based_kl
 
 
 def clipped_surrogate(
-    log_ratio: Tensor, advantages: Tensor, clip_range: float, adv_clip_range: float
+    log_ratio: Tensor, advantages: Tensor, clip_range: float, adv_clip_range: float,
+    weight: Tensor | float = 1.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO's pessimistic clipped objective on a (B,) log importance ratio.
+    """PPO's pessimistic clipped objective on a (B,) log importance ratio, each sample's term
+    times ``weight`` (a number, or one per sample).
 
     Metrics: ratio mean/min/max and ``clip_frac``, the fraction of samples whose
     clipped term is the larger (active) one and differs from the unclipped term,
@@ -45,7 +47,7 @@ def clipped_surrogate(
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
-    loss = torch.maximum(unclipped, clipped).mean()
+    loss = (weight * torch.maximum(unclipped, clipped)).mean()
     r = ratio.detach()
     metrics = {
         "ratio_mean": r.mean(),
@@ -85,28 +87,25 @@ class GRPO(Algorithm):
     # --- what subclasses change ------------------------------------------------
     def log_ratio(self, log_prob: Tensor, mean: Tensor, std: Tensor, batch: TrainBatch) -> Tensor:
         """(B,) log importance ratio of the recorded step under the current weights."""
-        return log_prob - batch.old_log_probs[:, batch.step].to(log_prob.dtype)
+        return log_prob - batch.old_log_prob.to(log_prob.dtype)
 
     def policy_loss_weight(self, sigma: Tensor, sigma_next: Tensor) -> Tensor | float:
-        """Weight of this step's policy loss relative to the other steps'."""
+        """Weight of a step's policy loss relative to the other steps' ((B,) sigmas: one per row)."""
         return 1.0
 
     # --- the loss ----------------------------------------------------------------
     def loss(self, policy: Policy, batch: TrainBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        i = batch.step
-        x, x_next = batch.latents[:, i], batch.latents[:, i + 1]
-        sigma, sigma_next = batch.sigmas[i], batch.sigmas[i + 1]
+        x, sigma, sigma_next = batch.x, batch.sigma, batch.sigma_next
 
         # the same velocity() and mean_and_std() the rollout used: on-policy r == 1
         v = policy.velocity(x, sigma, batch.cond)
         mean, std = self.dynamics.mean_and_std(x, v, sigma, sigma_next)
-        log_prob = self.dynamics.log_prob(x_next, mean, std)
+        log_prob = self.dynamics.log_prob(batch.x_next, mean, std)
 
         policy_loss, metrics = clipped_surrogate(
             self.log_ratio(log_prob, mean, std, batch), batch.advantages, self.cfg.clip_range,
-            self.cfg.adv_clip_range,
+            self.cfg.adv_clip_range, weight=self.policy_loss_weight(sigma, sigma_next),
         )
-        policy_loss = policy_loss * self.policy_loss_weight(sigma, sigma_next)
         loss = policy_loss
 
         adv = batch.advantages.detach().float()
@@ -120,34 +119,33 @@ class GRPO(Algorithm):
             kl = self.kl_to_reference(policy, batch, v, mean, std)
             loss = loss + self.cfg.kl_beta * kl
             metrics["kl"] = kl.detach()
-        if batch.outside_steps is not None:
+        if batch.outside_x is not None:
             outside_kl = self.kl_outside_window(policy, batch)
             loss = loss + self.cfg.outside_kl_beta * outside_kl
             metrics["outside_kl"] = outside_kl.detach()
         return loss, metrics
 
     def kl_outside_window(self, policy: Policy, batch: TrainBatch) -> Tensor:
-        """Batch-mean v-based KL to the reference at each sample's ``outside_steps``."""
-        steps = batch.outside_steps.to(batch.latents.device)
-        x = batch.latents[torch.arange(len(steps), device=steps.device), steps]
-        sigma = batch.sigmas.to(steps.device)[steps]
+        """Batch-mean v-based KL to the reference at each sample's step outside the window."""
+        x, sigma = batch.outside_x, batch.outside_sigma
         with torch.no_grad():
             v_ref = policy.reference_velocity(x, sigma, batch.cond)
         return v_based_kl(policy.velocity(x, sigma, batch.cond), v_ref).mean()
 
     def kl_to_reference(self, policy: Policy, batch: TrainBatch, v: Tensor, mean: Tensor, std: Tensor) -> Tensor:
         """Batch-mean KL to the reference; gradients flow through the policy's side only."""
-        i = batch.step
-        x, sigma, sigma_next = batch.latents[:, i], batch.sigmas[i], batch.sigmas[i + 1]
+        x, sigma, sigma_next = batch.x, batch.sigma, batch.sigma_next
         with torch.no_grad():
             v_ref = policy.reference_velocity(x, sigma, batch.cond)
         if self.cfg.kl_type == "v-based":
             return v_based_kl(v, v_ref).mean()
         std = torch.as_tensor(std)
-        if not bool((std > 0).all()):
+        zero = ~(std > 0).reshape(len(x), -1).all(dim=1) if std.ndim else (~(std > 0)).expand(len(x))
+        if bool(zero.any()):
+            i = int(batch.step[zero.nonzero()[0, 0]])
             raise ValueError(
                 f"x-based KL divides by the step's std, which is 0 at step {i} (sigma_next = "
-                f"{float(sigma_next):g}) under {self.dynamics.name}; use train.kl_type: v-based, "
+                f"{float(sigma_next[zero][0]):g}) under {self.dynamics.name}; use train.kl_type: v-based, "
                 "or leave that step out of scheduler.sde_steps"
             )
         with torch.no_grad():

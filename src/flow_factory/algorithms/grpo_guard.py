@@ -74,13 +74,12 @@ class GRPOGuard(GRPO):
         super().__init__(train_cfg, dynamics)
 
     def log_ratio(self, log_prob: Tensor, mean: Tensor, std: Tensor, batch: TrainBatch) -> Tensor:
-        if batch.old_means is None:
+        if batch.old_mean is None:
             raise ValueError(
-                "grpo-guard needs the rollout's step means (TrainBatch.old_means); the rollout "
+                "grpo-guard needs the rollout's step means (TrainBatch.old_mean); the rollout "
                 "records them for algorithms with records_step_means = True"
             )
-        i = batch.step
-        return normalized_log_ratio(log_prob, batch.old_log_probs[:, i], mean, batch.old_means[:, i], std)
+        return normalized_log_ratio(log_prob, batch.old_log_prob, mean, batch.old_mean, std)
 
     def policy_loss_weight(self, sigma: Tensor, sigma_next: Tensor) -> Tensor:
         return 1.0 / (sigma - sigma_next).float()

@@ -251,6 +251,11 @@ class TrainConfig(Section):
     latent_storage_dtype: Literal["float16", "bfloat16", "float32"] | None = setting(
         "float16", "precision the rollouts' trajectories are kept in (fp16: half the bytes of fp32; the rollout "
         "integrates on the stored values, so training sees exactly what was sampled); null = the model's dtype")
+    steps_per_call: PositiveInt | Literal["all"] = setting(
+        1, "trained steps of a micro-batch (the SDE window's steps for the GRPO family, the drawn timesteps "
+        "for nft / awm / dpo / dgpo / crd) that go through the transformer in one call; the loss and gradients "
+        "equal one call per step, but activations for steps x per_device_batch_size samples are held at once: "
+        "more is faster where memory allows; all = every step of a micro-batch")
     offload_samples_to_cpu: bool = setting(
         False, "keep each epoch's rollouts in CPU memory and move one micro-batch at a time to the device")
     seed: int | None = setting(None, "training seed; null = the top-level seed")

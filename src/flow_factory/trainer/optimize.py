@@ -5,6 +5,12 @@ micro-batches a chunk of them makes (``micro_batches``: one per trained SDE step
 GRPO, one per drawn training timestep for NFT / AWM / DPO); this loop shuffles,
 accumulates gradients, clips, steps, and aggregates the metrics. A step whose gradient
 norm is NaN or inf is skipped and counted by the ``NonFiniteGuard`` (``flow_factory/guards.py``).
+
+Up to ``steps_per_call`` consecutive micro-batches of a chunk are merged into one
+(``merge_batches``: one transformer call for several steps). A merged batch stands for its
+``parts`` micro-steps: its loss, the mean of theirs, is backpropagated times ``parts``, so
+the gradient is the sum the separate calls would give; merging never crosses an optimizer
+step, so every step sees the same gradient either way.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
+from ..algorithms.base import merge_batches
 from ..guards import NonFiniteGuard
 from ..sampling import on_device
 from ..seeding import generator
@@ -22,7 +29,8 @@ from ..seeding import generator
 def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, accelerator, optimizer,
                    params: list, denoiser, batch_size: int, num_inner_epochs: int, accumulation: int,
                    max_grad_norm: float, seed: int, epoch: int,
-                   guard: NonFiniteGuard, shuffle: bool = True) -> tuple[dict[str, float], int]:
+                   guard: NonFiniteGuard, shuffle: bool = True,
+                   steps_per_call: int | str = 1) -> tuple[dict[str, float], int]:
     """Returns the epoch's mean (``_min`` / ``_max``: extreme) metrics and the optimizer steps taken.
 
     Metrics that are NaN or inf are left out of the means; ``skipped_updates`` counts the
@@ -41,16 +49,18 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
             # training noise / timesteps of the decoupled algorithms: seeded per micro-batch, so a
             # resumed run draws the same ones
             draws = generator("train", seed, epoch, inner, acc.process_index, b)
-            for batch in algorithm.micro_batches(rollouts, advantages, chosen, draws):
+            for batch in _merged(algorithm.micro_batches(rollouts, advantages, chosen, draws), steps_per_call,
+                                 lambda: accumulation - micro % accumulation):
                 batch = on_device(batch, acc.device)
+                parts = batch.parts
                 # gradients sync across processes only on the micro-step that steps the optimizer
-                syncs = (micro + 1) % accumulation == 0
+                syncs = (micro + parts) % accumulation == 0
                 with nullcontext() if syncs else acc.no_sync(denoiser), acc.autocast():
                     loss, metrics = algorithm.loss(policy, batch)
-                    acc.backward(loss / accumulation)
-                micro += 1
+                    acc.backward(loss * parts / accumulation)
+                micro += parts
                 metrics["loss"] = loss.detach()
-                if micro % accumulation == 0:
+                if syncs:
                     metrics["grad_norm"] = grad_norm = acc.clip_grad_norm_(params, max_grad_norm)
                     if torch.isfinite(grad_norm):
                         optimizer.step()
@@ -70,9 +80,24 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                         sums[k] = min(sums.get(k, v), v)
                     elif k.endswith("_max"):
                         sums[k] = max(sums.get(k, v), v)
-                    else:
-                        sums[k] = sums.get(k, 0.0) + v
-                        counts[k] = counts.get(k, 0) + 1
+                    else:  # a merged batch's metric is the mean over its parts: it counts that many times
+                        weight = 1 if k == "grad_norm" else parts
+                        sums[k] = sums.get(k, 0.0) + v * weight
+                        counts[k] = counts.get(k, 0) + weight
     out = {f"train/{k}": (v / counts[k] if k in counts else v) for k, v in sums.items()}
     out["train/skipped_updates"] = skipped
     return out, steps
+
+
+def _merged(batches, steps_per_call: int | str, room):
+    """``batches`` merged ``steps_per_call`` at a time (``all``: as many as come), never more than
+    ``room()``: the micro-steps left before the next optimizer step."""
+    limit = math.inf if steps_per_call == "all" else steps_per_call
+    pending = []
+    for batch in batches:
+        pending.append(batch)
+        if len(pending) >= min(limit, room()):
+            yield merge_batches(pending)
+            pending = []
+    if pending:
+        yield merge_batches(pending)

@@ -229,7 +229,8 @@ class Trainer:
         settings = SamplingSettings(height, width, train.num_frames, train.num_inference_steps, train.guidance_scale,
                                     train.per_device_batch_size, self.seed, sde_steps, train.same_latent,
                                     record_means=self.algorithm.records_step_means,
-                                    storage_dtype=self.latent_storage_dtype, offload=train.offload_samples_to_cpu)
+                                    storage_dtype=self.latent_storage_dtype, offload=train.offload_samples_to_cpu,
+                                    keep_states=tuple(self.algorithm.kept_states(train.num_inference_steps, sde_steps)))
         if self.rollout_weights is not None:
             self.rollout_weights.copy_from_params()  # NFT / AWM's old policy: the weights sampled with
         # off_policy: the rollout samples with the EMA weights while the current policy trains
@@ -267,7 +268,8 @@ class Trainer:
             optimizer=self.optimizer, params=self.params, denoiser=self.adapter.denoiser,
             batch_size=train.per_device_batch_size, num_inner_epochs=train.num_inner_epochs,
             accumulation=self.cfg.gradient_accumulation, max_grad_norm=train.max_grad_norm,
-            seed=self.seed, epoch=epoch, guard=self.guard, shuffle=train.shuffle_samples)
+            seed=self.seed, epoch=epoch, guard=self.guard, shuffle=train.shuffle_samples,
+            steps_per_call=train.steps_per_call)
         self.global_step += steps
         if not all_finite(self.params):  # finite gradients, yet a step overflowed: stop before it spreads
             raise NonFiniteError(f"epoch {epoch}: an optimizer step made trained weights NaN or inf (mean "

@@ -1,0 +1,211 @@
+"""Seconds per epoch, by phase, and peak memory, on a tiny SD3 pipeline (CPU, offline); with
+``--baseline REV``, the same runs of another git revision of this project side by side.
+
+    python bench/epoch_speed.py [--cases grpo nft] [--repeats 3] [--baseline main]
+                                [--set train.steps_per_call=all]
+
+The world (fixed; change it only with a new entry in the experiment log): a random-init
+SD3 pipeline built from config, float32, LoRA rank 4, 64x64, 10 steps, 16 rollouts an
+epoch (4 prompts x group 4), per_device_batch_size 4, 2 optimizer steps an epoch, the
+jpeg-compressibility reward, no eval, 5 epochs of which 2-5 are counted. Cases: grpo with
+Flow-SDE 0.7 on every step; grpo with a 2-step window; nft and awm on ODE rollouts, with
+their default training timesteps.
+
+Each run is a fresh process (so peak RSS is its own); the two revisions alternate run by run
+so that a noisy machine slows both alike, and each figure is the median over the repeats.
+"Outside model" is the epoch's time minus the time spent inside the transformer, text
+encoders, VAE decode, backward and optimizer step (timed by hooks): the framework's own cost.
+``--set`` overrides apply to this checkout only (a key the baseline lacks would not load there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ("grpo", "grpo-window2", "nft", "awm")
+EPOCHS = 5
+
+
+def case_config(case: str, tmp: Path, model: Path) -> dict:
+    data = tmp / "data"
+    data.mkdir(exist_ok=True)
+    (data / "train.txt").write_text("\n".join(f"prompt number {i}: a red circle" for i in range(16)) + "\n")
+    train = {"resolution": 64, "num_inference_steps": 10, "guidance_scale": 4.5, "per_device_batch_size": 4,
+             "group_size": 4, "unique_sample_num_per_epoch": 4, "gradient_step_per_epoch": 2,
+             "max_epochs": EPOCHS, "ema_decay": 0.0}
+    scheduler = {"dynamics_type": "ODE"}
+    if case.startswith("grpo"):
+        train["trainer_type"] = "grpo"
+        scheduler = {"dynamics_type": "Flow-SDE", "noise_level": 0.7}
+        if case == "grpo":
+            scheduler.update(sde_steps=list(range(10)), num_sde_steps=None)
+        else:
+            scheduler.update(num_sde_steps=2)
+    else:
+        train["trainer_type"] = case
+    return {
+        "seed": 0,
+        "data": {"dataset_dir": str(data)},
+        "model": {"model_name_or_path": str(model), "model_type": "sd3-5", "lora_rank": 4, "lora_alpha": 4},
+        "scheduler": scheduler,
+        "train": train,
+        "eval": {"eval_freq": 0},
+        "log": {"run_name": "speed", "save_dir": str(tmp / "saves"), "logging_backend": "none", "save_freq": 0},
+        "rewards": [{"reward_model": "jpeg_compressibility"}],
+    }
+
+
+def apply_overrides(config: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        section, _, name = key.partition(".")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        config.setdefault(section, {})[name] = value
+    return config
+
+
+def run_one(case: str, model: Path, overrides: list[str]) -> dict:
+    """One training run in this process (whichever flow_factory is importable); returns its figures."""
+    import torch
+
+    from flow_factory.config import parse_config
+    from flow_factory.trainer import Trainer
+
+    torch.set_num_threads(1)  # the same on every machine, and two runs never fight for cores
+    inside: dict[str, float] = defaultdict(float)
+
+    def timed_forward(module, key):
+        starts = []
+        module.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
+        module.register_forward_hook(lambda *_: inside.__setitem__(key, inside[key] + time.perf_counter() - starts.pop()))
+
+    def timed_method(obj, name, key):
+        original = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside[key] += time.perf_counter() - start
+        setattr(obj, name, timed)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = apply_overrides(case_config(case, Path(tmp), model), overrides)
+        start = time.perf_counter()
+        trainer = Trainer(parse_config(config))
+        startup = time.perf_counter() - start
+        pipe = trainer.adapter.pipeline
+        timed_forward(pipe.transformer, "transformer")
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            if getattr(pipe, name, None) is not None:
+                timed_forward(getattr(pipe, name), "text encoders")
+        timed_method(pipe.vae, "decode", "vae decode")
+        timed_method(trainer.accelerator, "backward", "backward")
+        timed_method(trainer.optimizer, "step", "optimizer step")
+        per_epoch_inside = []
+        original = trainer.sample_epoch
+
+        def sample_epoch(epoch):  # model time per epoch: the hook totals at each epoch's start
+            per_epoch_inside.append(sum(inside.values()))
+            return original(epoch)
+        trainer.sample_epoch = sample_epoch
+        history = trainer.train()
+    per_epoch_inside.append(sum(inside.values()))
+    model_time = [b - a for a, b in zip(per_epoch_inside, per_epoch_inside[1:])]
+    counted = history[1:]
+    phases = {p: statistics.mean(r[f"time/{p}"] for r in counted)
+              for p in ("sampling", "decode", "reward", "training", "other")}
+    epoch = statistics.mean(r["time/epoch"] for r in counted)
+    return {"epoch": epoch, "first_epoch": history[0]["time/epoch"], "startup": startup, **phases,
+            "outside_model": epoch - statistics.mean(model_time[1:]),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def checkout(rev: str, where: Path) -> Path:
+    """The tree of ``rev`` in ``where`` (git archive: no worktree left behind)."""
+    where.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    return where
+
+
+def spawn(src: Path, case: str, model: Path, overrides: list[str]) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, __file__, "--child", case, "--model", str(model), *sum([["--set", o] for o in overrides], [])]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{case} with {src} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each case per revision")
+    parser.add_argument("--baseline", metavar="REV", help="a git revision to run side by side (e.g. main, HEAD~3)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="config override for this checkout's runs (JSON values)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_one(args.child, Path(args.model), args.set)))
+        return
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        sys.path.insert(0, str(ROOT / "src"))
+        from flow_factory.testing import build_tiny_pipeline
+        model = build_tiny_pipeline("sd3-5", tmp / "sd3")
+        sides = {"this": ROOT / "src"}
+        if args.baseline:
+            sides[args.baseline] = checkout(args.baseline, tmp / "baseline") / "src"
+        results = {(case, side): [] for case in args.cases for side in sides}
+        for r in range(args.repeats):
+            for case in args.cases:
+                for side, src in (sides.items() if r % 2 == 0 else reversed(sides.items())):
+                    overrides = args.set if side == "this" else []
+                    results[case, side].append(spawn(src, case, model, overrides))
+                    print(f"  repeat {r + 1}/{args.repeats} {case:<13} {side:<10} "
+                          f"{results[case, side][-1]['epoch']:.3f} s/epoch", file=sys.stderr, flush=True)
+
+    def median(case, side, key):
+        return statistics.median(run[key] for run in results[case, side])
+
+    print(f"tiny SD3, {EPOCHS} epochs (2-{EPOCHS} counted), median of {args.repeats} runs, one thread"
+          + (f"; overrides on this checkout: {' '.join(args.set)}" if args.set else ""))
+    cols = ["epoch", "sampling", "training", "other", "first_epoch", "startup", "outside_model", "peak_rss_mb"]
+    print(f"{'case':<14}{'revision':<12}" + "".join(f"{c:>14}" for c in cols))
+    for case in args.cases:
+        for side in sides:
+            row = [median(case, side, c) for c in cols]
+            print(f"{case:<14}{side:<12}" + "".join(f"{v:>14.3f}" for v in row))
+        epoch = median(case, "this", "epoch")
+        print(f"{'':<14}{'':<12}outside model {median(case, 'this', 'outside_model') / epoch:.1%} of the epoch; "
+              f"first epoch {median(case, 'this', 'first_epoch') / epoch:.2f}x the others")
+        if args.baseline:
+            ratio = epoch / median(case, args.baseline, "epoch")
+            rss = median(case, "this", "peak_rss_mb") / median(case, args.baseline, "peak_rss_mb")
+            print(f"{'':<14}{'':<12}this / {args.baseline}: epoch {ratio:.2f}x, peak RSS {rss:.2f}x")
+    print(f"took {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
