@@ -328,6 +328,8 @@ def test_wrong_values_name_path_value_and_what_is_valid(override, message):
 @pytest.mark.parametrize("alias, canonical", [
     ("sd3_5", "sd3-5"), ("sd3", "sd3-5"), ("SD3-5", "sd3-5"), ("flux", "flux1"), ("flux1", "flux1"),
     ("wan", "wan2_t2v"), ("wan2.1", "wan2_t2v"), ("wan21_t2v", "wan2_t2v"), ("wan2_t2v", "wan2_t2v"),
+    ("qwen-image", "qwen-image"), ("qwen_image", "qwen-image"), ("qwenimage", "qwen-image"),
+    ("z-image", "z-image"), ("z_image", "z-image"), ("Z-Image-Turbo", "z-image"),
 ])
 def test_model_type_aliases(alias, canonical):
     frames = {"num_frames": 5} if canonical == "wan2_t2v" else {}
