@@ -72,7 +72,6 @@ SAMPLER_TYPES = ("auto", "distributed_k_repeat", "group_contiguous", "group_dist
 PIPELINE_COMPONENTS = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3", "vae",
                        "image_encoder")
 MODEL_TYPES = tuple(MODEL_FAMILIES)
-VIDEO_MODEL_TYPES = tuple(name for name, family in MODEL_FAMILIES.items() if family.frame_factor)
 MODEL_TYPE_ALIASES = {
     "sd3-5": "sd3-5", "sd3_5": "sd3-5", "sd3": "sd3-5", "sd35": "sd3-5",
     "flux1": "flux1", "flux": "flux1", "flux-1": "flux1",
