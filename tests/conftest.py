@@ -36,3 +36,15 @@ def tiny_flux_path(tmp_path_factory):
 def tiny_wan_path(tmp_path_factory):
     """Folder of a tiny WanPipeline (model_type "wan2_t2v"); 5 frames at 32x32."""
     return _build(tmp_path_factory, "wan2_t2v")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_path(tmp_path_factory):
+    """Folder of a tiny QwenImagePipeline (model_type "qwen-image"); 64x64 images."""
+    return _build(tmp_path_factory, "qwen-image")
+
+
+@pytest.fixture(scope="session")
+def tiny_z_image_path(tmp_path_factory):
+    """Folder of a tiny ZImagePipeline (model_type "z-image", Turbo's scheduler); 64x64 images."""
+    return _build(tmp_path_factory, "z-image")

@@ -13,6 +13,8 @@ TINY_MODELS = {
     "sd3-5": ("tiny_sd3_path", 64, None, 3.0),
     "flux1": ("tiny_flux_path", 64, None, 3.5),
     "wan2_t2v": ("tiny_wan_path", 32, 5, 3.0),
+    "qwen-image": ("tiny_qwen_image_path", 64, None, 4.0),  # true CFG
+    "z-image": ("tiny_z_image_path", 64, None, 0.0),  # Z-Image-Turbo's settings: no CFG
 }
 
 

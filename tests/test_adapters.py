@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from flow_factory.dynamics.ode import ODE
-from flow_factory.models import FluxAdapter, SD3Adapter, WanT2VAdapter, get_adapter_class, index_cond, load_adapter
+from flow_factory.models import (FluxAdapter, QwenImageAdapter, SD3Adapter, WanT2VAdapter, ZImageAdapter, cat_cond,
+                                 get_adapter_class, index_cond, load_adapter)
 from flow_factory.rollout import sample_trajectory
 
 PROMPTS = ["a red cube on a table", "two cats"]
@@ -19,7 +20,10 @@ CASES = {
     "sd3-5": ("tiny_sd3_path", SD3Adapter, dict(height=64, width=64), 4.5),
     "flux1": ("tiny_flux_path", FluxAdapter, dict(height=64, width=64), 3.5),
     "wan2_t2v": ("tiny_wan_path", WanT2VAdapter, dict(height=32, width=32, num_frames=5), 5.0),
+    "qwen-image": ("tiny_qwen_image_path", QwenImageAdapter, dict(height=64, width=64), 4.0),
+    "z-image": ("tiny_z_image_path", ZImageAdapter, dict(height=64, width=64), 4.0),
 }
+PACKED = {"flux1", "qwen-image"}  # their pipelines take and return latents packed into 2x2 tokens
 
 
 def _load(request, model_type):
@@ -31,18 +35,20 @@ def _load(request, model_type):
 
 def _pipeline_output(adapter, noise, size, guidance, output_type):
     """The pipeline's own result for the same noise, in the adapter's latent layout."""
-    pipe = adapter.pipeline
-    kwargs = dict(prompt=PROMPTS, num_inference_steps=STEPS, guidance_scale=guidance,
-                  output_type=output_type, **size)
-    if adapter.model_type == "flux1":
+    pipe, model_type = adapter.pipeline, adapter.model_type
+    # fresh lists: ZImagePipeline writes its chat-templated prompts back into the list it is given
+    kwargs = dict(prompt=list(PROMPTS), num_inference_steps=STEPS, output_type=output_type, latents=noise, **size)
+    kwargs["true_cfg_scale" if model_type == "qwen-image" else "guidance_scale"] = guidance
+    if model_type in PACKED:
         n, c, h, w = noise.shape
         kwargs["latents"] = type(pipe)._pack_latents(noise, n, c, h, w)
-    else:
-        kwargs.update(latents=noise, negative_prompt=NEGATIVES)
+    if model_type != "flux1":  # FLUX.1's guidance is distilled: no negative prompt
+        kwargs["negative_prompt"] = list(NEGATIVES)
     out = pipe(**kwargs)
     result = out.frames if adapter.is_video else out.images
-    if output_type == "latent" and adapter.model_type == "flux1":
+    if output_type == "latent" and model_type in PACKED:  # Qwen-Image's unpacked latents have a frame axis
         result = type(pipe)._unpack_latents(result, size["height"], size["width"], pipe.vae_scale_factor)
+        result = result.reshape(noise.shape)
     return result
 
 
@@ -138,8 +144,14 @@ def test_latent_shapes_and_size_errors(request):
     sd3, _, _ = _load(request, "sd3-5")
     flux, _, _ = _load(request, "flux1")
     wan, _, _ = _load(request, "wan2_t2v")
+    qwen, _, _ = _load(request, "qwen-image")
+    z_image, _, _ = _load(request, "z-image")
     assert sd3.latent_shape(64, 128) == (16, 8, 16)
     assert flux.latent_shape(64, 128) == (16, 8, 16)
+    assert qwen.latent_shape(64, 128) == z_image.latent_shape(64, 128) == (16, 8, 16)
+    for adapter in (qwen, z_image):
+        with pytest.raises(ValueError, match="multiples of 16"):
+            adapter.latent_shape(64, 40)
     assert wan.latent_shape(32, 48, num_frames=9) == (16, 3, 4, 6)
     with pytest.raises(ValueError, match="multiples of 16"):
         sd3.latent_shape(72, 64)
@@ -151,11 +163,88 @@ def test_latent_shapes_and_size_errors(request):
         wan.latent_shape(32, 32, num_frames=6)
 
 
+def test_qwen_image_cfg_rescales_the_mix_to_the_conditional_norm(tiny_qwen_image_path):
+    """Qwen-Image's true CFG: the mixed prediction keeps, at every token, the norm of the conditional one."""
+    adapter = load_adapter("qwen-image", tiny_qwen_image_path)
+    cond = adapter.encode(PROMPTS[:1], ["ugly"], 4.0)
+    x = adapter.initial_noise(1, 64, 64, torch.Generator().manual_seed(3))
+    text = {k: cond[k] for k in ("prompt_embeds", "prompt_embeds_mask")}
+    uncond = {k: cond[f"negative_{k}"] for k in text}
+    with torch.no_grad():
+        v_text, v_uncond, v = (adapter.velocity(x, torch.tensor(0.7), c, g) for c, g in
+                               ((text, 1.0), (uncond, 1.0), (cond, 4.0)))
+
+    def tokens(latents):  # (B, C, H, W) -> (B, tokens, 4 C), the pipeline's packing
+        return type(adapter.pipeline)._pack_latents(latents, 1, 16, 8, 8)
+
+    mixed = tokens(v_uncond + 4.0 * (v_text - v_uncond))
+    expected = mixed * tokens(v_text).norm(dim=-1, keepdim=True) / mixed.norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(tokens(v), expected, rtol=0, atol=1e-5)
+    assert (tokens(v) - mixed).abs().max() > 100 * 1e-5  # the rescale is not a no-op here
+    with pytest.raises(ValueError, match="negative branch"):
+        adapter.velocity(x, torch.tensor(0.7), text, 4.0)
+
+
+def test_z_image_guidance_is_the_pipelines_and_zero_is_one_branch(tiny_z_image_path):
+    """Z-Image: v = -(v_c + g (v_c - v_u)) of the transformer's outputs; g = 0 (Turbo) encodes no negative."""
+    adapter = load_adapter("z-image", tiny_z_image_path)
+    assert not adapter.uses_cfg(0.0) and adapter.uses_cfg(0.5)
+    assert set(adapter.encode(PROMPTS, None, 0.0)) == {"prompt_embeds", "prompt_embeds_mask"}
+    cond = adapter.encode(PROMPTS[:1], ["ugly"], 2.0)
+    x = adapter.initial_noise(1, 64, 64, torch.Generator().manual_seed(3))
+    text = {k: cond[k] for k in ("prompt_embeds", "prompt_embeds_mask")}
+    uncond = {k: cond[f"negative_{k}"] for k in text}
+    with torch.no_grad():
+        v_text, v_uncond, v = (adapter.velocity(x, torch.tensor(0.7), c, g) for c, g in
+                               ((text, 0.0), (uncond, 0.0), (cond, 2.0)))
+    torch.testing.assert_close(v, v_text + 2.0 * (v_text - v_uncond), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["qwen-image", "z-image"])
+def test_prompts_of_any_length_stack_across_batches(request, model_type):
+    """Prompts keep their own lengths: conditioning encoded in separate batches, whose longest
+    prompts differ, concatenates (as rollouts and the prompt cache do) and gives each sample the
+    velocity it has alone."""
+    adapter, size, guidance = _load(request, model_type)
+    short, long = ["a cat"], ["a very long prompt about a red cube on a wooden table at dawn"]
+    parts = [adapter.encode(p, ["blurry"], guidance) for p in (short, long)]
+    lengths = [int(part["prompt_embeds_mask"].sum()) for part in parts]
+    assert lengths[0] < lengths[1] and parts[0]["prompt_embeds"].shape == parts[1]["prompt_embeds"].shape
+    both = cat_cond(parts)
+    x = adapter.initial_noise(2, 64, 64, torch.Generator().manual_seed(4))
+    sigma = torch.tensor([0.8, 0.3])
+    with torch.no_grad():
+        batched = adapter.velocity(x, sigma, both, guidance)
+        alone = [adapter.velocity(x[i:i + 1], sigma[i], parts[i], guidance) for i in range(2)]
+    torch.testing.assert_close(batched, torch.cat(alone), rtol=0, atol=1e-5)
+
+
+def test_qwen_image_sigmas_are_the_pipelines_at_every_resolution(tiny_qwen_image_path):
+    """Qwen-Image's shift grows with the number of image tokens (use_dynamic_shifting, exponential,
+    stretched to end at shift_terminal): the adapter's grid is the pipeline's at 64 and at 128 pixels."""
+    adapter = load_adapter("qwen-image", tiny_qwen_image_path)
+    pipe = adapter.pipeline
+    grids = {}
+    for size in (64, 128):
+        pipe(prompt=["a cat"], height=size, width=size, num_inference_steps=4, true_cfg_scale=1.0,
+             output_type="latent")
+        grids[size] = adapter.sigmas(4, size, size)
+        torch.testing.assert_close(grids[size], pipe.scheduler.sigmas.float(), rtol=0, atol=0)
+        assert grids[size][-2] == pytest.approx(0.02)  # shift_terminal
+    assert (grids[128][1:-2] > grids[64][1:-2]).all()
+
+
 def test_registry():
     assert get_adapter_class("flux1") is FluxAdapter
     assert get_adapter_class("wan2_t2v").is_video and not get_adapter_class("sd3-5").is_video
-    with pytest.raises(ValueError, match=r"unknown 'sd3'.*'flux1', 'sd3-5', 'wan2_t2v'"):
+    assert get_adapter_class("qwen-image") is QwenImageAdapter and get_adapter_class("z-image") is ZImageAdapter
+    assert get_adapter_class("flow_factory.models.flux.FluxAdapter") is FluxAdapter  # a class by its path
+    with pytest.raises(ValueError, match=r"unknown 'sd3'.*'flux1'.*'sd3-5'.*or the dotted path"):
         get_adapter_class("sd3")
+    with pytest.raises(ValueError, match=r"model.model_type: 'collections.OrderedDict' is .* not a subclass"):
+        get_adapter_class("collections.OrderedDict")
+    with pytest.raises(ValueError, match=r"model.model_type: adapter class path 'no_such.Adapter': no module"):
+        get_adapter_class("no_such.Adapter")
 
 
 @pytest.mark.parametrize("model_type", list(CASES))

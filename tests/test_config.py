@@ -55,6 +55,9 @@ def problem_of(data=None, overrides=()) -> str:
     ("flux1_grpo_lora.yaml", 48, 48, 24),
     # 32 x 16 = 512 / (8 x 1) = 64; 1 trained step; 2 optimizer steps
     ("wan21_t2v_grpo_lora.yaml", 64, 64, 32),
+    # 48 x 16 = 768 / (8 x 1) = 96; 1 trained step; 2 optimizer steps
+    ("qwen_image_grpo_lora.yaml", 96, 96, 48),
+    ("z_image_turbo_grpo_lora.yaml", 96, 96, 48),
 ])
 def test_examples_load_with_the_batch_arithmetic_their_comments_state(name, batches, micro, accumulation):
     cfg = load_config(EXAMPLES / name)
@@ -328,6 +331,8 @@ def test_wrong_values_name_path_value_and_what_is_valid(override, message):
 @pytest.mark.parametrize("alias, canonical", [
     ("sd3_5", "sd3-5"), ("sd3", "sd3-5"), ("SD3-5", "sd3-5"), ("flux", "flux1"), ("flux1", "flux1"),
     ("wan", "wan2_t2v"), ("wan2.1", "wan2_t2v"), ("wan21_t2v", "wan2_t2v"), ("wan2_t2v", "wan2_t2v"),
+    ("qwen-image", "qwen-image"), ("qwen_image", "qwen-image"), ("qwenimage", "qwen-image"),
+    ("z-image", "z-image"), ("z_image", "z-image"), ("Z-Image-Turbo", "z-image"),
 ])
 def test_model_type_aliases(alias, canonical):
     frames = {"num_frames": 5} if canonical == "wan2_t2v" else {}

@@ -102,6 +102,41 @@ def test_model_guide_example_reproduces_the_pipeline(monkeypatch, tiny_sd3_path)
     assert adapter.pixel_factor_of(adapter.pipeline.vae.config, adapter.transformer.config) == cls.pixel_factor
 
 
+def test_model_guide_adapter_trains_by_its_dotted_path(monkeypatch, request, tmp_path, tiny_sd3_path):
+    """The guide's own-adapter section: step 1's class saved in a module outside the package and named
+    by the dotted path of the guide's YAML trains with ``ff-train``, through that class, and writes a
+    LoRA that the pipeline loads."""
+    import importlib
+
+    import torch
+    import yaml
+    from diffusers import StableDiffusion3Pipeline
+    from helpers_runs import tiny_run_config, write_config
+
+    from flow_factory.train import main
+
+    guide = DOCS / "guides" / "adding-a-model.md"
+    (block,) = re.findall(r"^```yaml\n(.*?)^```", guide.read_text(encoding="utf-8"), flags=re.M | re.S)
+    model_type = yaml.safe_load(block)["model"]["model_type"]
+    module_name, _, class_name = model_type.rpartition(".")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / f"{module_name}.py").write_text(python_blocks(guide)[0], encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
+    request.addfinalizer(lambda: sys.modules.pop(module_name, None))
+    cls = getattr(importlib.import_module(module_name), class_name)
+    calls = []
+    velocity = cls.velocity
+    monkeypatch.setattr(cls, "velocity", lambda self, *a, **k: calls.append(1) or velocity(self, *a, **k))
+
+    config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path, max_epochs=2)
+    config["model"]["model_type"] = model_type
+    assert main([str(write_config(tmp_path, config))]) == 0
+    assert calls, "the run did not sample or train through the guide's class"
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_path)
+    pipe.load_lora_weights(tmp_path / "saves" / "run" / "checkpoints" / "epoch_2")
+    assert any(torch.count_nonzero(p) for n, p in pipe.transformer.named_parameters() if "lora_B" in n)
+
+
 def test_reward_guide_example_scores_through_a_config(monkeypatch):
     """The guide's reward, named by its class path in a reward entry with its own option, scores images."""
     import torch

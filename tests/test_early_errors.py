@@ -6,6 +6,7 @@ folder comes from ``models.preflight.check_before_loading``, which reads JSON on
 """
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,8 @@ RELEASED = {
     "flux1": ({"block_out_channels": [128, 256, 512, 512]}, {"patch_size": 1}),  # FLUX.1 dev / schnell
     # Wan2.1-T2V-*-Diffusers: saved before diffusers recorded scale_factor_spatial (the default 8 applies)
     "wan2_t2v": ({"temperal_downsample": [False, True, True]}, {"patch_size": [1, 2, 2]}),
+    "qwen-image": ({"temperal_downsample": [False, True, True]}, {"patch_size": 2}),  # Qwen-Image, -2512
+    "z-image": ({"block_out_channels": [128, 256, 512, 512]}, {"all_patch_size": [2]}),  # Z-Image, -Turbo
 }
 
 
@@ -196,7 +199,7 @@ def test_a_pipeline_no_adapter_loads_lists_those_that_do(tmp_path):
     assert preflight_error(config(path=folder)) == (
         f"{folder / 'model_index.json'}: holds a StableDiffusionXLPipeline, but model.model_type 'sd3-5' loads a "
         "StableDiffusion3Pipeline; no adapter loads it; the adapters load StableDiffusion3Pipeline (sd3-5), "
-        "FluxPipeline (flux1), WanPipeline (wan2_t2v)")
+        "FluxPipeline (flux1), WanPipeline (wan2_t2v), QwenImagePipeline (qwen-image), ZImagePipeline (z-image)")
 
 
 @pytest.mark.parametrize("index", [
@@ -242,3 +245,65 @@ def test_a_file_is_not_a_pipeline_folder(tmp_path):
 @pytest.mark.parametrize("hub_id", ["stabilityai/stable-diffusion-3.5-medium", "black-forest-labs/FLUX.1-dev"])
 def test_a_hub_id_is_left_to_the_loader(hub_id):
     check_before_loading(parse_config(config(path=hub_id)))  # nothing to read offline, so nothing to say
+
+
+# --------------------------------------------------------------------------- a user's adapter class
+
+
+USER_ADAPTERS = """
+from flow_factory.models.sd3 import SD3Adapter
+
+
+class CoarseSD3(SD3Adapter):
+    model_type = "coarse-sd3"
+    pixel_factor = 32  # stricter than SD3's 16: the config must read it from here
+
+
+class VideoSD3(SD3Adapter):
+    model_type = "video-sd3"
+    is_video = True
+    frame_factor = 8
+
+
+class Unfinished(SD3Adapter.__mro__[1]):  # FlowAdapter without the class attributes
+    pass
+
+
+NOT_A_CLASS = 3
+"""
+
+
+@pytest.fixture
+def user_adapters(tmp_path, monkeypatch):
+    """A module of adapter classes outside the package, importable as ``user_adapters_check``."""
+    (tmp_path / "user_adapters_check.py").write_text(USER_ADAPTERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "user_adapters_check"
+    sys.modules.pop("user_adapters_check", None)
+
+
+def test_a_users_adapter_class_gives_the_family_its_numbers(user_adapters):
+    coarse = config(f"{user_adapters}.CoarseSD3", resolution=64)
+    assert parse_config(coarse).model.model_type == f"{user_adapters}.CoarseSD3"
+    assert config_error(coarse, ["train.resolution=48"]) == (
+        f"train.resolution: {user_adapters}.CoarseSD3 needs height and width in multiples of 32 "
+        "(CoarseSD3.pixel_factor), got 48; nearest valid: 32 or 64")
+    video = config(f"{user_adapters}.VideoSD3", resolution=64, num_frames=9)
+    assert parse_config(video).model.is_video
+    assert "train.num_frames: user_adapters_check.VideoSD3 needs 8k + 1 frames" in config_error(
+        video, ["train.num_frames=5"])
+
+
+@pytest.mark.parametrize("path, message", [
+    ("user_adapters_check.Missing", "model.model_type: adapter class path 'user_adapters_check.Missing': module "
+                                    "'user_adapters_check' has no attribute 'Missing'"),
+    ("no_such_package.Adapter", "model.model_type: adapter class path 'no_such_package.Adapter': no module named "
+                                "'no_such_package'; the model families are sd3-5, flux1"),
+    ("user_adapters_check.NOT_A_CLASS", "model.model_type: 'user_adapters_check.NOT_A_CLASS' is 3, not a subclass of "
+                                        "flow_factory.models.FlowAdapter"),
+    ("user_adapters_check.Unfinished", "model.model_type: 'user_adapters_check.Unfinished' does not set model_type, "
+                                       "pipeline_class, pixel_factor, default_lora_targets"),
+    ("sd4", "model.model_type: unknown model family 'sd4'; expected one of sd3-5, flux1"),
+])
+def test_a_model_type_that_names_no_adapter_is_a_config_error(user_adapters, path, message):
+    assert config_error(config(path)).startswith(message)

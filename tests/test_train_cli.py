@@ -34,8 +34,10 @@ def _pipeline_output(pipe_cls, path, lora_dir, model_type):
     if lora_dir is not None:
         pipe.load_lora_weights(lora_dir)
     kwargs = {"num_frames": frames} if frames else {}
-    out = pipe("a red circle", height=resolution, width=resolution, num_inference_steps=2,
-               guidance_scale=guidance, output_type="latent",
+    # Qwen-Image's CFG is true_cfg_scale with a negative prompt; its guidance_scale is for distilled models
+    kwargs.update({"true_cfg_scale": guidance, "negative_prompt": ""} if model_type == "qwen-image"
+                  else {"guidance_scale": guidance})
+    out = pipe("a red circle", height=resolution, width=resolution, num_inference_steps=2, output_type="latent",
                generator=torch.Generator().manual_seed(0), **kwargs)
     return (out.frames if hasattr(out, "frames") else out.images).float()
 
@@ -61,6 +63,24 @@ def test_ff_train_runs_and_writes_a_loadable_lora(request, tmp_path, model_type,
 
     lora_dir = run_dir / "checkpoints" / f"epoch_{epochs}"
     assert (lora_dir / "pytorch_lora_weights.safetensors").exists()
+    pipe_cls = get_adapter_class(model_type).pipeline_class
+    base = _pipeline_output(pipe_cls, path, None, model_type)
+    tuned = _pipeline_output(pipe_cls, path, lora_dir, model_type)
+    assert not torch.allclose(base, tuned, atol=1e-6), "the trained LoRA does not change the output"
+
+
+@pytest.mark.parametrize("model_type", ["qwen-image", "z-image"])
+def test_ff_train_nft_writes_a_loadable_lora(request, tmp_path, model_type):
+    """A decoupled algorithm end to end on the families whose prompts keep their own lengths: the epoch's
+    conditioning concatenates across batches and the LoRA loads in the pipeline and changes its output."""
+    path = request.getfixturevalue(TINY_MODELS[model_type][0])
+    config = tiny_run_config(tmp_path, model_type, path, trainer_type="nft", max_epochs=2, num_train_timesteps=1)
+    config["scheduler"] = {"dynamics_type": "ODE", "noise_level": 0.0}
+    _run(tmp_path, config)
+    run_dir = tmp_path / "saves" / "run"
+    history = json.loads((run_dir / "history.json").read_text())["train"]
+    assert [r["epoch"] for r in history] == [0, 1] and "train/positive_loss" in history[-1]
+    lora_dir = run_dir / "checkpoints" / "epoch_2"
     pipe_cls = get_adapter_class(model_type).pipeline_class
     base = _pipeline_output(pipe_cls, path, None, model_type)
     tuned = _pipeline_output(pipe_cls, path, lora_dir, model_type)

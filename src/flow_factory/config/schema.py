@@ -28,8 +28,7 @@ from .compat import read_flow_factory_spellings, without_effect
 from .errors import ConfigError
 from .explain import explain
 from .rewards import RewardConfig, as_entry_list, duplicate_names
-from .sections import (MODEL_FAMILIES, VIDEO_MODEL_TYPES, DataConfig, EvalConfig, LogConfig, ModelConfig,
-                       SchedulerConfig)
+from .sections import DataConfig, EvalConfig, LogConfig, ModelConfig, SchedulerConfig, model_family
 from .train import (COUPLED_TRAINER_TYPES, TrainConfig, fill_trainer_defaults, resolve_num_train_timesteps,
                     trainer_problems)
 
@@ -175,8 +174,8 @@ class Config(Section):
             out.append(f"model.resume_type: {model.resume_type!r} starts from {model.resume_type} weights, but "
                        f"model.finetune_type is {model.finetune_type!r}; make them agree, or use state")
         frames = (("train.num_frames", train.num_frames), ("eval.num_frames", self.eval.num_frames))
-        if model.model_type in VIDEO_MODEL_TYPES:
-            k = MODEL_FAMILIES[model.model_type].frame_factor
+        k = model_family(model.model_type).frame_factor
+        if k is not None:
             for path, n in frames:
                 if n is not None and (n - 1) % k:
                     out.append(f"{path}: {model.model_type} needs {k}k + 1 frames (the VAE packs {k} frames "
@@ -204,7 +203,7 @@ class Config(Section):
         """Sizes the model family cannot take; the pipeline folder's exact factor is checked again
         before loading (models/preflight.py), where its config files can be read."""
         name = self.model.model_type
-        family = MODEL_FAMILIES[name]
+        family = model_family(name)
         sizes = (("train.resolution", self.train.resolution), ("eval.resolution", self.eval.resolution))
         found = (size_problem(key, value, family.pixel_factor, name, family.why)
                  for key, value in sizes if value is not None)

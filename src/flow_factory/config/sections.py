@@ -11,8 +11,9 @@ from typing import Literal
 
 from pydantic import NonNegativeInt, PositiveInt, field_validator
 
-from .base import (DTYPE_NAMES, Section, as_list, canonical_choice, check_resolution, problem, resolution_pair, setting,
-                   show)
+from ..class_path import import_class
+from .base import (DTYPE_NAMES, Section, as_list, canonical_choice, check_resolution, close_match, problem,
+                   resolution_pair, setting, show)
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,38 @@ MODEL_FAMILIES = {
     "sd3-5": ModelFamily(16, "VAE x8, then 2x2 transformer patches"),
     "flux1": ModelFamily(16, "VAE x8, then 2x2 token packing"),
     "wan2_t2v": ModelFamily(16, "VAE x8, then 2x2 transformer patches", frame_factor=4),
+    "qwen-image": ModelFamily(16, "VAE x8, then 2x2 token packing"),
+    "z-image": ModelFamily(16, "VAE x8, then 2x2 transformer patches"),
 }
+# what a user's adapter class (model.model_type: package.module.Class) sets, as the built-in ones do
+ADAPTER_CLASS_ATTRIBUTES = ("model_type", "pipeline_class", "pixel_factor", "default_lora_targets")
+
+
+def model_family(model_type: str) -> ModelFamily:
+    """What the config checks about ``model.model_type``: a built-in family's numbers, or those a
+    user's adapter class declares, named by its dotted path (imported here, and torch with it)."""
+    if model_type in MODEL_FAMILIES:
+        return MODEL_FAMILIES[model_type]
+    try:
+        cls = import_class(model_type, "adapter class path")
+    except (ImportError, ValueError) as e:
+        raise problem(f"{e}; the model families are {', '.join(MODEL_FAMILIES)}") from None
+    # by name, not issubclass: the config does not import the models (they import the config)
+    if not isinstance(cls, type) or "flow_factory.models.base.FlowAdapter" not in {
+            f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__}:
+        raise problem(f"{model_type!r} is {cls!r}, not a subclass of flow_factory.models.FlowAdapter")
+    missing = [name for name in ADAPTER_CLASS_ATTRIBUTES if not hasattr(cls, name)]
+    if missing:
+        raise problem(f"{model_type!r} does not set {', '.join(missing)}; an adapter class sets "
+                      f"{', '.join(ADAPTER_CLASS_ATTRIBUTES)} (docs/guides/adding-a-model.md)")
+    factor = cls.pixel_factor
+    if not isinstance(factor, int) or isinstance(factor, bool) or factor <= 0:
+        raise problem(f"{model_type!r} has pixel_factor {factor!r}; it must be a positive integer")
+    # a video adapter may declare frame_factor (num_frames = 1 + a multiple of it); 1 checks nothing
+    frames = (getattr(cls, "frame_factor", None) or 1) if cls.is_video else None
+    return ModelFamily(factor, f"{cls.__qualname__}.pixel_factor", frames)
+
+
 # Flow-Factory's sample placements, its legacy names and its newer ones
 SAMPLER_TYPES = ("auto", "distributed_k_repeat", "group_contiguous", "group_distributed", "group_tiled",
                  "global_random", "contiguous_shard", "rank_local", "global_batch", "global_tile", "subgroup_tile")
@@ -40,12 +72,13 @@ SAMPLER_TYPES = ("auto", "distributed_k_repeat", "group_contiguous", "group_dist
 PIPELINE_COMPONENTS = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3", "vae",
                        "image_encoder")
 MODEL_TYPES = tuple(MODEL_FAMILIES)
-VIDEO_MODEL_TYPES = tuple(name for name, family in MODEL_FAMILIES.items() if family.frame_factor)
 MODEL_TYPE_ALIASES = {
     "sd3-5": "sd3-5", "sd3_5": "sd3-5", "sd3": "sd3-5", "sd35": "sd3-5",
     "flux1": "flux1", "flux": "flux1", "flux-1": "flux1",
     "wan2_t2v": "wan2_t2v", "wan": "wan2_t2v", "wan2.1": "wan2_t2v", "wan21": "wan2_t2v",
     "wan21_t2v": "wan2_t2v", "wan2.1_t2v": "wan2_t2v",
+    "qwen-image": "qwen-image", "qwenimage": "qwen-image", "qwen": "qwen-image",
+    "z-image": "z-image", "zimage": "z-image", "z-image-turbo": "z-image", "zimage-turbo": "z-image",
 }
 DYNAMICS_TYPES = ("Flow-SDE", "Dance-SDE", "CPS", "ODE", "DPM-Solver++2M")
 DYNAMICS_ALIASES = {"flow-sde": "Flow-SDE", "flowsde": "Flow-SDE", "dance-sde": "Dance-SDE",
@@ -78,8 +111,10 @@ class DataConfig(Section):
 
 class ModelConfig(Section):
     model_name_or_path: str = setting(description="Hugging Face hub id or local folder of a diffusers pipeline")
-    model_type: Literal["sd3-5", "flux1", "wan2_t2v"] = setting(
-        description="model family: sd3-5, flux1 or wan2_t2v (aliases such as sd3_5, flux, wan2.1 accepted)")
+    model_type: str = setting(
+        description="model family: sd3-5, flux1, wan2_t2v, qwen-image or z-image (aliases such as sd3_5, flux, "
+        "wan2.1, qwenimage, z_image accepted), or the dotted path of your own FlowAdapter subclass "
+        "(my_package.adapters.MyAdapter)")
     finetune_type: Literal["lora", "full"] = setting("lora", "train LoRA adapters or every transformer weight")
     lora_rank: PositiveInt = setting(32, "LoRA rank r")
     lora_alpha: PositiveInt = setting(64, "LoRA alpha; the update is scaled by alpha / r")
@@ -106,6 +141,17 @@ class ModelConfig(Section):
     @classmethod
     def _model_type_alias(cls, value):
         return canonical_choice(value, MODEL_TYPE_ALIASES)
+
+    @field_validator("model_type")
+    @classmethod
+    def _model_type_known(cls, value):
+        if value not in MODEL_FAMILIES and "." not in value and ":" not in value:
+            close = close_match(value, MODEL_FAMILIES)
+            raise problem(f"unknown model family {value!r}" + (f"; did you mean {close!r}?" if close else "")
+                          + f"; expected one of {', '.join(MODEL_FAMILIES)}, or the dotted path of a FlowAdapter "
+                          "subclass (my_package.adapters.MyAdapter)")
+        model_family(value)  # a class path: importable, an adapter, and what the checks need
+        return value
 
     @field_validator("master_weight_dtype", mode="before")
     @classmethod
@@ -150,7 +196,7 @@ class ModelConfig(Section):
 
     @property
     def is_video(self) -> bool:
-        return self.model_type in VIDEO_MODEL_TYPES
+        return model_family(self.model_type).frame_factor is not None
 
 
 class SchedulerConfig(Section):

@@ -5,12 +5,15 @@ from .flux import FluxAdapter
 from .lora import (
     apply_lora, block_linear_names, load_lora_state, lora_disabled, lora_state_dict, lora_target_names, save_lora,
 )
+from .qwen_image import QwenImageAdapter
 from .registry import ADAPTERS, get_adapter_class, load_adapter
 from .sd3 import SD3Adapter
 from .wan import WanT2VAdapter
+from .z_image import ZImageAdapter
 
 __all__ = [
-    "ADAPTERS", "Conditioning", "FlowAdapter", "FluxAdapter", "SD3Adapter", "WanT2VAdapter",
+    "ADAPTERS", "Conditioning", "FlowAdapter", "FluxAdapter", "QwenImageAdapter", "SD3Adapter", "WanT2VAdapter",
+    "ZImageAdapter",
     "apply_lora", "block_linear_names", "cat_cond", "get_adapter_class", "index_cond", "load_adapter", "load_lora_state",
     "lora_disabled", "lora_state_dict", "lora_target_names", "save_lora",
 ]

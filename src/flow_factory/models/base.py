@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import ClassVar
 
 import torch
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import Tensor
 
 from ..config import ConfigError
@@ -45,6 +46,59 @@ def decode_image(vae, latents: Tensor, device) -> Tensor:
     return (image.float() / 2 + 0.5).clamp(0, 1)
 
 
+@torch.no_grad()
+def decode_normalized(vae, latents: Tensor, device) -> Tensor:
+    """(B, 3, F, H, W) in [0, 1] from (B, C, F, h, w) latents of a VAE with per-channel ``latents_mean``
+    and ``latents_std`` (Wan's, Qwen-Image's), as their pipelines decode."""
+    z = latents.to(device, vae.dtype)
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
+    # the pipelines divide by 1/std rather than multiply by std; the same rounding here
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
+    video = vae.decode(z / inv_std + mean, return_dict=False)[0]
+    return (video.float() / 2 + 0.5).clamp(0, 1)
+
+
+def shifted_sigmas(pipeline, num_steps: int, image_seq_len: int, grid, device) -> Tensor:
+    """The sigmas of the pipelines with a resolution-dependent shift (FLUX.1, Qwen-Image, Z-Image):
+    their default ``grid`` (None: the scheduler's own) through a fresh copy of their scheduler, with
+    ``mu`` interpolated from the number of image tokens as they do; the scheduler applies it when its
+    config has ``use_dynamic_shifting``."""
+    scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config)
+    config = scheduler.config
+    mu = calculate_shift(
+        image_seq_len,
+        config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+    )
+    scheduler.set_timesteps(num_steps, device="cpu", sigmas=grid, mu=mu)
+    return scheduler.sigmas.float().to(device)
+
+
+def pad_text(rows: list[Tensor], length: int) -> tuple[Tensor, Tensor]:
+    """Text embeddings of one length per prompt, (L_i, D) each, as a (B, length, D) tensor padded with
+    zeros and the (B, length) bool mask of the real tokens.
+
+    Pipelines whose prompts keep their own lengths (Qwen-Image, Z-Image) pad a batch to its longest
+    prompt; padded to one fixed length instead, any two batches' conditioning stack (the prompt cache,
+    ``cat_cond``), and ``trim_text`` gives the transformer the pipeline's batch again.
+    """
+    longest = max(len(r) for r in rows)
+    if longest > length:
+        raise ValueError(f"a prompt of {longest} text tokens does not fit the padded length {length}")
+    embeds = rows[0].new_zeros(len(rows), length, rows[0].shape[-1])
+    mask = torch.zeros(len(rows), length, dtype=torch.bool, device=rows[0].device)
+    for i, row in enumerate(rows):
+        embeds[i, :len(row)], mask[i, :len(row)] = row, True
+    return embeds, mask
+
+
+def trim_text(embeds: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``pad_text``'s padding cut back to the longest prompt in the batch."""
+    longest = int(mask.sum(1).max())
+    return embeds[:, :longest], mask[:, :longest]
+
+
 def index_cond(cond: Conditioning, idx) -> Conditioning:
     return {k: v[idx] for k, v in cond.items()}
 
@@ -65,6 +119,8 @@ class FlowAdapter:
     # height and width must be multiples of this in the released checkpoints; the config checks it
     # before anything loads, so the number lives in config.sections.MODEL_FAMILIES (no torch there)
     pixel_factor: ClassVar[int]
+    # text tokens per prompt where the adapter fixes the length; part of the prompt cache's fingerprint
+    max_sequence_length: ClassVar[int | None] = None
 
     def __init__(self, pipeline, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.pipeline = pipeline

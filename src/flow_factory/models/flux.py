@@ -14,11 +14,10 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 from diffusers import FluxPipeline
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import Tensor
 
 from ..config.sections import MODEL_FAMILIES
-from .base import JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image
+from .base import JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image, shifted_sigmas
 
 
 class FluxAdapter(FlowAdapter):
@@ -55,20 +54,12 @@ class FluxAdapter(FlowAdapter):
         return (self.transformer.config.in_channels // 4, height // s, width // s)
 
     def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> Tensor:
-        scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)
-        config = scheduler.config
         # as FluxPipeline: a linear grid ending at 1/n, shifted by mu, which grows with the
         # number of image tokens (resolution-dependent shift)
-        grid = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
-        pixels_per_token = self.loaded_pixel_factor
-        image_seq_len = (height // pixels_per_token) * (width // pixels_per_token)
-        mu = calculate_shift(
-            image_seq_len,
-            config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5), config.get("max_shift", 1.15),
-        )
-        scheduler.set_timesteps(num_steps, device="cpu", sigmas=grid, mu=mu)
-        return scheduler.sigmas.float().to(self.device)
+        flow_sigmas = self.pipeline.scheduler.config.get("use_flow_sigmas", False)
+        grid = None if flow_sigmas else np.linspace(1.0, 1 / num_steps, num_steps)
+        tokens = (height // self.loaded_pixel_factor) * (width // self.loaded_pixel_factor)
+        return shifted_sigmas(self.pipeline, num_steps, tokens, grid, self.device)
 
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         pipe = type(self.pipeline)

@@ -1,21 +1,37 @@
-"""Adapters by ``model.model_type``: the one place a new model is registered."""
+"""Adapters by ``model.model_type``: the one place a new model is registered. A ``model_type``
+that is a dotted path (``my_package.adapters.MyAdapter``) names a user's own adapter class instead."""
 
 from __future__ import annotations
 
 import torch
 
+from ..class_path import import_class
 from .base import FlowAdapter
 from .flux import FluxAdapter
+from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .wan import WanT2VAdapter
+from .z_image import ZImageAdapter
 
-ADAPTERS: dict[str, type[FlowAdapter]] = {cls.model_type: cls for cls in (SD3Adapter, FluxAdapter, WanT2VAdapter)}
+ADAPTERS: dict[str, type[FlowAdapter]] = {cls.model_type: cls for cls in (
+    SD3Adapter, FluxAdapter, WanT2VAdapter,
+    QwenImageAdapter, ZImageAdapter,
+)}
 
 
 def get_adapter_class(model_type: str) -> type[FlowAdapter]:
-    if model_type not in ADAPTERS:
-        raise ValueError(f"model.model_type: unknown {model_type!r}; valid: {sorted(ADAPTERS)}")
-    return ADAPTERS[model_type]
+    if model_type in ADAPTERS:
+        return ADAPTERS[model_type]
+    if "." not in model_type and ":" not in model_type:
+        raise ValueError(f"model.model_type: unknown {model_type!r}; valid: {sorted(ADAPTERS)}, or the dotted path "
+                         "of a FlowAdapter subclass")
+    try:
+        cls = import_class(model_type, "adapter class path")
+    except (ImportError, ValueError) as e:
+        raise ValueError(f"model.model_type: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, FlowAdapter)):
+        raise ValueError(f"model.model_type: {model_type!r} is {cls!r}, not a subclass of FlowAdapter")
+    return cls
 
 
 def load_adapter(model_type: str, path, device: torch.device | str = "cpu",

@@ -15,7 +15,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from torch import Tensor
 
 from ..config.sections import MODEL_FAMILIES
-from .base import Conditioning, FlowAdapter
+from .base import Conditioning, FlowAdapter, decode_normalized
 
 
 class WanT2VAdapter(FlowAdapter):
@@ -102,13 +102,5 @@ class WanT2VAdapter(FlowAdapter):
         )[0].float()
         return self.combine_cfg(out, guidance_scale) if cfg else out
 
-    @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
-        vae = self.pipeline.vae
-        z = latents.to(self.device, vae.dtype)
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(shape)
-        # the pipeline divides by 1/std rather than multiplying by std; same rounding here
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(shape)
-        video = vae.decode(z / inv_std + mean, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
-        return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
+        return decode_normalized(self.pipeline.vae, latents, self.device).permute(0, 2, 1, 3, 4)

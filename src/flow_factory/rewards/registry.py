@@ -17,8 +17,8 @@ Flow-Factory's guide resolve as written: the remote rewards it names under
 from __future__ import annotations
 
 import difflib
-import importlib
 
+from ..class_path import import_class
 from .base import BaseRewardModel, GroupwiseRewardModel, PointwiseRewardModel
 
 # lower-cased name -> "module:Class"; adding a built-in reward is adding its line here
@@ -64,40 +64,6 @@ def registered_rewards() -> dict[str, str]:
     return BUILTIN_REWARDS | _USER_REWARDS
 
 
-def _split_class_path(path: str) -> tuple[str, str]:
-    """``"pkg.mod:Class"`` or ``"pkg.mod.Class"`` -> ``("pkg.mod", "Class")``."""
-    if ":" in path:
-        module, _, attr = path.partition(":")
-    else:
-        module, _, attr = path.rpartition(".")
-    if not module or not attr:
-        raise ValueError(f"reward class path {path!r} must look like 'package.module.ClassName' "
-                         f"or 'package.module:ClassName'")
-    return module, attr
-
-
-def _import_class(path: str) -> object:
-    module_name, attr = _split_class_path(path)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        # a missing module vs. a module that exists but needs a package that is not installed
-        missing = e.name or ""
-        if module_name == missing or module_name.startswith(missing + "."):
-            raise ImportError(f"reward class path {path!r}: no module named {module_name!r}") from e
-        raise ImportError(f"reward class path {path!r}: module {module_name!r} was found but "
-                          f"importing it failed: {e}") from e
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            public = sorted(n for n in dir(module) if not n.startswith("_"))
-            hint = difflib.get_close_matches(part, public, n=3)
-            raise ImportError(f"reward class path {path!r}: module {module_name!r} has no attribute "
-                              f"{attr!r}" + (f"; did you mean {hint}?" if hint else ""))
-        obj = getattr(obj, part)
-    return obj
-
-
 def resolve_reward_class(name_or_path: str | type) -> type[BaseRewardModel]:
     """The reward class a config's ``reward_model`` names.
 
@@ -111,9 +77,9 @@ def resolve_reward_class(name_or_path: str | type) -> type[BaseRewardModel]:
         shown = str(name_or_path).strip()
         registry = registered_rewards()
         if shown.lower() in registry:
-            cls = _import_class(registry[shown.lower()])
+            cls = import_class(registry[shown.lower()], "reward class path")
         elif "." in shown or ":" in shown:
-            cls = _import_class(shown)
+            cls = import_class(shown, "reward class path")
         else:
             close = difflib.get_close_matches(shown.lower(), list(registry), n=3, cutoff=0.6)
             raise ValueError(

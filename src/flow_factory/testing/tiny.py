@@ -8,7 +8,8 @@ the same weights, byte for byte, without touching the caller's global RNG.
 
 Sizes that matter to callers: images 64x64 (latents 16x8x8); Wan videos of
 ``1 + 4k`` frames at multiples of 16 pixels (e.g. 5 frames at 32x32 -> latents
-16x2x4x4).
+16x2x4x4). The Qwen tokenizers (Qwen-Image, Z-Image) have no merges: every byte is a
+token, so a prompt with its chat template is a few hundred tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v")
+TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image")
 
 # CLIP's special tokens sit after the 2 x 256 byte symbols
 _CLIP_BOS, _CLIP_EOS = 512, 513
@@ -54,6 +55,25 @@ def tiny_t5_tokenizer():
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)]
     pieces += [(c, -2.0) for c in string.ascii_letters + string.digits + string.punctuation]
     return T5Tokenizer(vocab=pieces, extra_ids=0)
+
+
+# Qwen2 tokenizer specials: ChatML turns and the vision placeholders Qwen2.5-VL's config points at
+_QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                  "<|video_pad|>"]
+# the ChatML template Qwen3's tokenizer ships, without the thinking block a random model does not need
+_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_qwen_tokenizer(chat_template: str | None = None):
+    """Byte-level Qwen2 tokenizer: 256 byte symbols, ``<|endoftext|>`` (pad) and the specials."""
+    from transformers import Qwen2Tokenizer
+
+    tokenizer = Qwen2Tokenizer(vocab={s: i for i, s in enumerate(_byte_symbols())}, merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": _QWEN_SPECIALS})
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def _clip_config():
@@ -163,7 +183,74 @@ def _build_wan():
     )
 
 
-_BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan}
+def _build_qwen_image():
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = tiny_qwen_tokenizer()
+    token = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+    )
+    torch.manual_seed(1)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, bos_token_id=None, eos_token_id=token("<|im_end|>"),
+            pad_token_id=tokenizer.pad_token_id,
+            rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e6},
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
+                           fullatt_block_indexes=[0]),
+        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
+    ))
+    torch.manual_seed(2)
+    # a latent mean and std that are not 0 and 1, so decoding without them shows
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1 * (i - 8) for i in range(16)], latents_std=[0.5 + 0.1 * i for i in range(16)],
+    )
+    # Qwen-Image's own scheduler config: resolution-dependent exponential shift, stretched to end at 0.02
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=8192, base_shift=0.5,
+        max_shift=0.9, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             transformer=transformer)
+
+
+def _build_z_image():
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    tokenizer = tiny_qwen_tokenizer(_CHATML)
+    torch.manual_seed(0)
+    transformer = ZImageTransformer2DModel(
+        dim=32, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16,
+        axes_dims=[8, 4, 4], axes_lens=[1024, 64, 64],
+    )
+    with torch.no_grad():  # zeros (or uninitialised, in some diffusers versions); 1 makes padding visible
+        transformer.x_pad_token.fill_(1.0)
+        transformer.cap_pad_token.fill_(1.0)
+    torch.manual_seed(1)
+    # the pipeline reads hidden_states[-2]: two layers
+    text_encoder = Qwen3Model(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=8, pad_token_id=tokenizer.pad_token_id,
+    ))
+    torch.manual_seed(2)
+    vae = _image_vae()  # Z-Image uses FLUX.1's VAE
+    # Z-Image-Turbo's scheduler: a fixed shift of 3, no dynamic shifting
+    return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae, text_encoder=text_encoder,
+                          tokenizer=tokenizer, transformer=transformer)
+
+
+_BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, "qwen-image": _build_qwen_image,
+             "z-image": _build_z_image}
 
 
 def tiny_pipeline(model_type: str):
