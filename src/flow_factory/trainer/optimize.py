@@ -5,6 +5,10 @@ micro-batches a chunk of them makes (``micro_batches``: one per trained SDE step
 GRPO, one per drawn training timestep for NFT / AWM / DPO); this loop shuffles,
 accumulates gradients, clips, steps, and aggregates the metrics. A step whose gradient
 norm is NaN or inf is skipped and counted by the ``NonFiniteGuard`` (``flow_factory/guards.py``).
+
+Gradients sync across processes through the DDP wrapper ``denoiser``; a multi-expert model
+is not wrapped (``FlowAdapter.wrap_transformer``), so with ``denoiser=None`` this loop
+averages them itself before the optimizer step.
 """
 
 from __future__ import annotations
@@ -45,12 +49,16 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                 batch = on_device(batch, acc.device)
                 # gradients sync across processes only on the micro-step that steps the optimizer
                 syncs = (micro + 1) % accumulation == 0
-                with nullcontext() if syncs else acc.no_sync(denoiser), acc.autocast():
+                with nullcontext() if syncs or denoiser is None else acc.no_sync(denoiser), acc.autocast():
                     loss, metrics = algorithm.loss(policy, batch)
-                    acc.backward(loss / accumulation)
+                    # no gradient when only a frozen expert denoised the batch (Wan2.2 training one expert)
+                    if loss.requires_grad:
+                        acc.backward(loss / accumulation)
                 micro += 1
                 metrics["loss"] = loss.detach()
                 if micro % accumulation == 0:
+                    if denoiser is None and acc.num_processes > 1:
+                        average_gradients(params)
                     metrics["grad_norm"] = grad_norm = acc.clip_grad_norm_(params, max_grad_norm)
                     if torch.isfinite(grad_norm):
                         optimizer.step()
@@ -76,3 +84,20 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
     out = {f"train/{k}": (v / counts[k] if k in counts else v) for k, v in sums.items()}
     out["train/skipped_updates"] = skipped
     return out, steps
+
+
+def average_gradients(params: list) -> None:
+    """What DDP does, for a model it cannot wrap: each gradient averaged over the processes. A tensor no
+    process has a gradient for keeps none, so AdamW leaves it alone as it would in one process."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    device = params[0].device
+    has = torch.tensor([float(p.grad is not None) for p in params], device=device)
+    dist.all_reduce(has)
+    for p, count in zip(params, has.tolist()):
+        if count:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad /= world
