@@ -55,6 +55,7 @@ def problem_of(data=None, overrides=()) -> str:
     ("flux1_grpo_lora.yaml", 48, 48, 24),
     # 32 x 16 = 512 / (8 x 1) = 64; 1 trained step; 2 optimizer steps
     ("wan21_t2v_grpo_lora.yaml", 64, 64, 32),
+    ("wan22_t2v_a14b_grpo_lora.yaml", 64, 64, 32),
 ])
 def test_examples_load_with_the_batch_arithmetic_their_comments_state(name, batches, micro, accumulation):
     cfg = load_config(EXAMPLES / name)

@@ -205,6 +205,10 @@ class FlowAdapter:
         ``pipeline.config``) is ``model_index``; None when it can."""
         return None
 
+    def experts_at(self, sigmas: Tensor) -> list[str]:
+        """The component ``velocity`` calls at each of ``sigmas``: a multi-expert model picks by noise level."""
+        return ["transformer"] * len(sigmas)
+
     def encode(self, prompts: list[str], negative_prompts: list[str] | None, guidance_scale: float) -> Conditioning:
         """Text conditioning for ``prompts``; includes the negative branch when CFG is used."""
         raise NotImplementedError  # abstract

@@ -124,6 +124,10 @@ class WanT2VAdapter(FlowAdapter):
             out[rows] = self._expert_velocity(name, x[rows], t[rows], index_cond(cond, rows), guidance_scale, scale)
         return out
 
+    def experts_at(self, sigmas: Tensor) -> list[str]:
+        t = sigmas.float() * self.pipeline.scheduler.config.num_train_timesteps
+        return ["transformer" if high else "transformer_2" for high in self.high_noise(t).tolist()]
+
     def high_noise(self, t: Tensor) -> Tensor:
         """Which timesteps the high-noise expert (``transformer``) denoises: all of them but on Wan2.2 A14B."""
         ratio = self.pipeline.config.get("boundary_ratio")

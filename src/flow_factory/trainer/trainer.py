@@ -21,6 +21,8 @@ from ..advantages import combine_advantages
 from ..algorithms import make_algorithm
 from ..checkpoint import (CheckpointError, check_fits, checkpoint_dir, find_checkpoint, load_checkpoint,
                           read_state, save_checkpoint, write_atomic)
+from ..config import ConfigError
+from ..config.train import COUPLED_TRAINER_TYPES
 from ..data import EpochSampler, MissingPromptFile, load_prompts
 from ..dynamics import make_dynamics
 from ..dynamics.window import choose_sde_steps
@@ -110,6 +112,7 @@ class Trainer:
         self.dynamics = make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level)
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
         self.params = self._make_trainable()
+        self._check_trained_steps()
         # EMA of the trained weights (train.ema_decay > 0), and for NFT / AWM the weights the
         # rollout sampled with: the EMA itself when off_policy, else a copy taken at sampling time
         ema_device = None if train.ema_device == "same" else train.ema_device
@@ -220,6 +223,25 @@ class Trainer:
         for p in params:  # trainable weights keep their own precision (fp32 by default) under mixed precision
             p.data = p.data.to(master)
         return params
+
+    def _check_trained_steps(self) -> None:
+        """A step of the grpo family trains the expert that denoises it: a step of an expert that
+        ``model.target_components`` leaves frozen trains nothing (Wan2.2 A14B)."""
+        cfg = self.cfg
+        if cfg.train.trainer_type not in COUPLED_TRAINER_TYPES or len(self.adapter.transformers) == 1:
+            return
+        height, width = cfg.train.height_width
+        sigmas = self.adapter.sigmas(cfg.train.num_inference_steps, height, width, cfg.train.num_frames)
+        experts = self.adapter.experts_at(sigmas[:-1])
+        frozen = {s: experts[s] for s in cfg.sde_step_candidates if experts[s] not in cfg.model.target_components}
+        if not frozen:
+            return
+        message = (f"scheduler.sde_steps: steps {sorted(frozen)} are denoised by {sorted(set(frozen.values()))}, "
+                   f"which model.target_components ({cfg.model.target_components}) does not train")
+        if len(frozen) == len(cfg.sde_step_candidates):
+            raise ConfigError(f"{message}; no step of the window trains anything: choose steps of "
+                              f"{cfg.model.target_components} (sigmas {[round(float(x), 3) for x in sigmas[:-1]]})")
+        logger.warning("%s; those steps train nothing", message)
 
     # ------------------------------------------------------------------ phases
     def _local_share(self, n: int) -> slice:
