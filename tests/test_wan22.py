@@ -182,6 +182,26 @@ def test_each_experts_lora_loads_with_the_pipelines_own_loading(request, tmp_pat
         torch.testing.assert_close(reloaded.velocity(x, sigma, cond, guidance), tuned, rtol=0, atol=1e-6)
 
 
+def test_ff_sample_takes_guidance_scale_2(request, tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+
+    from flow_factory.sample import main as ff_sample
+
+    common = ["--model-type", "wan2_t2v", "--prompts", PROMPTS[0], "--resolution", str(SIZE), "--num-frames",
+              str(FRAMES), "--steps", str(STEPS), "--guidance-scale", "4"]
+    frames = []
+    for scale in ("1", "8"):
+        out = tmp_path / scale
+        assert ff_sample([str(request.getfixturevalue("tiny_wan22_path")), *common, "--guidance-scale-2", scale,
+                          "--out", str(out)]) == 0
+        frames.append(np.asarray(Image.open(out / "0000.png")))
+    assert not np.array_equal(*frames)
+    assert ff_sample([str(request.getfixturevalue("tiny_wan_path")), *common, "--guidance-scale-2", "2",
+                      "--out", str(tmp_path / "x")]) == 2
+    assert "--guidance-scale-2: " in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------------- training
 
 def _config(tmp_path, path, trainer_type, components, finetune_type="lora", max_epochs=2, **train):
@@ -222,6 +242,9 @@ def test_training_moves_only_the_experts_target_components_names(request, tmp_pa
         identical = state.keys() == base.keys() and all(torch.equal(state[k], base[k]) for k in base)
         if name in components:
             assert has_lora == (finetune_type == "lora")
+            if finetune_type == "full":  # kl_beta: a frozen copy of the starting weights of each trained expert
+                reference = trainer.policy.reference[name].state_dict()
+                assert all(torch.equal(reference[k], base[k]) for k in base)
             assert finetune_type == "lora" or not identical, f"{name}: full fine-tuning did not move it"
             saved = (ckpt / lora_weight_name(name)) if finetune_type == "lora" else (ckpt / name)
             assert saved.exists()
