@@ -49,7 +49,7 @@ class ToyAdapter(FlowAdapter):
 
     def __init__(self, module: nn.Module):  # no diffusers pipeline: just the velocity network
         self.pipeline = SimpleNamespace(transformer=module)
-        self.device, self.dtype, self._wrapped = torch.device("cpu"), torch.float32, None
+        self.device, self.dtype, self._wrapped = torch.device("cpu"), torch.float32, {}
 
     def encode(self, prompts, negative_prompts, guidance_scale) -> Conditioning:
         return {"prompt_embeds": torch.zeros(len(prompts), 1)}

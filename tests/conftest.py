@@ -48,3 +48,17 @@ def tiny_qwen_image_path(tmp_path_factory):
 def tiny_z_image_path(tmp_path_factory):
     """Folder of a tiny ZImagePipeline (model_type "z-image", Turbo's scheduler); 64x64 images."""
     return _build(tmp_path_factory, "z-image")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan22_path(tmp_path_factory):
+    """Folder of a tiny Wan2.2 A14B-layout WanPipeline (model_type "wan2_t2v"): transformer and
+    transformer_2, boundary_ratio 0.875; 5 frames at 32x32."""
+    return _build(tmp_path_factory, "wan2.2-a14b")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan22_ti2v_path(tmp_path_factory):
+    """Folder of a tiny Wan2.2 TI2V-5B-layout WanPipeline (model_type "wan2_t2v"): expand_timesteps, the
+    48-channel x16 Wan2.2 VAE; 5 frames at 32x32."""
+    return _build(tmp_path_factory, "wan2.2-ti2v-5b")

@@ -58,6 +58,7 @@ def problem_of(data=None, overrides=()) -> str:
     # 48 x 16 = 768 / (8 x 1) = 96; 1 trained step; 2 optimizer steps
     ("qwen_image_grpo_lora.yaml", 96, 96, 48),
     ("z_image_turbo_grpo_lora.yaml", 96, 96, 48),
+    ("wan22_t2v_a14b_grpo_lora.yaml", 64, 64, 32),
 ])
 def test_examples_load_with_the_batch_arithmetic_their_comments_state(name, batches, micro, accumulation):
     cfg = load_config(EXAMPLES / name)

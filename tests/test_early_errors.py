@@ -202,15 +202,38 @@ def test_a_pipeline_no_adapter_loads_lists_those_that_do(tmp_path):
         "FluxPipeline (flux1), WanPipeline (wan2_t2v), QwenImagePipeline (qwen-image), ZImagePipeline (z-image)")
 
 
-@pytest.mark.parametrize("index", [
-    {"transformer_2": ["diffusers", "WanTransformer3DModel"]},  # Wan2.2 A14B: two experts
-    {"transformer_2": [None, None], "expand_timesteps": True},  # Wan2.2 TI2V-5B
-])
-def test_a_wan22_folder_is_refused_before_loading(tmp_path, index):
-    folder = pipeline_folder(tmp_path, "WanPipeline", **index)
-    assert preflight_error(config("wan2_t2v", folder)) == (
-        f"{folder / 'model_index.json'}: wan2_t2v supports Wan2.1 (one transformer, one timestep per sample); "
-        "this checkpoint is a Wan2.2 two-expert or TI2V model")
+WAN = ["diffusers", "WanTransformer3DModel"]
+
+
+def wan_folder(tmp_path: Path, **index) -> Path:
+    """A WanPipeline folder holding only its model_index.json (whose entries name the components)."""
+    folder = tmp_path / "pipeline"
+    folder.mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "transformer": WAN, **index}))
+    return folder
+
+
+def test_wan22_folders_are_read_before_loading(tmp_path):
+    """Wan2.2 A14B (two experts and their boundary) and TI2V-5B load; a folder whose experts contradict
+    its boundary is refused, and target_components may name only the experts the folder uses."""
+    a14b = wan_folder(tmp_path / "a14b", transformer_2=WAN, boundary_ratio=0.875)
+    data = config("wan2_t2v", a14b, guidance_scale_2=3.0)
+    data["model"]["target_components"] = ["transformer_2"]
+    check_before_loading(parse_config(data))
+    check_before_loading(parse_config(config("wan2_t2v", wan_folder(tmp_path / "ti2v", expand_timesteps=True))))
+    no_expert = wan_folder(tmp_path / "broken", transformer_2=[None, None], boundary_ratio=0.9)
+    assert preflight_error(config("wan2_t2v", no_expert)) == (
+        f"{no_expert / 'model_index.json'}: wan2_t2v: this checkpoint sets boundary_ratio but has no transformer_2 "
+        "(the low-noise expert)")
+    # a second expert without a boundary is never called by the pipeline: not an expert to train
+    unused = wan_folder(tmp_path / "unused", transformer_2=WAN)
+    data = config("wan2_t2v", unused, guidance_scale_2=3.0)
+    data["model"]["target_components"] = ["transformer", "transformer_2"]
+    assert preflight_error(data).splitlines()[1:] == [
+        f"  model.target_components: ['transformer_2']: not an expert of {unused / 'model_index.json'}, which has "
+        "transformer",
+        f"  train.guidance_scale_2: {unused / 'model_index.json'} has one expert (transformer), so there is no "
+        "low-noise expert to guide; remove the key"]
 
 
 def test_a_folder_without_model_index_is_not_a_pipeline_folder(tmp_path):

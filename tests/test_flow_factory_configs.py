@@ -217,12 +217,12 @@ def test_several_machines_need_machine_zeros_address(tmp_path):
 def test_target_modules_prefixed_with_the_component(written, meant):
     cfg = parse_config(run(model={"model_name_or_path": "m", "model_type": "sd3-5", "target_modules": written,
                                   "target_components": ["transformer"]}))
-    assert cfg.model.target_modules == meant and cfg.model.target_components == "transformer"
+    assert cfg.model.target_modules == meant and cfg.model.target_components == ["transformer"]
 
 
 @pytest.mark.parametrize("model, message", [
-    ({"target_components": ["transformer", "transformer_2"]}, "transformer_2 is Wan2.2's second expert"),
-    ({"target_modules": ["text_encoder.q_proj"]}, "name modules of other components"),
+    ({"target_components": ["transformer", "transformer_2"]}, "not a network sd3-5 trains; valid: transformer only"),
+    ({"target_modules": ["text_encoder.q_proj"]}, "name modules of components that are not trained"),
     ({"master_weight_dtype": "fp8"}, "model.master_weight_dtype: expected one of"),
 ])
 def test_model_keys_this_version_cannot_honour_are_refused(model, message):

@@ -66,7 +66,8 @@ def test_full_finetune_keeps_a_frozen_reference_and_saves_the_transformer(tmp_pa
 
     assert history[0]["train/kl"] == pytest.approx(0.0, abs=1e-10)  # first step: policy == reference
     assert history[1]["train/kl"] > 0  # after an update the policy has moved away
-    reference = trainer.policy.reference.state_dict()
+    assert list(trainer.policy.reference) == ["transformer"]  # a frozen copy per trained component
+    reference = trainer.policy.reference["transformer"].state_dict()
     assert all(torch.equal(reference[k], start[k]) for k in start)
 
     from diffusers import SD3Transformer2DModel

@@ -4,6 +4,9 @@ Layout of ``<run_dir>/checkpoints/epoch_<N>/`` (N = epochs completed):
 - LoRA: ``pytorch_lora_weights.safetensors`` in the diffusers format, so a plain
   ``pipe.load_lora_weights(dir)`` loads it; full fine-tuning: ``transformer/``
   (``save_pretrained``), loadable with ``<TransformerClass>.from_pretrained``.
+  Each other trained expert (``model.target_components``: Wan2.2's ``transformer_2``) has
+  its own: ``pytorch_lora_weights_transformer_2.safetensors`` (``pipe.load_lora_weights(dir,
+  weight_name=..., load_into_transformer_2=True)``) or ``transformer_2/``.
 - ``optimizer.pt`` (AdamW moments), ``ema.pt`` when an EMA is kept, and
   ``trainer_state.json`` (epochs done, step, histories, what was trained, and the size
   of every other file of the folder).
@@ -34,7 +37,7 @@ from pathlib import Path
 import torch
 
 from .guards import check_pipeline_finite, nonfinite_tensors
-from .models.lora import LORA_WEIGHT_NAME, load_lora_state, save_lora
+from .models.lora import LORA_WEIGHT_NAME, load_lora_state, lora_weight_name, save_lora
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -48,26 +51,29 @@ class CheckpointError(ValueError):
 
 # ------------------------------------------------------------------ writing
 def save_checkpoint(out_dir: Path, adapter, finetune_type: str, optimizer, state: dict,
-                    extra: dict | None = None) -> Path:
-    """Write the checkpoint atomically to ``out_dir``; ``extra``: file name -> object for ``torch.save``."""
+                    extra: dict | None = None, components: list[str] = ("transformer",)) -> Path:
+    """Write the checkpoint atomically to ``out_dir``; ``extra``: file name -> object for ``torch.save``;
+    ``components``: the trained networks (``model.target_components``)."""
     out_dir = Path(out_dir)
-    params = [p for p in adapter.transformer.parameters() if p.requires_grad]
+    trained = {name: adapter.transformers[name] for name in components}
+    params = [p for module in trained.values() for p in module.parameters() if p.requires_grad]
     bad = sum(int(not torch.isfinite(p).all()) for p in params)
     if bad:  # the optimisation loop skips non-finite steps; reaching here is a bug, never a checkpoint
         raise FloatingPointError(f"refusing to save {out_dir}: {bad} trained tensors hold NaN or inf")
     tmp = out_dir.with_name(f".{out_dir.name}{PARTIAL}")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a process killed during an earlier save
     tmp.mkdir(parents=True)
-    if finetune_type == "lora":
-        save_lora(type(adapter.pipeline), adapter.transformer, tmp)
-    else:
-        adapter.transformer.save_pretrained(tmp / "transformer")
+    for name, module in trained.items():
+        if finetune_type == "lora":
+            save_lora(type(adapter.pipeline), module, tmp, lora_weight_name(name))
+        else:
+            module.save_pretrained(tmp / name)
     if optimizer is not None:  # None: the weights only (log.save_model_only)
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
     for name, obj in (extra or {}).items():
         torch.save(obj, tmp / name)
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    state = {**state, "finetune_type": finetune_type, "files": files}
+    state = {**state, "finetune_type": finetune_type, "target_components": list(components), "files": files}
     _sync_tree(tmp)
     write_atomic(tmp / STATE_FILE, json.dumps(state, indent=2))
     _publish(tmp, out_dir)
@@ -192,27 +198,35 @@ def find_checkpoint(resume_path: str | Path, run_dir: Path) -> tuple[Path, dict]
 
 
 # ------------------------------------------------------------------ loading
-def check_fits(path: Path, state: dict, finetune_type: str) -> None:
-    """A LoRA checkpoint resumes only a LoRA run, full weights only a full fine-tune."""
+def check_fits(path: Path, state: dict, finetune_type: str, components: list[str] = ("transformer",)) -> None:
+    """A LoRA checkpoint resumes only a LoRA run, full weights only a full fine-tune, of the same components."""
     saved_type = state.get("finetune_type") or ("lora" if (Path(path) / LORA_WEIGHT_NAME).exists() else "full")
     if saved_type != finetune_type:
         raise CheckpointError(f"model.resume_path: {path} holds a {saved_type} checkpoint, but "
                               f"model.finetune_type is {finetune_type!r}; set model.finetune_type: {saved_type}")
+    saved = state.get("target_components", ["transformer"])  # checkpoints written before the key trained one
+    if list(saved) != list(components):
+        raise CheckpointError(f"model.resume_path: {path} trained {saved}, but model.target_components is "
+                              f"{list(components)}; set model.target_components: {saved}")
 
 
-def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=None) -> bool:
-    """Restore the weights (and optimizer state) of a checkpoint that ``find_checkpoint`` found and
-    ``check_fits`` accepted; False when an optimizer was given and the checkpoint holds no state for
-    it. Raises ``CheckpointError`` for weights holding NaN or inf."""
+def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=None,
+                    components: list[str] = ("transformer",)) -> bool:
+    """Restore the weights of ``components`` (and the optimizer state) of a checkpoint that ``find_checkpoint``
+    found and ``check_fits`` accepted; False when an optimizer was given and the checkpoint holds no state
+    for it. Raises ``CheckpointError`` for weights holding NaN or inf."""
     path = Path(path)
-    if finetune_type == "lora":
-        load_lora_state(adapter.transformer, path)
-    else:
-        source = type(adapter.transformer).from_pretrained(path / "transformer", dtype=torch.float32)
-        adapter.transformer.load_state_dict(source.state_dict())
-    bad = nonfinite_tensors(adapter.transformer)
-    if bad:
-        raise CheckpointError(f"model.resume_path: {path} holds NaN or inf in {len(bad)} tensors (e.g. {bad[0]})")
+    for name in components:
+        module = adapter.transformers[name]
+        if finetune_type == "lora":
+            load_lora_state(module, path, lora_weight_name(name))
+        else:
+            source = type(module).from_pretrained(path / name, dtype=torch.float32)
+            module.load_state_dict(source.state_dict())
+        bad = nonfinite_tensors(module)
+        if bad:
+            raise CheckpointError(f"model.resume_path: {path} holds NaN or inf in {len(bad)} tensors of {name} "
+                                  f"(e.g. {bad[0]})")
     if optimizer is None:
         return True
     if not (path / OPTIMIZER_FILE).exists():
@@ -238,16 +252,25 @@ def load_for_sampling(model_type: str, model_path, checkpoint=None, device=None)
     if ckpt is not None:
         _apply_weights(adapter, ckpt)
     check_pipeline_finite(adapter.pipeline, f"{model_path}" + (f" with checkpoint {ckpt}" if ckpt else ""))
-    adapter.transformer.eval()
+    for transformer in adapter.transformers.values():
+        transformer.eval()
     return adapter
 
 
 def _apply_weights(adapter, ckpt: Path) -> None:
-    if (ckpt / LORA_WEIGHT_NAME).is_file():
-        adapter.pipeline.load_lora_weights(str(ckpt))
-    elif (ckpt / "transformer").is_dir():
-        full = type(adapter.transformer).from_pretrained(ckpt / "transformer", dtype=adapter.dtype)
-        adapter.transformer.load_state_dict(full.state_dict())
-    else:
+    """Each component's weights the way a user applies them: the pipeline's ``load_lora_weights``, or
+    ``from_pretrained`` of the component's folder."""
+    found = False
+    for name, module in adapter.transformers.items():
+        if (ckpt / lora_weight_name(name)).is_file():
+            adapter.pipeline.load_lora_weights(str(ckpt), weight_name=lora_weight_name(name),
+                                               **adapter.lora_load_kwargs.get(name, {}))
+        elif (ckpt / name).is_dir():
+            module.load_state_dict(type(module).from_pretrained(ckpt / name, dtype=adapter.dtype).state_dict())
+        else:
+            continue
+        found = True
+    if not found:
         raise CheckpointError(f"checkpoint {ckpt}: expected {LORA_WEIGHT_NAME} (LoRA) or a transformer/ folder "
-                              "(full fine-tuning), as ff-train writes under checkpoints/epoch_N")
+                              "(full fine-tuning), or those of another expert, as ff-train writes under "
+                              "checkpoints/epoch_N")

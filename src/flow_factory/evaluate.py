@@ -3,7 +3,7 @@
 Every eval reward of the config (``eval_rewards``, else ``rewards``) over its test
 prompts (``data.dataset_dir``'s test split, first ``eval.num_samples``), sampled with
 the eval settings (ODE, ``eval.resolution``, ``eval.num_inference_steps``,
-``eval.guidance_scale``, noise seeded by ``eval.seed``) through the same components as
+``eval.guidance_scale`` and ``guidance_scale_2``, noise seeded by ``eval.seed``) through the same components as
 the Trainer's eval, so the numbers match a run's ``eval/reward/*`` at that checkpoint.
 Prints a table (reward, mean, std, min, max, n) and writes it as JSON with each
 sample's prompt and scores, from which a benchmark can make its own tables (the
@@ -57,7 +57,11 @@ def evaluate_config(cfg, checkpoint=None):
     items = load_prompts(cfg.data.dataset_dir, "test", cfg.data.max_dataset_size)
     items = items[: ev.num_samples] if ev.num_samples else items
     rewards = RewardSet.from_configs(cfg.eval_rewards or cfg.rewards)
+    from .models.preflight import check_experts
+
     adapter = load_for_sampling(cfg.model.model_type, cfg.model.model_name_or_path, checkpoint)
+    check_experts(adapter.experts(adapter.pipeline.config), cfg, cfg.model.model_name_or_path)
+    adapter.guidance_scale_2 = ev.guidance_scale_2
     # the run's prompt cache where it exists (the same embeddings its evaluation used); else encode
     cache = PromptCache.open(adapter, cfg.data.cache_dir) if cfg.data.enable_preprocess else None
     rollouts = sample_prompts(adapter, items, SamplingSettings.for_eval(ev), reward_set=rewards, prompt_cache=cache)

@@ -31,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-frames", type=int, default=None, help="video models only")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--guidance-scale", type=float, default=1.0)
+    p.add_argument("--guidance-scale-2", type=float, default=None,
+                   help="a two-expert model's low-noise expert (Wan2.2 A14B); default: --guidance-scale")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
     return p.parse_args(argv)
@@ -70,6 +72,10 @@ def main(argv=None) -> int:
     except (CheckpointError, NonFiniteError) as e:
         print(f"ff-sample: {e}", file=sys.stderr)
         return 2
+    if args.guidance_scale_2 is not None and len(adapter.experts(adapter.pipeline.config)) == 1:
+        print(f"ff-sample: --guidance-scale-2: {args.model} has one expert; remove the flag", file=sys.stderr)
+        return 2
+    adapter.guidance_scale_2 = args.guidance_scale_2
     settings = SamplingSettings(args.resolution, args.resolution, args.num_frames, args.steps, args.guidance_scale,
                                 args.batch_size, args.seed)
     rollouts = sample_prompts(adapter, items, settings)

@@ -50,13 +50,11 @@ MOVED = {
 
 _CONDITIONED = ("conditioned models (image editing, image- and video-to-video: flux1-kontext, "
                 "qwen-image-edit-plus, wan2_i2v, wan2_v2v) are not in this version")
-_WAN22 = "Wan2.2's second expert (transformer_2, guidance_scale_2) is not in this version; wan2_t2v is Wan2.1"
 _EMA_REF = ("Flow-Factory's fast old-policy EMA of dgpo (ema_ref) is not in this version: dgpo's clip_dsm / clip_kl "
             "compare with the weights the rollout sampled with (the EMA with off_policy); remove the key")
 NOT_HERE = {
     "train.condition_image_size": _CONDITIONED, "eval.condition_image_size": _CONDITIONED,
     "train.auto_resize": _CONDITIONED, "eval.auto_resize": _CONDITIONED,
-    "train.guidance_scale_2": _WAN22, "eval.guidance_scale_2": _WAN22,
     "train.ema_ref_max_decay": _EMA_REF, "train.ema_ref_ramp_rate": _EMA_REF, "train.ema_ref_device": _EMA_REF,
     "train.warmup_steps": "the EMA schedules here take flat_steps / ramp_rate (piecewise_linear, warmup_cosine); "
                           "use train.flat_steps for a warm-up",

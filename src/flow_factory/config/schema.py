@@ -134,7 +134,7 @@ class Config(Section):
             train.num_frames = DEFAULT_NUM_FRAMES  # Flow-Factory's Wan default
         if train.learning_rate is None:
             train.learning_rate = DEFAULT_LEARNING_RATE[self.model.finetune_type]
-        for key in ("resolution", "num_frames", "num_inference_steps", "guidance_scale",
+        for key in ("resolution", "num_frames", "num_inference_steps", "guidance_scale", "guidance_scale_2",
                     "per_device_batch_size", "seed"):
             if getattr(ev, key) is None:
                 setattr(ev, key, getattr(train, key))
@@ -173,6 +173,11 @@ class Config(Section):
         if model.resume_type in ("lora", "full") and model.resume_type != model.finetune_type:
             out.append(f"model.resume_type: {model.resume_type!r} starts from {model.resume_type} weights, but "
                        f"model.finetune_type is {model.finetune_type!r}; make them agree, or use state")
+        for path, scale in (("train.guidance_scale_2", train.guidance_scale_2),
+                            ("eval.guidance_scale_2", self.eval.guidance_scale_2)):
+            if scale is not None and len(model_family(model.model_type).components) == 1:
+                out.append(f"{path}: the CFG scale of a two-expert model's low-noise expert (Wan2.2 A14B); "
+                           f"{model.model_type} has one transformer; remove the key")
         frames = (("train.num_frames", train.num_frames), ("eval.num_frames", self.eval.num_frames))
         k = model_family(model.model_type).frame_factor
         if k is not None:

@@ -27,12 +27,17 @@ class ModelFamily:
     pixel_factor: int  # height and width must be multiples of this in the released checkpoints
     why: str  # how that factor arises, for the error message
     frame_factor: int | None = None  # video only: num_frames must be 1 + a multiple of this
+    # the denoising networks a checkpoint of the family may have, as the pipeline names its components
+    # (model.target_components); a multi-expert family lists every expert, the first the default
+    components: tuple[str, ...] = ("transformer",)
 
 
 MODEL_FAMILIES = {
     "sd3-5": ModelFamily(16, "VAE x8, then 2x2 transformer patches"),
     "flux1": ModelFamily(16, "VAE x8, then 2x2 token packing"),
-    "wan2_t2v": ModelFamily(16, "VAE x8, then 2x2 transformer patches", frame_factor=4),
+    # Wan2.2 A14B: transformer for high noise, transformer_2 for low noise (TI2V-5B: VAE x16, so 32)
+    "wan2_t2v": ModelFamily(16, "VAE x8, then 2x2 transformer patches", frame_factor=4,
+                            components=("transformer", "transformer_2")),
     "qwen-image": ModelFamily(16, "VAE x8, then 2x2 token packing"),
     "z-image": ModelFamily(16, "VAE x8, then 2x2 transformer patches"),
 }
@@ -62,7 +67,8 @@ def model_family(model_type: str) -> ModelFamily:
         raise problem(f"{model_type!r} has pixel_factor {factor!r}; it must be a positive integer")
     # a video adapter may declare frame_factor (num_frames = 1 + a multiple of it); 1 checks nothing
     frames = (getattr(cls, "frame_factor", None) or 1) if cls.is_video else None
-    return ModelFamily(factor, f"{cls.__qualname__}.pixel_factor", frames)
+    return ModelFamily(factor, f"{cls.__qualname__}.pixel_factor", frames,
+                       tuple(getattr(cls, "transformer_names", ("transformer",))))
 
 
 # Flow-Factory's sample placements, its legacy names and its newer ones
@@ -76,7 +82,8 @@ MODEL_TYPE_ALIASES = {
     "sd3-5": "sd3-5", "sd3_5": "sd3-5", "sd3": "sd3-5", "sd35": "sd3-5",
     "flux1": "flux1", "flux": "flux1", "flux-1": "flux1",
     "wan2_t2v": "wan2_t2v", "wan": "wan2_t2v", "wan2.1": "wan2_t2v", "wan21": "wan2_t2v",
-    "wan21_t2v": "wan2_t2v", "wan2.1_t2v": "wan2_t2v",
+    "wan21_t2v": "wan2_t2v", "wan2.1_t2v": "wan2_t2v", "wan2.2": "wan2_t2v", "wan22": "wan2_t2v",
+    "wan22_t2v": "wan2_t2v", "wan2.2_t2v": "wan2_t2v",
     "qwen-image": "qwen-image", "qwenimage": "qwen-image", "qwen": "qwen-image",
     "z-image": "z-image", "zimage": "z-image", "z-image-turbo": "z-image", "zimage-turbo": "z-image",
 }
@@ -118,12 +125,14 @@ class ModelConfig(Section):
     finetune_type: Literal["lora", "full"] = setting("lora", "train LoRA adapters or every transformer weight")
     lora_rank: PositiveInt = setting(32, "LoRA rank r")
     lora_alpha: PositiveInt = setting(64, "LoRA alpha; the update is scaled by alpha / r")
+    target_components: list[str] = setting(
+        ["transformer"], "the networks trained, a name or a list: transformer, or a multi-expert model's experts "
+        "(Wan2.2 A14B: transformer for high noise, transformer_2 for low noise, or both); the others stay frozen",
+        expects="a component name or a list of them")
     target_modules: Literal["default", "all"] | list[str] = setting(
-        "default", "modules LoRA wraps: default (the model's attention projections), all, or a list of names",
+        "default", "modules LoRA wraps: default (the model's attention projections), all, or a list of names; "
+        "with several target_components, 'transformer_2.to_q' names a module of one of them",
         expects="'default', 'all' or a list of module names")
-    target_components: Literal["transformer"] = setting(
-        "transformer", "which network is trained (Flow-Factory compatibility; only transformer, also as "
-        "[transformer])", expects="'transformer'")
     resume_path: str | None = setting(
         None, "resume from a checkpoint folder (checkpoints/epoch_N), a run folder (its newest complete "
         "checkpoint) or 'latest' (this run's newest); null = start fresh")
@@ -160,31 +169,55 @@ class ModelConfig(Section):
 
     @field_validator("target_components", mode="before")
     @classmethod
-    def _one_component(cls, value):
+    def _component_list(cls, value):
         value = as_list(value)
-        if isinstance(value, list) and value == ["transformer"]:
-            return "transformer"
-        others = [v for v in (value if isinstance(value, list) else [value]) if v != "transformer"]
-        if "transformer_2" in others:
-            raise problem("transformer_2 is Wan2.2's second expert, which this version does not train; "
-                          "use transformer")
-        return value
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("target_components")
+    @classmethod
+    def _components_of_the_family(cls, value, info):
+        if "model_type" not in info.data:
+            return value  # model_type's own error says what is wrong
+        name = info.data["model_type"]
+        try:
+            family = model_family(name).components
+        except ValueError:
+            return value  # model_type's own error says what is wrong
+        unknown = [c for c in value if c not in family]
+        if unknown or not value:
+            valid = (f"{', '.join(family)} (its experts), or a list of them" if len(family) > 1
+                     else f"{family[0]} only")
+            raise problem(f"{show(unknown or value)}: not a network {name} trains; valid: {valid}")
+        # the pipeline's order, once each: the order of the trained weights in the optimizer and the EMA
+        return [c for c in family if c in value]
 
     @field_validator("target_modules", mode="before")
     @classmethod
-    def _target_modules(cls, value):
-        # Flow-Factory's "transformer.default" / "transformer.attn.to_q": a module of the trained component
+    def _target_modules(cls, value, info):
+        # Flow-Factory's "transformer.default" / "transformer_2.attn1.to_q": a module of one trained component.
+        # With one trained component the prefix is dropped; with several it stays, for models/lora.py to split
         value = as_list(value)
         names = value if isinstance(value, list) else [value]
+        trained = info.data.get("target_components") or ["transformer"]
         if all(isinstance(n, str) for n in names):
-            foreign = [n for n in names if n.split(".")[0] in PIPELINE_COMPONENTS and n.split(".")[0] != "transformer"]
+            foreign = [n for n in names if n.split(".")[0] in PIPELINE_COMPONENTS and n.split(".")[0] not in trained]
             if foreign:
-                raise problem(f"{show(foreign)} name modules of other components; only the transformer is "
-                              "trained (write 'transformer.<module>' or the module alone)")
-            names = [n.removeprefix("transformer.") if n.split(".")[0] == "transformer" else n for n in names]
+                raise problem(f"{show(foreign)} name modules of components that are not trained (target_components: "
+                              f"{show(trained)}); write '<component>.<module>' for a trained one, or the module alone")
+            if len(trained) == 1:
+                names = [n.removeprefix(f"{trained[0]}.") for n in names]
             value = names if isinstance(value, list) else names[0]
         if isinstance(value, str):
-            return value.lower()
+            value = value.lower()
+            if value in ("default", "all"):
+                return value
+            value = [value]
+        if isinstance(value, list) and len(trained) > 1:
+            bare = [n for n in value if isinstance(n, str) and n.split(".")[0] not in trained]
+            missing = [c for c in trained if not bare and not any(n.startswith(f"{c}.") for n in value)]
+            if missing:
+                raise problem(f"{show(value)} names no module of {show(missing)}, which target_components trains; "
+                              "name one, or leave that component out of target_components")
         return value
 
     @field_validator("target_modules")
@@ -245,6 +278,8 @@ class EvalConfig(Section):
     num_frames: PositiveInt | None = setting(None, "video frames at eval; null = train.num_frames")
     num_inference_steps: PositiveInt | None = setting(None, "ODE steps at eval; null = train.num_inference_steps")
     guidance_scale: float | None = setting(None, "CFG / guidance scale at eval; null = train.guidance_scale", ge=0)
+    guidance_scale_2: float | None = setting(
+        None, "the low-noise expert's CFG scale at eval (Wan2.2 A14B); null = train.guidance_scale_2", ge=0)
     eval_freq: NonNegativeInt = setting(10, "evaluate every this many epochs (and the final weights); 0 = never; "
                                         "a dataset without a test split is not evaluated")
     per_device_batch_size: PositiveInt | None = setting(

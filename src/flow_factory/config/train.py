@@ -139,6 +139,9 @@ class TrainConfig(Section):
                                              "null = 81 for video models")
     num_inference_steps: PositiveInt = setting(10, "denoising steps per rollout")
     guidance_scale: float = setting(4.5, "CFG scale (or FLUX's embedded guidance) during rollouts", ge=0)
+    guidance_scale_2: float | None = setting(
+        None, "CFG scale of a two-expert model's low-noise expert (Wan2.2 A14B's transformer_2); null = "
+        "guidance_scale, as the pipeline", ge=0)
 
     per_device_batch_size: PositiveInt = setting(8, "samples per process in one sampling / training micro-batch")
     group_size: PositiveInt = setting(16, "samples per prompt; advantages are normalised within a group")

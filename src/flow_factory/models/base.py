@@ -121,17 +121,25 @@ class FlowAdapter:
     pixel_factor: ClassVar[int]
     # text tokens per prompt where the adapter fixes the length; part of the prompt cache's fingerprint
     max_sequence_length: ClassVar[int | None] = None
+    # the pipeline components that denoise: one transformer, or each expert of a multi-expert model
+    # (Wan2.2 A14B: transformer, transformer_2); model.target_components picks which of them train
+    transformer_names: ClassVar[tuple[str, ...]] = ("transformer",)
+    # keyword arguments of the pipeline's load_lora_weights that load a LoRA into that component
+    # (diffusers loads every file as "transformer" unless told otherwise)
+    lora_load_kwargs: ClassVar[dict[str, dict]] = {}
+    # a two-expert model's CFG scale for its low-noise expert (train / eval.guidance_scale_2, set by the
+    # caller); None = the guidance_scale ``velocity`` is given, as the pipelines do
+    guidance_scale_2: float | None = None
 
     def __init__(self, pipeline, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.pipeline = pipeline
         self.device = torch.device(device)
         self.dtype = dtype
         pipeline.to(self.device)
-        for module in [getattr(pipeline, "vae", None), *self.text_encoders().values()]:
+        for module in [getattr(pipeline, "vae", None), *self.text_encoders().values(), *self.transformers.values()]:
             if module is not None:
                 module.requires_grad_(False)
-        self.transformer.requires_grad_(False)
-        self._wrapped = None  # the transformer inside a DDP wrapper, in multi-process training
+        self._wrapped: dict[str, torch.nn.Module] = {}  # a transformer inside its DDP wrapper, by component
 
     @classmethod
     def from_pretrained(cls, path: str, device="cpu", dtype: torch.dtype = torch.float32) -> "FlowAdapter":
@@ -147,24 +155,44 @@ class FlowAdapter:
         self.pipeline.transformer = module
 
     @property
+    def transformers(self) -> dict[str, torch.nn.Module]:
+        """The loaded denoising networks, by component name (``transformer_names``)."""
+        found = {name: getattr(self.pipeline, name, None) for name in self.transformer_names}
+        return {name: module for name, module in found.items() if module is not None}
+
+    @property
     def denoiser(self) -> torch.nn.Module:
         """What ``velocity`` calls: the transformer, or its distributed wrapper while training."""
-        return self._wrapped if self._wrapped is not None else self.transformer
+        return self.denoiser_for("transformer")
 
-    def wrap_transformer(self, wrap) -> None:
-        """``wrap``: e.g. ``accelerator.prepare``; gradients then sync across processes."""
+    def denoiser_for(self, name: str) -> torch.nn.Module:
+        """``denoiser`` of one expert of a multi-expert model."""
+        return self._wrapped[name] if name in self._wrapped else getattr(self.pipeline, name)
+
+    def wrap_transformer(self, wrap) -> bool:
+        """``wrap``: e.g. ``accelerator.prepare``; gradients then sync across processes (DDP). A model with
+        several experts is left unwrapped (False): DDP syncs only when every process calls the wrapped
+        network in a micro-step, and a micro-step at low noise calls only the low-noise expert; the trainer
+        averages its gradients itself (trainer/optimize.py)."""
+        if len(self.transformers) > 1:
+            return False
         wrapped = wrap(self.transformer)
-        self._wrapped = wrapped if wrapped is not self.transformer else None
+        self._wrapped = {"transformer": wrapped} if wrapped is not self.transformer else {}
+        return True
 
     @contextmanager
-    def swapped_transformer(self, module: torch.nn.Module):
-        """Run ``velocity`` with another transformer (a frozen reference copy) for a while."""
-        saved = self.transformer, self._wrapped
-        self.transformer, self._wrapped = module, None
+    def swapped_transformers(self, modules: Mapping[str, torch.nn.Module]):
+        """Run ``velocity`` with other networks (frozen reference copies) in these components for a while."""
+        saved = {name: getattr(self.pipeline, name) for name in modules}, dict(self._wrapped)
+        for name, module in modules.items():
+            setattr(self.pipeline, name, module)
+            self._wrapped.pop(name, None)
         try:
             yield
         finally:
-            self.transformer, self._wrapped = saved
+            for name, module in saved[0].items():
+                setattr(self.pipeline, name, module)
+            self._wrapped = saved[1]
 
     # --- the text side, which the prompt cache (prompt_cache.py) stands in for ----------
     def text_encoders(self) -> dict[str, torch.nn.Module]:
@@ -193,8 +221,10 @@ class FlowAdapter:
         """diffusers' ``set_attention_backend`` on the transformer (``model.attn_backend``; the name is
         checked before loading, in preflight.py). diffusers skips, without a word, attention
         processors that take no backend: a model none of whose processors took it is an error."""
-        self.transformer.set_attention_backend(name)
-        processors = [m.processor for m in self.transformer.modules() if getattr(m, "processor", None) is not None]
+        for transformer in self.transformers.values():
+            transformer.set_attention_backend(name)
+        processors = [m.processor for t in self.transformers.values() for m in t.modules()
+                      if getattr(m, "processor", None) is not None]
         if not any(getattr(p, "_attention_backend", None) for p in processors):
             kinds = ", ".join(sorted({type(p).__name__ for p in processors}))
             raise ConfigError(f"model.attn_backend: {self.model_type}'s attention processors ({kinds}) do not "
@@ -220,10 +250,20 @@ class FlowAdapter:
         raise NotImplementedError  # abstract
 
     @staticmethod
+    def experts(model_index: Mapping) -> tuple[str, ...]:
+        """The components of ``transformer_names`` that denoise in a checkpoint whose ``model_index.json``
+        (or loaded ``pipeline.config``) is ``model_index``: what ``model.target_components`` may name."""
+        return ("transformer",)
+
+    @staticmethod
     def unsupported(model_index: Mapping) -> str | None:
         """Why this adapter cannot serve a pipeline of its class whose ``model_index.json`` (or loaded
         ``pipeline.config``) is ``model_index``; None when it can."""
         return None
+
+    def experts_at(self, sigmas: Tensor) -> list[str]:
+        """The component ``velocity`` calls at each of ``sigmas``: a multi-expert model picks by noise level."""
+        return ["transformer"] * len(sigmas)
 
     def encode(self, prompts: list[str], negative_prompts: list[str] | None, guidance_scale: float) -> Conditioning:
         """Text conditioning for ``prompts``; includes the negative branch when CFG is used."""

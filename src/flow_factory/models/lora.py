@@ -35,6 +35,28 @@ LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # the file name diffusers
 ADAPTER_NAME = "default"
 
 
+def lora_weight_name(component: str = "transformer") -> str:
+    """The file of one component's LoRA in a checkpoint folder: diffusers' own name for the transformer,
+    ``pytorch_lora_weights_<component>.safetensors`` for another expert (Wan2.2's transformer_2, which
+    ``pipe.load_lora_weights(dir, weight_name=..., load_into_transformer_2=True)`` loads)."""
+    return LORA_WEIGHT_NAME if component == "transformer" else f"pytorch_lora_weights_{component}.safetensors"
+
+
+def component_targets(target_modules, component: str, components: list[str]):
+    """The part of ``model.target_modules`` for one of the trained ``components``: 'default', 'all', or the
+    names without a component prefix plus those prefixed '<component>.' (Flow-Factory's spelling)."""
+    if isinstance(target_modules, str) or len(components) == 1:
+        return target_modules
+    names = []
+    for name in target_modules:
+        head, _, rest = name.partition(".")
+        if head not in components:
+            names.append(name)
+        elif head == component:
+            names.append(rest)
+    return "all" if "all" in names else names
+
+
 def _linear_names(transformer: nn.Module) -> list[str]:
     return [name for name, m in transformer.named_modules() if isinstance(m, nn.Linear) and name]
 
@@ -65,14 +87,15 @@ def lora_target_names(transformer: nn.Module, target_modules, default_targets: l
     if target_modules == "all":
         return block_linear_names(transformer)
     linears = _linear_names(transformer)
+    # a model family's defaults may name modules some checkpoints lack (SD3's last block
+    # has no to_add_out, a 1-layer test model has only that block): keep those present
+    defaults = [t for t in default_targets if any(_matches(n, t) for n in linears)]
     if target_modules == "default":
-        # a model family's defaults may name modules some checkpoints lack (SD3's last block
-        # has no to_add_out, a 1-layer test model has only that block): keep those present
-        targets = [t for t in default_targets if any(_matches(n, t) for n in linears)]
+        targets = defaults
     elif isinstance(target_modules, str):
         targets = [target_modules]
-    else:
-        targets = list(target_modules)
+    else:  # "default" inside a list: the defaults and the names beside it
+        targets = list(dict.fromkeys(t for name in target_modules for t in (defaults if name == "default" else [name])))
     if not targets:
         raise ValueError(f"lora target_modules {target_modules!r} selects nothing in {type(transformer).__name__}; "
                          "use 'default', 'all' or a list of module names")
@@ -107,20 +130,20 @@ def lora_state_dict(transformer: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 
-def save_lora(pipeline_class, transformer: nn.Module, out_dir) -> Path:
-    """Write ``out_dir/pytorch_lora_weights.safetensors`` loadable by ``pipe.load_lora_weights(out_dir)``."""
+def save_lora(pipeline_class, transformer: nn.Module, out_dir, weight_name: str = LORA_WEIGHT_NAME) -> Path:
+    """Write ``out_dir/<weight_name>`` loadable by ``pipe.load_lora_weights(out_dir, weight_name=...)``."""
     out_dir = Path(out_dir)
     config = transformer.peft_config[ADAPTER_NAME].to_dict()
     pipeline_class.save_lora_weights(
         out_dir, transformer_lora_layers=lora_state_dict(transformer),
-        transformer_lora_adapter_metadata=config, weight_name=LORA_WEIGHT_NAME,
+        transformer_lora_adapter_metadata=config, weight_name=weight_name,
     )
     return out_dir
 
 
-def load_lora_state(transformer: nn.Module, lora_dir) -> None:
+def load_lora_state(transformer: nn.Module, lora_dir, weight_name: str = LORA_WEIGHT_NAME) -> None:
     """Restore weights saved by ``save_lora`` into a transformer that already has the same LoRA (resume)."""
-    path = Path(lora_dir) / LORA_WEIGHT_NAME
+    path = Path(lora_dir) / weight_name
     if not path.is_file():
         raise FileNotFoundError(f"no LoRA weights at {path}")
     prefix = "transformer."

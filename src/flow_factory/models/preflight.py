@@ -34,7 +34,28 @@ def check_before_loading(cfg) -> None:
         return
     adapter = get_adapter_class(cfg.model.model_type)
     check_pipeline_class(folder, adapter)
+    check_experts(adapter.experts(read_json(folder / "model_index.json")), cfg, str(folder / "model_index.json"))
     check_sizes(folder, adapter, cfg)
+
+
+def check_experts(experts: tuple[str, ...], cfg, where: str) -> None:
+    """``model.target_components`` and ``guidance_scale_2`` against the denoising networks a checkpoint has
+    (``FlowAdapter.experts``); run on the folder's model_index.json before loading, and on the loaded
+    pipeline for a hub id (the Trainer, ff-eval)."""
+    problems = []
+    missing = [c for c in cfg.model.target_components if c not in experts]
+    if missing:
+        problems.append(f"model.target_components: {missing}: not an expert of {where}, which has "
+                        f"{' and '.join(experts)}")
+    scales = {"train.guidance_scale_2": cfg.train.guidance_scale_2}
+    if cfg.eval.guidance_scale_2 != cfg.train.guidance_scale_2:  # else filled in from train's
+        scales["eval.guidance_scale_2"] = cfg.eval.guidance_scale_2
+    for path, scale in scales.items():
+        if scale is not None and len(experts) == 1:
+            problems.append(f"{path}: {where} has one expert ({experts[0]}), so there is no low-noise expert to "
+                            "guide; remove the key")
+    if problems:
+        raise ConfigError(problems)
 
 
 def check_attention_backend(name: str) -> None:

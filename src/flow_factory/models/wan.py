@@ -1,9 +1,17 @@
-"""Wan2.1 text-to-video (``WanPipeline``), model_type ``wan2_t2v``.
+"""Wan2.1 and Wan2.2 text-to-video (``WanPipeline``), model_type ``wan2_t2v``.
 
-Latents are (B, 16, F', H/8, W/8) with F' = (F - 1) / 4 + 1 (the VAE is causal
-in time: the first frame alone, then groups of four). Classifier-free guidance
-uses the negative prompt, "" when none is given. ``decode`` returns videos
-(B, F, 3, H, W) in [0, 1].
+Latents are (B, C, F', H/s, W/s) with F' = (F - 1) / 4 + 1 (the VAE is causal in time:
+the first frame alone, then groups of four); C and s are the VAE's (Wan2.1 and Wan2.2
+A14B: 16 channels, x8; Wan2.2 TI2V-5B: 48 channels, x16). Classifier-free guidance uses
+the negative prompt, "" when none is given. ``decode`` returns videos (B, F, 3, H, W) in [0, 1].
+
+Wan2.2 as ``WanPipeline.__call__`` runs it:
+- A14B has two experts: ``transformer`` denoises while t = 1000 sigma >= boundary_ratio x
+  num_train_timesteps (model_index.json), ``transformer_2`` below, with ``guidance_scale_2``
+  (None = guidance_scale). Whether CFG runs at all follows ``guidance_scale``, for both experts.
+  A batch whose per-sample sigmas straddle the boundary is split between the experts.
+- TI2V-5B (``expand_timesteps``) gives the transformer one timestep per latent token, here
+  all equal: text-to-video conditions on no image.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from torch import Tensor
 
 from ..config.sections import MODEL_FAMILIES
-from .base import Conditioning, FlowAdapter, decode_normalized
+from .base import Conditioning, FlowAdapter, decode_normalized, index_cond
 
 
 class WanT2VAdapter(FlowAdapter):
@@ -23,6 +31,8 @@ class WanT2VAdapter(FlowAdapter):
     pipeline_class = WanPipeline
     is_video = True
     pixel_factor = MODEL_FAMILIES[model_type].pixel_factor
+    transformer_names = MODEL_FAMILIES[model_type].components  # transformer (high noise), transformer_2 (low)
+    lora_load_kwargs = {"transformer_2": {"load_into_transformer_2": True}}
     # self-attention (attn1) and text cross-attention (attn2) projections of every block
     default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
     # UMT5 tokens: WanPipeline.__call__ pads to 512 (encode_prompt alone to 226); the zero padding
@@ -36,13 +46,19 @@ class WanT2VAdapter(FlowAdapter):
         super().__init__(pipeline, device, dtype)
 
     @staticmethod
-    def unsupported(model_index: Mapping) -> str | None:
-        # WanPipeline also loads Wan2.2: a second expert is a (library, class) pair that is not
-        # [null, null], and TI2V models set expand_timesteps (one timestep per latent frame)
+    def experts(model_index: Mapping) -> tuple[str, ...]:
+        # the pipeline calls transformer_2 only when a boundary between the experts is set
         second = model_index.get("transformer_2") or (None, None)
-        if any(second) or model_index.get("expand_timesteps", False):
-            return ("wan2_t2v supports Wan2.1 (one transformer, one timestep per sample); "
-                    "this checkpoint is a Wan2.2 two-expert or TI2V model")
+        return ("transformer", "transformer_2") if any(second) and model_index.get("boundary_ratio") is not None \
+            else ("transformer",)
+
+    @staticmethod
+    def unsupported(model_index: Mapping) -> str | None:
+        # WanPipeline may load without transformer (only transformer_2), or with a boundary and no second expert
+        if not any(model_index.get("transformer") or (None, None)):
+            return "wan2_t2v needs the pipeline's transformer; this checkpoint has none"
+        if model_index.get("boundary_ratio") is not None and not any(model_index.get("transformer_2") or (None, None)):
+            return "wan2_t2v: this checkpoint sets boundary_ratio but has no transformer_2 (the low-noise expert)"
         return None
 
     @staticmethod
@@ -85,7 +101,7 @@ class WanT2VAdapter(FlowAdapter):
         if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
             scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler.config)
         else:
-            # released Wan2.1 checkpoints ship UniPC with the shift stored as flow_shift; the rollout
+            # released Wan checkpoints ship UniPC with the shift stored as flow_shift; the rollout
             # integrates with its own dynamics, so it needs only the Euler grid of that shift
             scheduler = FlowMatchEulerDiscreteScheduler(shift=scheduler.config.get("flow_shift", 5.0))
         scheduler.set_timesteps(num_steps, device="cpu")  # WanPipeline passes no custom sigmas
@@ -94,13 +110,42 @@ class WanT2VAdapter(FlowAdapter):
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         n = latents.shape[0]
         x = latents.to(self.device, self.dtype)
-        t = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000
+        # the scheduler's timestep, t = sigma x num_train_timesteps in float32, which the pipeline compares
+        t = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n) \
+            * self.pipeline.scheduler.config.num_train_timesteps
+        high = self.high_noise(t)
+        scale_2 = guidance_scale if self.guidance_scale_2 is None else self.guidance_scale_2
+        if high.all() or not high.any():
+            name, scale = ("transformer", guidance_scale) if high.all() else ("transformer_2", scale_2)
+            return self._expert_velocity(name, x, t, cond, guidance_scale, scale)
+        out = torch.empty(latents.shape, dtype=torch.float32, device=self.device)
+        for name, rows, scale in (("transformer", high, guidance_scale), ("transformer_2", ~high, scale_2)):
+            rows = rows.nonzero().squeeze(1)
+            out[rows] = self._expert_velocity(name, x[rows], t[rows], index_cond(cond, rows), guidance_scale, scale)
+        return out
+
+    def experts_at(self, sigmas: Tensor) -> list[str]:
+        t = sigmas.float() * self.pipeline.scheduler.config.num_train_timesteps
+        return ["transformer" if high else "transformer_2" for high in self.high_noise(t).tolist()]
+
+    def high_noise(self, t: Tensor) -> Tensor:
+        """Which timesteps the high-noise expert (``transformer``) denoises: all of them but on Wan2.2 A14B."""
+        ratio = self.pipeline.config.get("boundary_ratio")
+        if ratio is None:
+            return torch.ones_like(t, dtype=torch.bool)
+        return t >= ratio * self.pipeline.scheduler.config.num_train_timesteps
+
+    def _expert_velocity(self, name: str, x: Tensor, t: Tensor, cond: Conditioning, guidance_scale: float,
+                         scale: float) -> Tensor:
+        if self.pipeline.config.get("expand_timesteps", False):
+            # TI2V: a timestep per token of the transformer's 2x2 patches, as the pipeline's mask[:, ::2, ::2]
+            t = t[:, None].expand(-1, x[0, 0, :, ::2, ::2].numel())
         cfg, x, t, (embeds,) = self.cfg_inputs(cond, guidance_scale, x, t, ("prompt_embeds",))
-        out = self.denoiser(
+        out = self.denoiser_for(name)(
             hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(self.device, self.dtype),
             return_dict=False,
         )[0].float()
-        return self.combine_cfg(out, guidance_scale) if cfg else out
+        return self.combine_cfg(out, scale) if cfg else out
 
     def decode(self, latents: Tensor) -> Tensor:
         return decode_normalized(self.pipeline.vae, latents, self.device).permute(0, 2, 1, 3, 4)

@@ -13,7 +13,7 @@ a CLIPModel and processor, for rewards built on CLIP. The project's own fixtures
 2-D flow, example reward servers) are in the repository's bench/ and tests/, not here.
 """
 
-from .tiny import TINY_MODEL_TYPES, build_tiny_pipeline, tiny_pipeline
+from .tiny import TINY_MODEL_TYPES, TINY_VARIANTS, build_tiny_pipeline, tiny_pipeline
 from .tiny_clip import build_tiny_clip
 
-__all__ = ["TINY_MODEL_TYPES", "build_tiny_clip", "build_tiny_pipeline", "tiny_pipeline"]
+__all__ = ["TINY_MODEL_TYPES", "TINY_VARIANTS", "build_tiny_clip", "build_tiny_pipeline", "tiny_pipeline"]

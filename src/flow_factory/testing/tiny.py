@@ -10,6 +10,12 @@ Sizes that matter to callers: images 64x64 (latents 16x8x8); Wan videos of
 ``1 + 4k`` frames at multiples of 16 pixels (e.g. 5 frames at 32x32 -> latents
 16x2x4x4). The Qwen tokenizers (Qwen-Image, Z-Image) have no merges: every byte is a
 token, so a prompt with its chat template is a few hundred tokens.
+
+Besides one pipeline per model type, ``TINY_VARIANTS`` names other checkpoints a model
+type loads: Wan2.2's two-expert A14B layout (``wan2.2-a14b``: transformer and
+transformer_2, boundary_ratio 0.875 as the T2V release; with shift 5 and 4 steps each
+expert takes 2) and TI2V-5B (``wan2.2-ti2v-5b``: one timestep per token, the Wan2.2 VAE
+with 48 latent channels, x16, so sizes in multiples of 32: 5 frames at 32x32 -> 48x2x2x2).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from pathlib import Path
 import torch
 
 TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image")
+# other tiny checkpoints, and the model_type that loads each
+TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v"}
 
 # CLIP's special tokens sit after the 2 x 256 byte symbols
 _CLIP_BOS, _CLIP_EOS = 512, 513
@@ -160,26 +168,47 @@ def _build_flux():
     )
 
 
-def _build_wan():
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+def _wan_transformer(channels: int):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=channels,
+        out_channels=channels, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=1,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    )
+
+
+def _build_wan(variant: str = "wan2.1"):
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = tiny_t5_tokenizer()
+    ti2v = variant == "wan2.2-ti2v-5b"
     torch.manual_seed(0)
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
-        out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=1,
-        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-    )
+    transformer = _wan_transformer(48 if ti2v else 16)
     torch.manual_seed(1)
     text_encoder = UMT5EncoderModel(UMT5Config(**_t5_kwargs(len(tokenizer))))
     torch.manual_seed(2)
-    vae = AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-    )
+    if ti2v:  # the Wan2.2 VAE's layout (residual, 2x2 pixel patches, 48 channels, x16) at base width 4
+        channels = torch.arange(48) / 48
+        vae = AutoencoderKLWan(
+            base_dim=4, decoder_base_dim=8, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+            temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+            patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+            latents_mean=(0.2 * channels - 0.1).tolist(), latents_std=(0.5 + channels).tolist(),
+        )
+    else:
+        vae = AutoencoderKLWan(
+            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        )
+    experts = {}
+    if variant == "wan2.2-a14b":
+        torch.manual_seed(3)
+        experts = dict(transformer_2=_wan_transformer(16), boundary_ratio=0.875)
     return WanPipeline(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), transformer=transformer,
+        expand_timesteps=ti2v, **experts,
     )
 
 
@@ -250,11 +279,12 @@ def _build_z_image():
 
 
 _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, "qwen-image": _build_qwen_image,
-             "z-image": _build_z_image}
+             "z-image": _build_z_image,
+             "wan2.2-a14b": lambda: _build_wan("wan2.2-a14b"), "wan2.2-ti2v-5b": lambda: _build_wan("wan2.2-ti2v-5b")}
 
 
 def tiny_pipeline(model_type: str):
-    """The tiny pipeline for ``model_type``, in memory, float32."""
+    """The tiny pipeline for ``model_type`` (or a name of ``TINY_VARIANTS``), in memory, float32."""
     if model_type not in _BUILDERS:
         raise ValueError(f"no tiny pipeline for model_type {model_type!r}; available: {sorted(_BUILDERS)}")
     # fork so that seeding the weights does not reset the caller's random stream
@@ -263,7 +293,8 @@ def tiny_pipeline(model_type: str):
 
 
 def build_tiny_pipeline(model_type: str, path) -> Path:
-    """Build the tiny ``model_type`` pipeline and save it to ``path`` (a diffusers folder)."""
+    """Build the tiny ``model_type`` pipeline (or a ``TINY_VARIANTS`` one) and save it to ``path`` (a diffusers
+    folder)."""
     path = Path(path)
     tiny_pipeline(model_type).save_pretrained(path)
     return path

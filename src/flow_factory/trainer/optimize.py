@@ -11,6 +11,10 @@ Up to ``steps_per_call`` consecutive micro-batches of a chunk are merged into on
 ``parts`` micro-steps: its loss, the mean of theirs, is backpropagated times ``parts``, so
 the gradient is the sum the separate calls would give; merging never crosses an optimizer
 step, so every step sees the same gradient either way.
+
+Gradients sync across processes through the DDP wrapper ``denoiser``; a multi-expert model
+is not wrapped (``FlowAdapter.wrap_transformer``), so with ``denoiser=None`` this loop
+averages them itself before the optimizer step.
 """
 
 from __future__ import annotations
@@ -55,12 +59,16 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                 parts = batch.parts
                 # gradients sync across processes only on the micro-step that steps the optimizer
                 syncs = (micro + parts) % accumulation == 0
-                with nullcontext() if syncs else acc.no_sync(denoiser), acc.autocast():
+                with nullcontext() if syncs or denoiser is None else acc.no_sync(denoiser), acc.autocast():
                     loss, metrics = algorithm.loss(policy, batch)
-                    acc.backward(loss * parts / accumulation)
+                    # no gradient when only a frozen expert denoised the batch (Wan2.2 training one expert)
+                    if loss.requires_grad:
+                        acc.backward(loss * parts / accumulation)
                 micro += parts
                 metrics["loss"] = loss.detach()
                 if syncs:
+                    if denoiser is None and acc.num_processes > 1:
+                        average_gradients(params)
                     metrics["grad_norm"] = grad_norm = acc.clip_grad_norm_(params, max_grad_norm)
                     if torch.isfinite(grad_norm):
                         optimizer.step()
@@ -101,3 +109,20 @@ def _merged(batches, steps_per_call: int | str, room):
             pending = []
     if pending:
         yield merge_batches(pending)
+
+
+def average_gradients(params: list) -> None:
+    """What DDP does, for a model it cannot wrap: each gradient averaged over the processes. A tensor no
+    process has a gradient for keeps none, so AdamW leaves it alone as it would in one process."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    device = params[0].device
+    has = torch.tensor([float(p.grad is not None) for p in params], device=device)
+    dist.all_reduce(has)
+    for p, count in zip(params, has.tolist()):
+        if count:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad /= world

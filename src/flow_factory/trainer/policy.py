@@ -12,7 +12,7 @@ given at construction, swapped into the live parameters for the call.
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import Tensor
@@ -24,8 +24,9 @@ from ..models.lora import lora_disabled
 class AdapterPolicy:
     def __init__(self, adapter: FlowAdapter, guidance_scale: float, finetune_type: str,
                  keep_reference: bool, ref_param_device: str = "same", ema=None, sampling_weights=None,
-                 snapshots=None):
+                 snapshots=None, components: list[str] = ("transformer",)):
         self.adapter = adapter
+        self.components = list(components)  # the trained networks (model.target_components)
         self.guidance_scale = guidance_scale
         self.finetune_type = finetune_type
         self.reference = None
@@ -36,8 +37,8 @@ class AdapterPolicy:
             # a frozen copy of the starting weights, in the load dtype (the trained ones are kept
             # float32); "cpu" keeps accelerator memory free
             device = adapter.device if ref_param_device == "same" else torch.device(ref_param_device)
-            reference = copy.deepcopy(adapter.transformer).requires_grad_(False)
-            self.reference = reference.to(device=device, dtype=adapter.dtype).eval()
+            self.reference = {name: copy.deepcopy(adapter.transformers[name]).requires_grad_(False)
+                              .to(device=device, dtype=adapter.dtype).eval() for name in self.components}
 
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
         return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
@@ -73,14 +74,18 @@ class AdapterPolicy:
     @contextmanager
     def _reference_weights(self):
         if self.finetune_type == "lora":
-            with lora_disabled(self.adapter.transformer):
+            with ExitStack() as stack:
+                for name in self.components:
+                    stack.enter_context(lora_disabled(self.adapter.transformers[name]))
                 yield
             return
         if self.reference is None:
             raise RuntimeError("reference_velocity needs a reference model: set train.kl_beta > 0")
-        stored_on = next(self.reference.parameters()).device
+        stored_on = next(next(iter(self.reference.values())).parameters()).device
         try:
-            with self.adapter.swapped_transformer(self.reference.to(self.adapter.device)):
+            with self.adapter.swapped_transformers({name: module.to(self.adapter.device)
+                                                    for name, module in self.reference.items()}):
                 yield
         finally:
-            self.reference.to(stored_on)
+            for module in self.reference.values():
+                module.to(stored_on)

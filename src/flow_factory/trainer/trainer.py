@@ -21,14 +21,16 @@ from ..advantages import combine_advantages
 from ..algorithms import make_algorithm
 from ..checkpoint import (CheckpointError, check_fits, checkpoint_dir, find_checkpoint, load_checkpoint,
                           read_state, save_checkpoint, write_atomic)
+from ..config import ConfigError
+from ..config.train import COUPLED_TRAINER_TYPES
 from ..data import EpochSampler, MissingPromptFile, load_prompts
 from ..dynamics import make_dynamics
 from ..dynamics.window import choose_sde_steps
 from ..guards import NonFiniteError, NonFiniteGuard, all_finite, check_pipeline_finite, nonfinite_rewards
 from ..media import caption, plot_curves, sample_grid
 from ..models import load_adapter
-from ..models.lora import apply_lora
-from ..models.preflight import check_before_loading
+from ..models.lora import apply_lora, component_targets
+from ..models.preflight import check_before_loading, check_experts
 from ..prompt_cache import PromptCache
 from ..rewards import RewardSet
 from ..rewards.base import parse_dtype
@@ -70,7 +72,7 @@ class Trainer:
         self.resume_from, self.start_weights, resumed = None, None, {"epoch": 0}
         if model.resume_path:
             self.resume_from, resumed = find_checkpoint(model.resume_path, self.run_dir)
-            check_fits(self.resume_from, resumed, model.finetune_type)
+            check_fits(self.resume_from, resumed, model.finetune_type, model.target_components)
             if model.resume_type in ("lora", "full"):  # Flow-Factory's: a new run from these weights
                 self.start_weights, self.resume_from, resumed = self.resume_from, None, {"epoch": 0}
             elif resumed["epoch"] >= train.max_epochs:
@@ -100,6 +102,9 @@ class Trainer:
         dtype = parse_dtype("float32" if precision == "no" else precision)
         self.latent_storage_dtype = parse_dtype(train.latent_storage_dtype or dtype)
         self.adapter = load_adapter(model.model_type, model.model_name_or_path, self.accelerator.device, dtype)
+        # a hub id's experts are known only now (a folder's were checked before loading)
+        check_experts(self.adapter.experts(self.adapter.pipeline.config), cfg, model.model_name_or_path)
+        self.adapter.guidance_scale_2 = train.guidance_scale_2
         check_pipeline_finite(self.adapter.pipeline, f"model.model_name_or_path: {model.model_name_or_path}")
         if model.attn_backend is not None:  # the name is checked before loading (models/preflight.py)
             self.adapter.set_attention_backend(model.attn_backend)
@@ -107,6 +112,7 @@ class Trainer:
         self.dynamics = make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level)
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
         self.params = self._make_trainable()
+        self._check_trained_steps()
         # EMA of the trained weights (train.ema_decay > 0), and for NFT / AWM the weights the
         # rollout sampled with: the EMA itself when off_policy, else a copy taken at sampling time
         ema_device = None if train.ema_device == "same" else train.ema_device
@@ -121,24 +127,26 @@ class Trainer:
                                     keep_reference=self.algorithm.needs_reference,
                                     ref_param_device=train.ref_param_device, ema=self.ema,
                                     sampling_weights=self.ema if train.off_policy else self.rollout_weights,
-                                    snapshots=self.snapshots)
+                                    snapshots=self.snapshots, components=model.target_components)
         self.optimizer = torch.optim.AdamW(
             self.params, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2),
             weight_decay=train.adam_weight_decay, eps=train.adam_epsilon)
         self.optimizer = self.accelerator.prepare(self.optimizer)
-        self.adapter.wrap_transformer(self.accelerator.prepare)
+        # False for a multi-expert model: optimize_epoch then averages the gradients across processes itself
+        self.ddp = self.adapter.wrap_transformer(self.accelerator.prepare)
 
         self.epoch, self.global_step = 0, 0
         self.history: list[dict] = []  # one record of training metrics per epoch
         self.eval_history: list[dict] = []  # eval rewards, keyed by epochs completed
         if self.start_weights is not None:
-            load_checkpoint(self.start_weights, self.adapter, model.finetune_type)
+            load_checkpoint(self.start_weights, self.adapter, model.finetune_type, components=model.target_components)
             logger.info("starting from the weights of %s (model.resume_type: %s)", self.start_weights,
                         model.resume_type)
             for snapshot in self.snapshots.values():  # CRD's old and sampling models start from them too
                 snapshot.copy_from_params()
         if self.resume_from is not None:
-            if not load_checkpoint(self.resume_from, self.adapter, model.finetune_type, self.optimizer):
+            if not load_checkpoint(self.resume_from, self.adapter, model.finetune_type, self.optimizer,
+                                   model.target_components):
                 logger.warning("model.resume_path %s holds no optimizer state (saved with log.save_model_only); "
                                "the optimizer restarts", self.resume_from)
             self.epoch, self.global_step = resumed["epoch"], resumed["global_step"]
@@ -196,19 +204,44 @@ class Trainer:
         return result
 
     def _make_trainable(self) -> list[torch.nn.Parameter]:
-        model, transformer = self.cfg.model, self.adapter.transformer
-        if model.finetune_type == "lora":
-            apply_lora(transformer, model.lora_rank, model.lora_alpha, model.target_modules,
-                       self.adapter.default_lora_targets)
-        else:
-            transformer.requires_grad_(True)
-        params = [p for p in transformer.parameters() if p.requires_grad]
+        """LoRA on, or every weight of, the networks ``model.target_components`` names; the others (a
+        multi-expert model's frozen expert) get no adapter and no gradient."""
+        model = self.cfg.model
+        self.trained = {name: self.adapter.transformers[name] for name in model.target_components}
+        params = []
+        for name, transformer in self.trained.items():
+            if model.finetune_type == "lora":
+                apply_lora(transformer, model.lora_rank, model.lora_alpha,
+                           component_targets(model.target_modules, name, model.target_components),
+                           self.adapter.default_lora_targets)
+            else:
+                transformer.requires_grad_(True)
+            params += [p for p in transformer.parameters() if p.requires_grad]
+            if self.cfg.train.enable_gradient_checkpointing:
+                transformer.enable_gradient_checkpointing()
         master = parse_dtype(model.master_weight_dtype)
         for p in params:  # trainable weights keep their own precision (fp32 by default) under mixed precision
             p.data = p.data.to(master)
-        if self.cfg.train.enable_gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
         return params
+
+    def _check_trained_steps(self) -> None:
+        """A step of the grpo family trains the expert that denoises it: a step of an expert that
+        ``model.target_components`` leaves frozen trains nothing (Wan2.2 A14B)."""
+        cfg = self.cfg
+        if cfg.train.trainer_type not in COUPLED_TRAINER_TYPES or len(self.adapter.transformers) == 1:
+            return
+        height, width = cfg.train.height_width
+        sigmas = self.adapter.sigmas(cfg.train.num_inference_steps, height, width, cfg.train.num_frames)
+        experts = self.adapter.experts_at(sigmas[:-1])
+        frozen = {s: experts[s] for s in cfg.sde_step_candidates if experts[s] not in cfg.model.target_components}
+        if not frozen:
+            return
+        message = (f"scheduler.sde_steps: steps {sorted(frozen)} are denoised by {sorted(set(frozen.values()))}, "
+                   f"which model.target_components ({cfg.model.target_components}) does not train")
+        if len(frozen) == len(cfg.sde_step_candidates):
+            raise ConfigError(f"{message}; no step of the window trains anything: choose steps of "
+                              f"{cfg.model.target_components} (sigmas {[round(float(x), 3) for x in sigmas[:-1]]})")
+        logger.warning("%s; those steps train nothing", message)
 
     # ------------------------------------------------------------------ phases
     def _local_share(self, n: int) -> slice:
@@ -262,10 +295,11 @@ class Trainer:
 
     def optimize(self, rollouts: Rollouts, advantages: torch.Tensor, epoch: int) -> dict[str, float]:
         train = self.cfg.train
-        self.adapter.transformer.train()
+        for transformer in self.trained.values():
+            transformer.train()
         metrics, steps = optimize_epoch(
             self.algorithm, self.policy, rollouts, advantages, accelerator=self.accelerator,
-            optimizer=self.optimizer, params=self.params, denoiser=self.adapter.denoiser,
+            optimizer=self.optimizer, params=self.params, denoiser=self.adapter.denoiser if self.ddp else None,
             batch_size=train.per_device_batch_size, num_inner_epochs=train.num_inner_epochs,
             accumulation=self.cfg.gradient_accumulation, max_grad_norm=train.max_grad_norm,
             seed=self.seed, epoch=epoch, guard=self.guard, shuffle=train.shuffle_samples,
@@ -275,7 +309,8 @@ class Trainer:
             raise NonFiniteError(f"epoch {epoch}: an optimizer step made trained weights NaN or inf (mean "
                                  f"gradient norm {metrics.get('train/grad_norm', float('nan')):.3g}); lower "
                                  "train.learning_rate. The last checkpoint is intact")
-        self.adapter.transformer.eval()
+        for transformer in self.trained.values():
+            transformer.eval()
         if self.ema is not None and (epoch + 1) % train.ema_update_interval == 0:
             decay = ema_decay_at(train.ema_decay_schedule, epoch, train.ema_decay, train.max_epochs,
                                  train.flat_steps, train.ramp_rate)
@@ -293,10 +328,13 @@ class Trainer:
         ev = self.cfg.eval
         items = self.test_prompts[: ev.num_samples] if ev.num_samples else self.test_prompts
         share = self._local_share(len(items))
-        # what ff-eval samples for the same config: its numbers agree with these
-        rollouts = sample_prompts(self.adapter, items[share], SamplingSettings.for_eval(ev),
-                                  sample_ids=list(range(len(items)))[share], reward_set=self.eval_rewards,
-                                  autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache)
+        self.adapter.guidance_scale_2 = ev.guidance_scale_2
+        try:  # what ff-eval samples for the same config: its numbers agree with these
+            rollouts = sample_prompts(self.adapter, items[share], SamplingSettings.for_eval(ev),
+                                      sample_ids=list(range(len(items)))[share], reward_set=self.eval_rewards,
+                                      autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache)
+        finally:
+            self.adapter.guidance_scale_2 = self.cfg.train.guidance_scale_2
         scores = rollouts.rewards
         means = {f"eval/reward/{k}": self.accelerator.gather(v).mean().item() for k, v in scores.items()}
         self.eval_history.append({"epoch": epoch, **means})
@@ -421,7 +459,8 @@ class Trainer:
             extra = {EMA_FILE: self.ema.state_dict()} if self.ema is not None else {}
             extra.update({f"{name}.pt": snapshot.state_dict() for name, snapshot in self.snapshots.items()})
             optimizer = None if self.cfg.log.save_model_only else self.optimizer
-            save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, optimizer, state, extra)
+            save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, optimizer, state, extra,
+                            self.cfg.model.target_components)
         self._plot_rewards()
         return out
 
