@@ -162,12 +162,13 @@ KILLER = textwrap.dedent("""
     def kill_at(name, fn):
         def wrapped(*args, **kwargs):
             out = fn(*args, **kwargs)
-            if name == point and f"epoch_{epoch}" in str(args[-1]):
+            paths = [str(a) for a in args if isinstance(a, (str, os.PathLike))]
+            if name == point and any(f"epoch_{epoch}" in p for p in paths):
                 os.kill(os.getpid(), signal.SIGKILL)
             return out
         return wrapped
 
-    ckpt.save_lora = kill_at("weights", ckpt.save_lora)  # (pipeline_class, transformer, out_dir)
+    ckpt.save_lora = kill_at("weights", ckpt.save_lora)  # (pipeline_class, transformer, out_dir, weight_name)
     ckpt.torch.save = kill_at("torch.save", ckpt.torch.save)  # (obj, path): the optimizer state
     publish = ckpt._publish
     def before_rename(tmp, out):
