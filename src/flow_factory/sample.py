@@ -21,7 +21,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ff-sample", description=__doc__.split("\n")[0])
     p.add_argument("model", help="a diffusers pipeline folder (or hub id)")
     p.add_argument("--model-type", default="sd3-5",
-                   help="the adapter: sd3-5, flux1, wan2_t2v, qwen-image, z-image, or your adapter class's dotted path")
+                   help="the adapter: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2, flux2-klein, or your adapter "
+                   "class's dotted path")
     p.add_argument("--checkpoint", help="an ff-train checkpoint folder (LoRA or full transformer)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", nargs="+", help="prompts, one sample each")

@@ -40,6 +40,8 @@ MODEL_FAMILIES = {
                             components=("transformer", "transformer_2")),
     "qwen-image": ModelFamily(16, "VAE x8, then 2x2 token packing"),
     "z-image": ModelFamily(16, "VAE x8, then 2x2 transformer patches"),
+    "flux2": ModelFamily(16, "VAE x8, then 2x2 latent patchify"),
+    "flux2-klein": ModelFamily(16, "VAE x8, then 2x2 latent patchify"),
 }
 # what a user's adapter class (model.model_type: package.module.Class) sets, as the built-in ones do
 ADAPTER_CLASS_ATTRIBUTES = ("model_type", "pipeline_class", "pixel_factor", "default_lora_targets")
@@ -86,6 +88,9 @@ MODEL_TYPE_ALIASES = {
     "wan22_t2v": "wan2_t2v", "wan2.2_t2v": "wan2_t2v",
     "qwen-image": "qwen-image", "qwenimage": "qwen-image", "qwen": "qwen-image",
     "z-image": "z-image", "zimage": "z-image", "z-image-turbo": "z-image", "zimage-turbo": "z-image",
+    "flux2": "flux2", "flux-2": "flux2", "flux2-dev": "flux2",
+    "flux2-klein": "flux2-klein", "flux-2-klein": "flux2-klein", "klein": "flux2-klein",
+    "flux2-klein-base": "flux2-klein",
 }
 DYNAMICS_TYPES = ("Flow-SDE", "Dance-SDE", "CPS", "ODE", "DPM-Solver++2M")
 DYNAMICS_ALIASES = {"flow-sde": "Flow-SDE", "flowsde": "Flow-SDE", "dance-sde": "Dance-SDE",
@@ -119,9 +124,9 @@ class DataConfig(Section):
 class ModelConfig(Section):
     model_name_or_path: str = setting(description="Hugging Face hub id or local folder of a diffusers pipeline")
     model_type: str = setting(
-        description="model family: sd3-5, flux1, wan2_t2v, qwen-image or z-image (aliases such as sd3_5, flux, "
-        "wan2.1, qwenimage, z_image accepted), or the dotted path of your own FlowAdapter subclass "
-        "(my_package.adapters.MyAdapter)")
+        description="model family: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2 or flux2-klein (aliases such "
+        "as sd3_5, flux, wan2.1, qwenimage, z_image, flux2_klein accepted), or the dotted path of your own "
+        "FlowAdapter subclass (my_package.adapters.MyAdapter)")
     finetune_type: Literal["lora", "full"] = setting("lora", "train LoRA adapters or every transformer weight")
     lora_rank: PositiveInt = setting(32, "LoRA rank r")
     lora_alpha: PositiveInt = setting(64, "LoRA alpha; the update is scaled by alpha / r")

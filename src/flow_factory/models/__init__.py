@@ -2,6 +2,7 @@
 
 from .base import Conditioning, FlowAdapter, cat_cond, index_cond
 from .flux import FluxAdapter
+from .flux2 import Flux2Adapter, Flux2KleinAdapter
 from .lora import (
     apply_lora, block_linear_names, load_lora_state, lora_disabled, lora_state_dict, lora_target_names, save_lora,
 )
@@ -12,8 +13,8 @@ from .wan import WanT2VAdapter
 from .z_image import ZImageAdapter
 
 __all__ = [
-    "ADAPTERS", "Conditioning", "FlowAdapter", "FluxAdapter", "QwenImageAdapter", "SD3Adapter", "WanT2VAdapter",
-    "ZImageAdapter",
+    "ADAPTERS", "Conditioning", "FlowAdapter", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter", "QwenImageAdapter",
+    "SD3Adapter", "WanT2VAdapter", "ZImageAdapter",
     "apply_lora", "block_linear_names", "cat_cond", "get_adapter_class", "index_cond", "load_adapter", "load_lora_state",
     "lora_disabled", "lora_state_dict", "lora_target_names", "save_lora",
 ]

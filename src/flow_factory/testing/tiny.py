@@ -16,6 +16,9 @@ type loads: Wan2.2's two-expert A14B layout (``wan2.2-a14b``: transformer and
 transformer_2, boundary_ratio 0.875 as the T2V release; with shift 5 and 4 steps each
 expert takes 2) and TI2V-5B (``wan2.2-ti2v-5b``: one timestep per token, the Wan2.2 VAE
 with 48 latent channels, x16, so sizes in multiples of 32: 5 frames at 32x32 -> 48x2x2x2).
+FLUX.2's latents are 2x2-patchified 32-channel ones (64x64 -> 128x4x4); ``flux2-klein`` is a
+step-distilled Klein, ``flux2-klein-base`` the same weights as a base checkpoint
+(``is_distilled`` false: classifier-free guidance).
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image")
+TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein")
 # other tiny checkpoints, and the model_type that loads each
-TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v"}
+TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v", "flux2-klein-base": "flux2-klein"}
 
 # CLIP's special tokens sit after the 2 x 256 byte symbols
 _CLIP_BOS, _CLIP_EOS = 512, 513
@@ -278,8 +281,94 @@ def _build_z_image():
                           tokenizer=tokenizer, transformer=transformer)
 
 
+# FLUX.2 [dev]'s tokenizer is a PixtralProcessor, which needs torchvision; a plain tokenizer with
+# Mistral's chat template (message contents as lists of text parts) encodes prompts the same way.
+# Only prompt upsampling (caption_upsample_temperature) needs the processor.
+_MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set text = message['content'] if message['content'] is string "
+    "else message['content'] | map(attribute='text') | join('') %}"
+    "{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif message['role'] == 'user' %}[INST]{{ text }}[/INST]"
+    "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def tiny_mistral_tokenizer():
+    from transformers import LlamaTokenizer
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]"]
+    vocab = {s: i for i, s in enumerate(specials)}
+    vocab.update({f"<0x{b:02X}>": len(specials) + b for b in range(256)})  # sentencepiece byte fallback
+    for c in ["▁", *string.printable.strip()]:
+        vocab.setdefault(c, len(vocab))
+    return LlamaTokenizer(vocab=vocab, merges=[], add_bos_token=True, pad_token="<pad>",
+                          extra_special_tokens=specials[4:], chat_template=_MISTRAL_CHAT_TEMPLATE)
+
+
+def _flux2_parts(guidance_embeds: bool, text_width: int):
+    """FLUX.2's transformer, VAE and scheduler; the transformer reads 3 stacked text-encoder layers."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    transformer = Flux2Transformer2DModel(
+        in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=3 * text_width, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=guidance_embeds,
+    )
+    torch.manual_seed(3)
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=32,
+                             norm_num_groups=4, use_quant_conv=False, use_post_quant_conv=False)
+    # batch-norm statistics other than (0, 1), so decoding without them would show
+    vae.bn.running_mean.copy_(0.1 * torch.randn(vae.bn.running_mean.shape))
+    vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.running_var.shape))
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, time_shift_type="exponential", shift=3.0,
+        base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5, max_shift=1.15,
+    )
+    return transformer, vae, scheduler
+
+
+def _build_flux2():
+    from diffusers import Flux2Pipeline
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tokenizer = tiny_mistral_tokenizer()
+    transformer, vae, scheduler = _flux2_parts(guidance_embeds=True, text_width=16)
+    torch.manual_seed(1)
+    # 30 layers: the pipeline stacks the hidden states of layers 10, 20 and 30
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=8, image_size=32, patch_size=8),
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+    ))
+    return Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                         transformer=transformer)
+
+
+def _build_flux2_klein(is_distilled: bool = True):
+    from diffusers import Flux2KleinPipeline
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = tiny_qwen_tokenizer(_CHATML)  # Klein passes enable_thinking=False, which it ignores
+    transformer, vae, scheduler = _flux2_parts(guidance_embeds=False, text_width=16)
+    torch.manual_seed(1)
+    # 27 layers: the pipeline stacks the hidden states of layers 9, 18 and 27
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=27,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id,
+    ))
+    return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                              transformer=transformer, is_distilled=is_distilled)
+
+
 _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, "qwen-image": _build_qwen_image,
-             "z-image": _build_z_image,
+             "z-image": _build_z_image, "flux2": _build_flux2, "flux2-klein": _build_flux2_klein,
+             "flux2-klein-base": lambda: _build_flux2_klein(is_distilled=False),
              "wan2.2-a14b": lambda: _build_wan("wan2.2-a14b"), "wan2.2-ti2v-5b": lambda: _build_wan("wan2.2-ti2v-5b")}
 
 

@@ -1,0 +1,156 @@
+"""FLUX.2 (``Flux2Pipeline``, model_type ``flux2``) and FLUX.2 [klein] (``Flux2KleinPipeline``,
+model_type ``flux2-klein``): one transformer, VAE and schedule, two text sides.
+
+Latents outside this file are the VAE's latents as the transformer sees them: patchified 2x2
+and normalised by the VAE's batch-norm statistics, (B, 4 x 32, H/16, W/16), which is where the
+pipeline draws its noise (``prepare_latents`` takes them in this layout). ``velocity`` packs
+them into tokens with the pipeline's ``_pack_latents`` and scatters the prediction back with
+``_unpack_latents_with_ids``; ``decode`` undoes the normalisation and the patchify as the
+pipeline does before its VAE decode.
+
+The text side is the pipeline's own ``encode_prompt``: hidden states of several text-encoder
+layers stacked (``text_encoder_out_layers``, the pipeline's defaults), 512 padded tokens.
+FLUX.2 [dev] is guidance-distilled (an embedding, one pass); Klein passes no guidance: the
+distilled checkpoints (``is_distilled``) ignore ``guidance_scale``, the base ones run
+classifier-free guidance on "" or the negative prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from diffusers import Flux2KleinPipeline, Flux2Pipeline
+from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+from torch import Tensor
+
+from ..config.sections import MODEL_FAMILIES
+from .base import Conditioning, FlowAdapter
+
+# Flow-Factory's FLUX.2 targets: the double-stream blocks' attention and both feed-forwards, the
+# single-stream blocks' fused projection. (Its list also names "attn.to_out.0", which in a single-
+# stream block is "attn.to_out": that projection stays frozen there, and here, so LoRAs match.)
+FLUX2_LORA_TARGETS = [
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
+    "attn.to_qkv_mlp_proj",
+]
+
+
+class Flux2FamilyAdapter(FlowAdapter):
+    """What FLUX.2 and Klein share; the subclasses say how they encode and guide."""
+
+    default_lora_targets = FLUX2_LORA_TARGETS
+    max_sequence_length = 512  # text tokens, the pipelines' default
+
+    @staticmethod
+    def pixel_factor_of(vae: Mapping, transformer: Mapping) -> int | None:
+        # as the pipelines: the VAE halves the size at each block after the first, then 2x2 patchify
+        if "block_out_channels" not in vae:
+            return None
+        return 2 ** (len(vae["block_out_channels"]) - 1) * 2
+
+    def tokenizers(self) -> dict:
+        # FLUX.2 [dev]'s tokenizer slot holds a processor; the prompt cache fingerprints its tokenizer
+        return {name: getattr(t, "tokenizer", t) for name, t in super().tokenizers().items()}
+
+    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+        self.check_size(height, width)
+        f = self.loaded_pixel_factor
+        return (self.transformer.config.in_channels, height // f, width // f)
+
+    def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> Tensor:
+        scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)
+        # as the pipelines: a linear grid ending at 1/n, shifted by an empirical mu of the number of
+        # image tokens and of the number of steps
+        grid = None if scheduler.config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
+        _, h, w = self.latent_shape(height, width)
+        scheduler.set_timesteps(num_steps, device="cpu", sigmas=grid, mu=compute_empirical_mu(h * w, num_steps))
+        return scheduler.sigmas.float().to(self.device)
+
+    def _transformer(self, latents: Tensor, sigma: Tensor, embeds: Tensor, guidance: Tensor | None) -> Tensor:
+        """One call on (B, C, h, w) latents; returns the float32 prediction in that layout."""
+        pipe = type(self.pipeline)
+        n = latents.shape[0]
+        x = latents.to(self.device, self.dtype)
+        image_ids = pipe._prepare_latent_ids(x).to(self.device)
+        text_ids = pipe._prepare_text_ids(embeds).to(self.device)
+        t = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000
+        out = self.denoiser(
+            hidden_states=pipe._pack_latents(x),
+            # the pipeline's round trip 1000 sigma / 1000, kept so the result is bit-identical
+            timestep=t.to(self.dtype) / 1000,
+            guidance=guidance,
+            encoder_hidden_states=embeds.to(self.device, self.dtype),
+            txt_ids=text_ids,
+            img_ids=image_ids,
+            return_dict=False,
+        )[0]
+        return pipe._unpack_latents_with_ids(out, image_ids).float()
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        vae = self.pipeline.vae
+        z = latents.to(self.device, vae.dtype)
+        # the VAE's batch-norm statistics of the patchified latents: denormalise, then unpatchify
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
+        z = type(self.pipeline)._unpatchify_latents(z * std + mean)
+        image = vae.decode(z, return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+
+class Flux2Adapter(Flux2FamilyAdapter):
+    model_type = "flux2"
+    pipeline_class = Flux2Pipeline
+    pixel_factor = MODEL_FAMILIES[model_type].pixel_factor
+
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        return False  # FLUX.2 [dev]'s guidance is an embedding: no negative branch
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], negative_prompts: list[str] | None = None,
+               guidance_scale: float = 4.0) -> Conditioning:
+        # negative prompts have no effect: the guidance is distilled into the embedding
+        embeds, _text_ids = self.pipeline.encode_prompt(
+            prompt=list(prompts), device=self.device, max_sequence_length=self.max_sequence_length)
+        return {"prompt_embeds": embeds}
+
+    def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
+        # the pipeline passes the guidance embedding's input whether or not the transformer has one
+        guidance = torch.full((latents.shape[0],), float(guidance_scale), device=self.device, dtype=torch.float32)
+        return self._transformer(latents, sigma, cond["prompt_embeds"], guidance)
+
+
+class Flux2KleinAdapter(Flux2FamilyAdapter):
+    model_type = "flux2-klein"
+    pipeline_class = Flux2KleinPipeline
+    pixel_factor = MODEL_FAMILIES[model_type].pixel_factor
+
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        # as Flux2KleinPipeline.do_classifier_free_guidance: step-distilled checkpoints ignore the scale
+        return guidance_scale > 1 and not self.pipeline.config.get("is_distilled", False)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], negative_prompts: list[str] | None = None,
+               guidance_scale: float = 4.0) -> Conditioning:
+        def embed(texts):
+            return self.pipeline.encode_prompt(
+                prompt=list(texts), device=self.device, max_sequence_length=self.max_sequence_length)[0]
+
+        cond = {"prompt_embeds": embed(prompts)}
+        if self.uses_cfg(guidance_scale):  # the pipeline's negative is "" (it takes negative embeddings)
+            cond["negative_prompt_embeds"] = embed(negative_prompts or [""] * len(prompts))
+        return cond
+
+    def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
+        if not self.uses_cfg(guidance_scale):
+            return self._transformer(latents, sigma, cond["prompt_embeds"], None)
+        # the pipeline runs the two branches as two calls; one batched call computes the same
+        n = latents.shape[0]
+        sigmas = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(n)
+        _, x, s, (embeds,) = self.cfg_inputs(cond, guidance_scale, latents, sigmas.to(latents.device),
+                                             ("prompt_embeds",))
+        return self.combine_cfg(self._transformer(x, s, embeds, None), guidance_scale)
