@@ -62,3 +62,21 @@ def tiny_wan22_ti2v_path(tmp_path_factory):
     """Folder of a tiny Wan2.2 TI2V-5B-layout WanPipeline (model_type "wan2_t2v"): expand_timesteps, the
     48-channel x16 Wan2.2 VAE; 5 frames at 32x32."""
     return _build(tmp_path_factory, "wan2.2-ti2v-5b")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_path(tmp_path_factory):
+    """Folder of a tiny Flux2Pipeline (model_type "flux2"); 64x64 images."""
+    return _build(tmp_path_factory, "flux2")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_klein_path(tmp_path_factory):
+    """Folder of a tiny step-distilled Flux2KleinPipeline (model_type "flux2-klein"); 64x64 images."""
+    return _build(tmp_path_factory, "flux2-klein")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_klein_base_path(tmp_path_factory):
+    """Folder of a tiny Klein base checkpoint (model_type "flux2-klein", is_distilled false: CFG)."""
+    return _build(tmp_path_factory, "flux2-klein-base")

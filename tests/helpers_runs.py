@@ -15,6 +15,8 @@ TINY_MODELS = {
     "wan2_t2v": ("tiny_wan_path", 32, 5, 3.0),
     "qwen-image": ("tiny_qwen_image_path", 64, None, 4.0),  # true CFG
     "z-image": ("tiny_z_image_path", 64, None, 0.0),  # Z-Image-Turbo's settings: no CFG
+    "flux2": ("tiny_flux2_path", 64, None, 4.0),
+    "flux2-klein": ("tiny_flux2_klein_path", 64, None, 1.0),  # step-distilled: no guidance
 }
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from flow_factory.dynamics.ode import ODE
-from flow_factory.models import (FluxAdapter, QwenImageAdapter, SD3Adapter, WanT2VAdapter, ZImageAdapter, cat_cond,
-                                 get_adapter_class, index_cond, load_adapter)
+from flow_factory.models import (Flux2Adapter, Flux2KleinAdapter, FluxAdapter, QwenImageAdapter, SD3Adapter,
+                                 WanT2VAdapter, ZImageAdapter, cat_cond, get_adapter_class, index_cond, load_adapter)
 from flow_factory.rollout import sample_trajectory
 
 PROMPTS = ["a red cube on a table", "two cats"]
@@ -22,6 +22,8 @@ CASES = {
     "wan2_t2v": ("tiny_wan_path", WanT2VAdapter, dict(height=32, width=32, num_frames=5), 5.0),
     "qwen-image": ("tiny_qwen_image_path", QwenImageAdapter, dict(height=64, width=64), 4.0),
     "z-image": ("tiny_z_image_path", ZImageAdapter, dict(height=64, width=64), 4.0),
+    "flux2": ("tiny_flux2_path", Flux2Adapter, dict(height=64, width=64), 4.0),
+    "flux2-klein": ("tiny_flux2_klein_path", Flux2KleinAdapter, dict(height=64, width=64), 4.0),  # distilled
 }
 PACKED = {"flux1", "qwen-image"}  # their pipelines take and return latents packed into 2x2 tokens
 
@@ -39,6 +41,8 @@ def _pipeline_output(adapter, noise, size, guidance, output_type):
     # fresh lists: ZImagePipeline writes its chat-templated prompts back into the list it is given
     kwargs = dict(prompt=list(PROMPTS), num_inference_steps=STEPS, output_type=output_type, latents=noise, **size)
     kwargs["true_cfg_scale" if model_type == "qwen-image" else "guidance_scale"] = guidance
+    if model_type in ("flux2", "flux2-klein"):
+        return _flux2_pipeline_output(adapter, noise, kwargs)
     if model_type in PACKED:
         n, c, h, w = noise.shape
         kwargs["latents"] = type(pipe)._pack_latents(noise, n, c, h, w)
@@ -52,9 +56,25 @@ def _pipeline_output(adapter, noise, size, guidance, output_type):
     return result
 
 
+def _flux2_pipeline_output(adapter, noise, kwargs):
+    """FLUX.2 takes the noise in the adapter's layout; its latent output differs between the two pipelines
+    (packed, or denormalised and unpatchified), so the last step's latents are read from a callback."""
+    pipe, last = adapter.pipeline, {}
+    if adapter.uses_cfg(kwargs["guidance_scale"]):  # Klein's own negative is ""; it takes negative embeddings
+        kwargs["negative_prompt_embeds"] = pipe.encode_prompt(NEGATIVES)[0]
+    out = pipe(callback_on_step_end=lambda _p, _i, _t, step: last.update(step) or {}, **kwargs)
+    if kwargs["output_type"] != "latent":
+        return out.images
+    return type(pipe)._unpack_latents_with_ids(last["latents"], type(pipe)._prepare_latent_ids(noise))
+
+
 @pytest.mark.parametrize("model_type", list(CASES))
 def test_ode_rollout_reproduces_the_pipeline(request, model_type):
     adapter, size, guidance = _load(request, model_type)
+    _check_ode_rollout(adapter, size, guidance)
+
+
+def _check_ode_rollout(adapter, size, guidance):
     h, w, frames = size["height"], size["width"], size.get("num_frames")
     noise = adapter.initial_noise(len(PROMPTS), h, w, torch.Generator().manual_seed(0), num_frames=frames)
     cond = adapter.encode(PROMPTS, NEGATIVES, guidance)
@@ -129,6 +149,52 @@ def test_flux_sigmas_follow_the_resolution_dependent_shift(tiny_flux_path):
         expected = [math.exp(mu) / (math.exp(mu) + (1 / s - 1)) for s in grid] + [0.0]
         torch.testing.assert_close(adapter.sigmas(n, size, size), torch.tensor(expected, dtype=torch.float32))
     assert (adapter.sigmas(n, 128, 128)[1:-1] > adapter.sigmas(n, 64, 64)[1:-1]).all()
+
+
+def test_flux2_klein_base_runs_cfg_as_its_pipeline(tiny_flux2_klein_base_path):
+    """A Klein base checkpoint (is_distilled false) guides with the negative prompt, as its pipeline."""
+    adapter = load_adapter("flux2-klein", tiny_flux2_klein_base_path)
+    assert adapter.uses_cfg(4.0) and not adapter.uses_cfg(1.0)
+    _check_ode_rollout(adapter, dict(height=64, width=64), 4.0)
+    cond = adapter.encode(PROMPTS[:1], ["ugly"], 4.0)
+    x = adapter.initial_noise(1, 64, 64, torch.Generator().manual_seed(3))
+    text, uncond = {"prompt_embeds": cond["prompt_embeds"]}, {"prompt_embeds": cond["negative_prompt_embeds"]}
+    with torch.no_grad():
+        v_text, v_uncond = (adapter.velocity(x, torch.tensor(0.7), c, 1.0) for c in (text, uncond))
+        v = adapter.velocity(x, torch.tensor(0.7), cond, 4.0)
+    torch.testing.assert_close(v, v_uncond + 4.0 * (v_text - v_uncond), rtol=0, atol=1e-5)
+    assert (v - v_text).abs().max() > 1e-3
+
+
+def test_flux2_guidance_is_an_embedding_and_distilled_klein_has_none(tiny_flux2_path, tiny_flux2_klein_path):
+    flux2, klein = load_adapter("flux2", tiny_flux2_path), load_adapter("flux2-klein", tiny_flux2_klein_path)
+    assert flux2.latent_shape(64, 128) == klein.latent_shape(64, 128) == (128, 4, 8)  # 32 channels, 2x2 patches
+    for adapter in (flux2, klein):
+        assert not adapter.uses_cfg(4.0)
+        cond = adapter.encode(PROMPTS[:1], ["ugly"], 4.0)
+        assert list(cond) == ["prompt_embeds"]
+        x = adapter.initial_noise(1, 64, 64, torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            changed = (adapter.velocity(x, torch.tensor(0.5), cond, 4.0)
+                       - adapter.velocity(x, torch.tensor(0.5), cond, 1.0)).abs().max()
+        assert (changed > 1e-4) == (adapter is flux2), (adapter.model_type, changed)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        klein.latent_shape(64, 40)
+
+
+def test_flux2_fingerprints_the_tokenizer_inside_its_processor(tiny_flux2_path):
+    """FLUX.2 [dev]'s tokenizer slot holds a PixtralProcessor (not buildable here: it needs torchvision);
+    the prompt cache fingerprints the tokenizer the processor wraps."""
+    from flow_factory.prompt_cache import encoder_fingerprint
+
+    class Processor:  # what the cache reads of a transformers processor: its tokenizer
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+    adapter = load_adapter("flux2", tiny_flux2_path)
+    plain = encoder_fingerprint(adapter)
+    adapter.pipeline.tokenizer = Processor(adapter.pipeline.tokenizer)
+    assert encoder_fingerprint(adapter) == plain
 
 
 def test_sd3_sigmas_are_the_shifted_grid(tiny_sd3_path):

@@ -59,6 +59,8 @@ def problem_of(data=None, overrides=()) -> str:
     ("qwen_image_grpo_lora.yaml", 96, 96, 48),
     ("z_image_turbo_grpo_lora.yaml", 96, 96, 48),
     ("wan22_t2v_a14b_grpo_lora.yaml", 64, 64, 32),
+    ("flux2_grpo_lora.yaml", 96, 96, 48),
+    ("flux2_klein_grpo_lora.yaml", 96, 96, 48),
 ])
 def test_examples_load_with_the_batch_arithmetic_their_comments_state(name, batches, micro, accumulation):
     cfg = load_config(EXAMPLES / name)
@@ -334,6 +336,8 @@ def test_wrong_values_name_path_value_and_what_is_valid(override, message):
     ("wan", "wan2_t2v"), ("wan2.1", "wan2_t2v"), ("wan21_t2v", "wan2_t2v"), ("wan2_t2v", "wan2_t2v"),
     ("qwen-image", "qwen-image"), ("qwen_image", "qwen-image"), ("qwenimage", "qwen-image"),
     ("z-image", "z-image"), ("z_image", "z-image"), ("Z-Image-Turbo", "z-image"),
+    ("flux2", "flux2"), ("FLUX.2", "flux2"), ("flux2_klein", "flux2-klein"), ("FLUX.2-klein", "flux2-klein"),
+    ("flux2_klein_base", "flux2-klein"),
 ])
 def test_model_type_aliases(alias, canonical):
     frames = {"num_frames": 5} if canonical == "wan2_t2v" else {}

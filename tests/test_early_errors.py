@@ -139,6 +139,8 @@ RELEASED = {
     "wan2_t2v": ({"temperal_downsample": [False, True, True]}, {"patch_size": [1, 2, 2]}),
     "qwen-image": ({"temperal_downsample": [False, True, True]}, {"patch_size": 2}),  # Qwen-Image, -2512
     "z-image": ({"block_out_channels": [128, 256, 512, 512]}, {"all_patch_size": [2]}),  # Z-Image, -Turbo
+    "flux2": ({"block_out_channels": [128, 256, 512, 512]}, {"patch_size": 1}),  # FLUX.2 [dev]
+    "flux2-klein": ({"block_out_channels": [128, 256, 512, 512]}, {"patch_size": 1}),  # FLUX.2 [klein] 4B / 9B
 }
 
 
@@ -199,7 +201,8 @@ def test_a_pipeline_no_adapter_loads_lists_those_that_do(tmp_path):
     assert preflight_error(config(path=folder)) == (
         f"{folder / 'model_index.json'}: holds a StableDiffusionXLPipeline, but model.model_type 'sd3-5' loads a "
         "StableDiffusion3Pipeline; no adapter loads it; the adapters load StableDiffusion3Pipeline (sd3-5), "
-        "FluxPipeline (flux1), WanPipeline (wan2_t2v), QwenImagePipeline (qwen-image), ZImagePipeline (z-image)")
+        "FluxPipeline (flux1), WanPipeline (wan2_t2v), QwenImagePipeline (qwen-image), ZImagePipeline (z-image), "
+        "Flux2Pipeline (flux2), Flux2KleinPipeline (flux2-klein)")
 
 
 WAN = ["diffusers", "WanTransformer3DModel"]

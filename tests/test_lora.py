@@ -10,9 +10,10 @@ from flow_factory.models import (
 from flow_factory.models.lora import block_linear_names
 
 FIXTURES = {"sd3-5": "tiny_sd3_path", "flux1": "tiny_flux_path", "wan2_t2v": "tiny_wan_path",
-            "qwen-image": "tiny_qwen_image_path", "z-image": "tiny_z_image_path"}
+            "qwen-image": "tiny_qwen_image_path", "z-image": "tiny_z_image_path", "flux2": "tiny_flux2_path",
+            "flux2-klein": "tiny_flux2_klein_path"}
 SIZES = {"sd3-5": (64, 64, None), "flux1": (64, 64, None), "wan2_t2v": (32, 32, 5), "qwen-image": (64, 64, None),
-         "z-image": (64, 64, None)}
+         "z-image": (64, 64, None), "flux2": (64, 64, None), "flux2-klein": (64, 64, None)}
 
 
 def _setup(request, model_type):

@@ -37,8 +37,8 @@ def _pipeline_output(pipe_cls, path, lora_dir, model_type):
     # Qwen-Image's CFG is true_cfg_scale with a negative prompt; its guidance_scale is for distilled models
     kwargs.update({"true_cfg_scale": guidance, "negative_prompt": ""} if model_type == "qwen-image"
                   else {"guidance_scale": guidance})
-    out = pipe("a red circle", height=resolution, width=resolution, num_inference_steps=2, output_type="latent",
-               generator=torch.Generator().manual_seed(0), **kwargs)
+    out = pipe(prompt="a red circle", height=resolution, width=resolution, num_inference_steps=2,
+               output_type="latent", generator=torch.Generator().manual_seed(0), **kwargs)
     return (out.frames if hasattr(out, "frames") else out.images).float()
 
 
@@ -69,10 +69,11 @@ def test_ff_train_runs_and_writes_a_loadable_lora(request, tmp_path, model_type,
     assert not torch.allclose(base, tuned, atol=1e-6), "the trained LoRA does not change the output"
 
 
-@pytest.mark.parametrize("model_type", ["qwen-image", "z-image"])
+@pytest.mark.parametrize("model_type", ["qwen-image", "z-image", "flux2", "flux2-klein"])
 def test_ff_train_nft_writes_a_loadable_lora(request, tmp_path, model_type):
-    """A decoupled algorithm end to end on the families whose prompts keep their own lengths: the epoch's
-    conditioning concatenates across batches and the LoRA loads in the pipeline and changes its output."""
+    """A decoupled algorithm end to end on the families after the first three (Qwen-Image's and Z-Image's
+    prompts keep their own lengths: the epoch's conditioning concatenates across batches); the LoRA loads in
+    the pipeline and changes its output."""
     path = request.getfixturevalue(TINY_MODELS[model_type][0])
     config = tiny_run_config(tmp_path, model_type, path, trainer_type="nft", max_epochs=2, num_train_timesteps=1)
     config["scheduler"] = {"dynamics_type": "ODE", "noise_level": 0.0}
