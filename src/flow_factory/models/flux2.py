@@ -148,9 +148,8 @@ class Flux2KleinAdapter(Flux2FamilyAdapter):
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         if not self.uses_cfg(guidance_scale):
             return self._transformer(latents, sigma, cond["prompt_embeds"], None)
-        # the pipeline runs the two branches as two calls; one batched call computes the same
-        n = latents.shape[0]
-        sigmas = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(n)
-        _, x, s, (embeds,) = self.cfg_inputs(cond, guidance_scale, latents, sigmas.to(latents.device),
+        # the pipeline makes one call per branch; one call on both is the same up to float rounding
+        sigmas = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).reshape(-1)
+        _, x, s, (embeds,) = self.cfg_inputs(cond, guidance_scale, latents, sigmas.expand(latents.shape[0]),
                                              ("prompt_embeds",))
         return self.combine_cfg(self._transformer(x, s, embeds, None), guidance_scale)
