@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,48 +83,26 @@ def run_one(case: str, model: Path, overrides: list[str]) -> dict:
 
     from flow_factory.config import parse_config
     from flow_factory.trainer import Trainer
+    from model_clock import ModelClock  # bench/, this script's folder
 
     torch.set_num_threads(1)  # the same on every machine, and two runs never fight for cores
-    inside: dict[str, float] = defaultdict(float)
-
-    def timed_forward(module, key):
-        starts = []
-        module.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
-        module.register_forward_hook(lambda *_: inside.__setitem__(key, inside[key] + time.perf_counter() - starts.pop()))
-
-    def timed_method(obj, name, key):
-        original = getattr(obj, name)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                inside[key] += time.perf_counter() - start
-        setattr(obj, name, timed)
+    clock = ModelClock()
 
     with tempfile.TemporaryDirectory() as tmp:
         config = apply_overrides(case_config(case, Path(tmp), model), overrides)
         start = time.perf_counter()
         trainer = Trainer(parse_config(config))
         startup = time.perf_counter() - start
-        pipe = trainer.adapter.pipeline
-        timed_forward(pipe.transformer, "transformer")
-        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
-            if getattr(pipe, name, None) is not None:
-                timed_forward(getattr(pipe, name), "text encoders")
-        timed_method(pipe.vae, "decode", "vae decode")
-        timed_method(trainer.accelerator, "backward", "backward")
-        timed_method(trainer.optimizer, "step", "optimizer step")
+        clock.watch_trainer(trainer)
         per_epoch_inside = []
         original = trainer.sample_epoch
 
         def sample_epoch(epoch):  # model time per epoch: the hook totals at each epoch's start
-            per_epoch_inside.append(sum(inside.values()))
+            per_epoch_inside.append(clock.total())
             return original(epoch)
         trainer.sample_epoch = sample_epoch
         history = trainer.train()
-    per_epoch_inside.append(sum(inside.values()))
+    per_epoch_inside.append(clock.total())
     model_time = [b - a for a, b in zip(per_epoch_inside, per_epoch_inside[1:])]
     counted = history[1:]
     phases = {p: statistics.mean(r[f"time/{p}"] for r in counted)

@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -269,6 +268,7 @@ def run_child(config_path: str) -> None:
 
     from flow_factory.config import parse_config
     from flow_factory.trainer import Trainer
+    from model_clock import ModelClock  # bench/, this script's folder
 
     spec = json.loads(Path(config_path).read_text())
     torch.set_num_threads(spec["threads"])
@@ -279,42 +279,13 @@ def run_child(config_path: str) -> None:
     load_s = time.perf_counter() - start
     adapter = trainer.adapter
     pipe = adapter.pipeline
-    seconds: dict[str, float] = defaultdict(float)
-    calls: dict[str, int] = defaultdict(int)
-
-    def time_method(obj, name, key):
-        original = getattr(obj, name)
-
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return original(*a, **k)
-            finally:
-                seconds[key] += time.perf_counter() - t0
-                calls[key] += 1
-        setattr(obj, name, timed)
-
-    def time_module(module, key):
-        starts = []
-        module.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
-
-        def done(*_):
-            seconds[key] += time.perf_counter() - starts.pop()
-            calls[key] += 1
-        module.register_forward_hook(done)
-
-    time_method(adapter, "encode", "prompt encode (adapter.encode)")
+    clock = ModelClock()
+    seconds, calls = clock.seconds, clock.calls
+    clock.method(adapter, "encode", "prompt encode (adapter.encode)")
     cache = getattr(trainer, "prompt_cache", None)
     if cache is not None and hasattr(cache, "lookup"):
-        time_method(cache, "lookup", "prompt cache lookup")
-    for name in ("text_encoder", "text_encoder_2"):
-        module = getattr(pipe, name, None)
-        if module is not None:  # freed by the cache: nothing to time
-            time_module(module, "text encoder forwards")
-    time_module(adapter.transformer, "transformer forward")
-    time_method(pipe.vae, "decode", "vae decode")
-    time_method(trainer.accelerator, "backward", "backward")
-    time_method(trainer.optimizer, "step", "optimizer step")
+        clock.method(cache, "lookup", "prompt cache lookup")
+    clock.watch_trainer(trainer)
 
     after_load = {"rss": _status("VmRSS"), "peak_rss_with_load": _status("VmHWM"), "rss_before_load": rss_before,
                   "load_s": load_s, "resident": resident_parameter_bytes(adapter),

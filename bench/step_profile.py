@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
-from collections import defaultdict
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,29 +21,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from flow_factory.config import parse_config  # noqa: E402
 from flow_factory.testing import build_tiny_pipeline  # noqa: E402
 from flow_factory.trainer import Trainer  # noqa: E402
+from model_clock import ModelClock  # noqa: E402
 
-MODEL_SECONDS: dict[str, float] = defaultdict(float)
-
-
-def time_module(module, key: str) -> None:
-    """Forward hooks that add the module's forward time to MODEL_SECONDS[key]."""
-    starts = []
-    module.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
-    module.register_forward_hook(lambda *_: MODEL_SECONDS.__setitem__(
-        key, MODEL_SECONDS[key] + time.perf_counter() - starts.pop()))
-
-
-def time_method(obj, name: str, key: str) -> None:
-    original = getattr(obj, name)
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            MODEL_SECONDS[key] += time.perf_counter() - start
-
-    setattr(obj, name, timed)
+CLOCK = ModelClock()
 
 
 def make_config(tmp: Path, args) -> dict:
@@ -81,13 +59,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(parse_config(make_config(Path(tmp), args)))
-        pipe = trainer.adapter.pipeline
-        time_module(pipe.transformer, "transformer forward")
-        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
-            time_module(getattr(pipe, name), "text encoders")
-        time_method(pipe.vae, "decode", "vae decode")
-        time_method(trainer.accelerator, "backward", "backward")
-        time_method(trainer.optimizer, "step", "optimizer step")
+        CLOCK.watch_trainer(trainer)
 
         # warm-up epoch, then reset the hook totals and measure
         warm = {}
@@ -95,8 +67,8 @@ def main() -> None:
 
         def sample_epoch(epoch):
             if epoch == 1:
-                warm.update(MODEL_SECONDS)
-                MODEL_SECONDS.clear()
+                warm.update(CLOCK.seconds)
+                CLOCK.clear()
             return original_sample(epoch)
 
         trainer.sample_epoch = sample_epoch
@@ -106,7 +78,7 @@ def main() -> None:
     phases = ["sampling", "decode", "reward", "training", "other"]
     per_epoch = {p: sum(r[f"time/{p}"] for r in history) / n for p in phases}
     epoch = sum(r["time/epoch"] for r in history) / n
-    model = {k: v / n for k, v in MODEL_SECONDS.items()}
+    model = {k: v / n for k, v in CLOCK.seconds.items()}
     rollouts = args.prompts * args.group
     print(f"tiny SD3 GRPO epoch: {rollouts} rollouts x {args.steps} steps at 64x64, "
           f"mean of {n} epochs after one warm-up\n")

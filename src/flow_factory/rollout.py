@@ -37,7 +37,12 @@ class KeptStates:
     state ``latent_steps[k]`` (state i: the latent before step i; T: the final one) at ``k``."""
 
     latents: Tensor
-    latent_steps: list[int]
+    latent_steps: list[int] | None  # None: all T + 1 states
+    sigmas: Tensor
+
+    def __post_init__(self):
+        if self.latent_steps is None:
+            self.latent_steps = list(range(len(self.sigmas)))
 
     def latents_at(self, idx: Tensor, step: int | Tensor) -> Tensor:
         """(len(idx), *latent): sample ``idx[j]``'s state ``step`` (one for all, or one per row)."""
@@ -59,10 +64,6 @@ class Trajectory(KeptStates):
     means: Tensor | None = None  # (B, T, *latent): each step's Gaussian mean, when recorded
     latent_steps: list[int] | None = None  # the states ``latents`` holds; None: all T + 1
     final: Tensor | None = None  # (B, *latent): the last state, always kept (decode needs it)
-
-    def __post_init__(self):
-        if self.latent_steps is None:
-            self.latent_steps = list(range(len(self.sigmas)))
 
 
 @torch.no_grad()

@@ -65,10 +65,6 @@ class Rollouts(KeptStates):
     rewards: dict[str, Tensor] | None = None  # raw score per reward name, (N,)
     latent_steps: list[int] | None = None  # the states ``latents`` holds; None: all T + 1
 
-    def __post_init__(self):
-        if self.latent_steps is None:
-            self.latent_steps = list(range(len(self.sigmas)))
-
 
 @torch.no_grad()
 def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_ids: list[int],
