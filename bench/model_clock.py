@@ -38,7 +38,10 @@ class ModelClock:
         """The model work of a Trainer's epoch: transformer and text-encoder forwards, VAE decode,
         backward and optimizer step."""
         pipe = trainer.adapter.pipeline
-        self.forward(pipe.transformer, "transformer forward")
+        # Wan2.2 A14B: both experts; a --baseline revision older than multi-expert adapters has one
+        transformers = getattr(trainer.adapter, "transformers", {"transformer": pipe.transformer})
+        for transformer in transformers.values():
+            self.forward(transformer, "transformer forward")
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
             if getattr(pipe, name, None) is not None:  # freed by the prompt cache: nothing to time
                 self.forward(getattr(pipe, name), "text encoder forwards")

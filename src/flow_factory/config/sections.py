@@ -147,6 +147,12 @@ class ModelConfig(Section):
     attn_backend: str | None = setting(
         None, "diffusers attention backend of the transformer (set_attention_backend: native, flash, "
         "_native_cudnn, sage, xformers, ...); null = diffusers' default")
+    torch_compile: bool = setting(
+        False, "torch.compile the transformer(s) after LoRA is applied: the first epoch pays the compilation "
+        "(about a minute for a tiny model on a CPU, which needs a C++ compiler), later ones run the compiled "
+        "kernels; checkpoints keep their usual keys")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = setting(
+        "default", "torch.compile's mode when torch_compile is true")
     master_weight_dtype: Literal["float32", "float16", "bfloat16"] = setting(
         "float32", "dtype of the trainable weights (fp32, bf16 or fp16; float32 keeps small updates under mixed "
         "precision)")

@@ -230,6 +230,13 @@ class FlowAdapter:
             raise ConfigError(f"model.attn_backend: {self.model_type}'s attention processors ({kinds}) do not "
                               "take diffusers' attention backends; remove the key")
 
+    def compile_transformers(self, **options) -> None:
+        """``torch.compile`` every denoising network in place (``model.torch_compile``; ``options`` go to
+        ``torch.compile``). In place (``Module.compile``), not a wrapper: the state dict, LoRA saving and
+        the DDP wrapper see the same module and keys as without it."""
+        for transformer in self.transformers.values():
+            transformer.compile(**options)
+
     @property
     def loaded_pixel_factor(self) -> int:
         """``pixel_factor_of`` for the loaded checkpoint."""

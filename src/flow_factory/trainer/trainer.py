@@ -132,6 +132,8 @@ class Trainer:
             self.params, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2),
             weight_decay=train.adam_weight_decay, eps=train.adam_epsilon)
         self.optimizer = self.accelerator.prepare(self.optimizer)
+        if model.torch_compile:  # after LoRA (the compiled graph holds its layers), before the DDP wrapper
+            self.adapter.compile_transformers(mode=model.compile_mode)
         # False for a multi-expert model: optimize_epoch then averages the gradients across processes itself
         self.ddp = self.adapter.wrap_transformer(self.accelerator.prepare)
 
