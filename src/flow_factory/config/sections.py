@@ -253,8 +253,9 @@ class SchedulerConfig(Section):
     num_sde_steps: PositiveInt | None = setting(
         1, "how many candidates are drawn (and trained) per epoch; null = all candidates")
     seed: int = setting(42, "seed of the per-epoch window draw")
-    flow_shift: float | None = setting(None, "override the pipeline scheduler's shift; null = the model's own",
-                                       gt=0)
+    flow_shift: float | None = setting(
+        None, "a static shift of the sigma schedule, shift*s/(1+(shift-1)*s), in place of the pipeline scheduler's "
+        "own (also of a resolution-dependent one: FLUX, Qwen-Image); null = the model's own", gt=0)
 
     @field_validator("dynamics_type", mode="before")
     @classmethod

@@ -230,6 +230,16 @@ class FlowAdapter:
             raise ConfigError(f"model.attn_backend: {self.model_type}'s attention processors ({kinds}) do not "
                               "take diffusers' attention backends; remove the key")
 
+    def set_flow_shift(self, shift: float) -> None:
+        """``scheduler.flow_shift``: every sigma schedule from now on uses the static shift
+        sigma' = shift * sigma / (1 + (shift - 1) * sigma), in place of the scheduler's own shift and of
+        a resolution-dependent one (FLUX.1, Qwen-Image, FLUX.2: ``use_dynamic_shifting`` turned off).
+        The pipeline's scheduler is replaced, so ``pipeline(...)`` samples on the same schedule."""
+        scheduler = self.pipeline.scheduler
+        override = {"shift": shift, "flow_shift": shift, "use_dynamic_shifting": False}  # Wan's UniPC: flow_shift
+        self.pipeline.scheduler = type(scheduler).from_config(
+            scheduler.config, **{k: v for k, v in override.items() if k in scheduler.config})
+
     def compile_transformers(self, **options) -> None:
         """``torch.compile`` every denoising network in place (``model.torch_compile``; ``options`` go to
         ``torch.compile``). In place (``Module.compile``), not a wrapper: the state dict, LoRA saving and

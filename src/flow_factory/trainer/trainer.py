@@ -105,6 +105,8 @@ class Trainer:
         # a hub id's experts are known only now (a folder's were checked before loading)
         check_experts(self.adapter.experts(self.adapter.pipeline.config), cfg, model.model_name_or_path)
         self.adapter.guidance_scale_2 = train.guidance_scale_2
+        if cfg.scheduler.flow_shift is not None:
+            self.adapter.set_flow_shift(cfg.scheduler.flow_shift)
         check_pipeline_finite(self.adapter.pipeline, f"model.model_name_or_path: {model.model_name_or_path}")
         if model.attn_backend is not None:  # the name is checked before loading (models/preflight.py)
             self.adapter.set_attention_backend(model.attn_backend)
