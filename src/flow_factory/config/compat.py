@@ -122,7 +122,45 @@ def read_flow_factory_spellings(data: dict) -> dict:
         _read_dataset(data, _only_entry(datasets, "data.datasets", "one dataset per run here"))
     _read_overlap(data)
     _read_frozen_dtypes(data)
+    _read_acceleration(data)
     return data
+
+
+def _read_acceleration(data: dict) -> None:
+    """Flow-Factory's ``acceleration`` block: its ``shared`` accelerators are our model keys
+    (``attention_backend`` -> ``model.attn_backend``, ``torch_compile`` -> ``model.torch_compile``, its
+    mode auto / regional / full meaning the same); its lossy ``rollout`` feature caching is not here."""
+    found, block = _pop(data, "acceleration")
+    if not found or block is None:
+        return
+    if not isinstance(block, dict) or set(block) - {"shared", "rollout"}:
+        raise problem(f"acceleration: expected a mapping with shared and rollout lists, got {show(block)}")
+    if block.get("rollout"):
+        raise problem("acceleration.rollout: rollout-only feature caching (diffusers_cache) is not in this version: "
+                      "it samples with other values than training recomputes; remove it")
+    shared = block.get("shared") or []
+    for i, entry in enumerate(shared if isinstance(shared, list) else [shared]):
+        where = f"acceleration.shared[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("params", {}), dict):
+            raise problem(f"{where}: expected {{name, params}}, got {show(entry)}")
+        name, params = entry.get("name"), dict(entry.get("params") or {})
+        if name == "attention_backend":
+            if "backend" not in params:
+                raise problem(f"{where}.params.backend: attention_backend needs a backend (native, flash, sage, ...)")
+            _put(data, "model.attn_backend", params.pop("backend"), f"{where}.params.backend")
+        elif name == "torch_compile":
+            _put(data, "model.torch_compile", params.pop("mode", "auto"), f"{where}.params.mode")
+            kwargs = dict(params.pop("compile_kwargs", None) or {})
+            if "mode" in kwargs:
+                _put(data, "model.compile_mode", kwargs.pop("mode"), f"{where}.params.compile_kwargs.mode")
+            if kwargs:
+                raise problem(f"{where}.params.compile_kwargs: {sorted(kwargs)} not taken here; only mode "
+                              "(model.compile_mode)")
+        else:
+            raise problem(f"{where}.name: {show(name)}; the shared accelerators here are attention_backend and "
+                          "torch_compile")
+        if params:
+            raise problem(f"{where}.params: {sorted(params)} not taken by {name}")
 
 
 def _read_overlap(data: dict) -> None:

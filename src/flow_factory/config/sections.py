@@ -147,12 +147,14 @@ class ModelConfig(Section):
     attn_backend: str | None = setting(
         None, "diffusers attention backend of the transformer (set_attention_backend: native, flash, "
         "_native_cudnn, sage, xformers, ...); null = diffusers' default")
-    torch_compile: bool = setting(
-        False, "torch.compile the transformer(s) after LoRA is applied: the first epoch pays the compilation "
-        "(about a minute for a tiny model on a CPU, which needs a C++ compiler), later ones run the compiled "
-        "kernels; checkpoints keep their usual keys")
+    torch_compile: Literal["none", "auto", "regional", "full"] = setting(
+        "none", "torch.compile of the transformer(s), in place, after LoRA: regional = each repeated block "
+        "(diffusers' compile_repeated_blocks: a short cold start), full = the whole network, auto = regional "
+        "where the model declares repeated blocks (FLUX, Wan, Qwen-Image, ...), else full (SD3); true = auto. "
+        "The first epoch pays the compilation (on a CPU inductor needs a C++ compiler)",
+        expects="none, auto, regional, full, true or false")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = setting(
-        "default", "torch.compile's mode when torch_compile is true")
+        "default", "torch.compile's mode when torch_compile is on")
     master_weight_dtype: Literal["float32", "float16", "bfloat16"] = setting(
         "float32", "dtype of the trainable weights (fp32, bf16 or fp16; float32 keeps small updates under mixed "
         "precision)")
@@ -172,6 +174,11 @@ class ModelConfig(Section):
                           "subclass (my_package.adapters.MyAdapter)")
         model_family(value)  # a class path: importable, an adapter, and what the checks need
         return value
+
+    @field_validator("torch_compile", mode="before")
+    @classmethod
+    def _compile_switch(cls, value):
+        return {True: "auto", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
     @field_validator("master_weight_dtype", mode="before")
     @classmethod

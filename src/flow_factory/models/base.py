@@ -240,12 +240,23 @@ class FlowAdapter:
         self.pipeline.scheduler = type(scheduler).from_config(
             scheduler.config, **{k: v for k, v in override.items() if k in scheduler.config})
 
-    def compile_transformers(self, **options) -> None:
+    def compile_transformers(self, strategy: str = "auto", **options) -> dict[str, str]:
         """``torch.compile`` every denoising network in place (``model.torch_compile``; ``options`` go to
-        ``torch.compile``). In place (``Module.compile``), not a wrapper: the state dict, LoRA saving and
-        the DDP wrapper see the same module and keys as without it."""
-        for transformer in self.transformers.values():
-            transformer.compile(**options)
+        ``torch.compile``): its repeated blocks (``regional``; ``auto`` where the model declares them) or
+        the whole network (``full``). In place (``Module.compile``), not a wrapper: the state dict, LoRA
+        saving and the DDP wrapper see the same modules and keys as without it. Returns what each got."""
+        chosen = {}
+        for name, transformer in self.transformers.items():
+            blocks = getattr(transformer, "_repeated_blocks", None)
+            if strategy == "regional" and not blocks:
+                raise ConfigError(f"model.torch_compile: regional compiles a model's repeated blocks, and "
+                                  f"{type(transformer).__name__} declares none; use full or auto")
+            chosen[name] = "regional" if strategy == "regional" or (strategy == "auto" and blocks) else "full"
+            if chosen[name] == "regional":
+                transformer.compile_repeated_blocks(**options)
+            else:
+                transformer.compile(**options)
+        return chosen
 
     @property
     def loaded_pixel_factor(self) -> int:

@@ -36,6 +36,21 @@ def check_before_loading(cfg) -> None:
     check_pipeline_class(folder, adapter)
     check_experts(adapter.experts(read_json(folder / "model_index.json")), cfg, str(folder / "model_index.json"))
     check_sizes(folder, adapter, cfg)
+    if cfg.model.torch_compile == "regional":
+        check_regional_compile(folder, adapter)
+
+
+def check_regional_compile(folder: Path, adapter: type[FlowAdapter]) -> None:
+    """``model.torch_compile: regional`` needs repeated blocks declared by each denoising network's class."""
+    import diffusers
+
+    index = read_json(folder / "model_index.json")
+    for name in adapter.experts(index):
+        class_name = (index.get(name) or [None, None])[1]
+        cls = getattr(diffusers, class_name, None) if class_name else None
+        if cls is not None and not getattr(cls, "_repeated_blocks", None):
+            raise ConfigError(f"model.torch_compile: regional compiles a model's repeated blocks, and {class_name} "
+                              f"({folder / 'model_index.json'}: {name}) declares none; use full or auto")
 
 
 def check_experts(experts: tuple[str, ...], cfg, where: str) -> None:

@@ -134,8 +134,9 @@ class Trainer:
             self.params, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2),
             weight_decay=train.adam_weight_decay, eps=train.adam_epsilon)
         self.optimizer = self.accelerator.prepare(self.optimizer)
-        if model.torch_compile:  # after LoRA (the compiled graph holds its layers), before the DDP wrapper
-            self.adapter.compile_transformers(mode=model.compile_mode)
+        if model.torch_compile != "none":  # after LoRA (the compiled graph holds its layers), before DDP's wrapper
+            chosen = self.adapter.compile_transformers(model.torch_compile, mode=model.compile_mode)
+            logger.info("torch.compile: %s", ", ".join(f"{k} {v}" for k, v in chosen.items()))
         # False for a multi-expert model: optimize_epoch then averages the gradients across processes itself
         self.ddp = self.adapter.wrap_transformer(self.accelerator.prepare)
 
