@@ -80,3 +80,10 @@ def tiny_flux2_klein_path(tmp_path_factory):
 def tiny_flux2_klein_base_path(tmp_path_factory):
     """Folder of a tiny Klein base checkpoint (model_type "flux2-klein", is_distilled false: CFG)."""
     return _build(tmp_path_factory, "flux2-klein-base")
+
+
+@pytest.fixture(scope="session")
+def tiny_hunyuan_video15_path(tmp_path_factory):
+    """Folder of a tiny HunyuanVideo15Pipeline (model_type "hunyuanvideo15", 8 latent channels, x16 and x4);
+    5 frames at 32x32."""
+    return _build(tmp_path_factory, "hunyuanvideo15")

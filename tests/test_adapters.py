@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from flow_factory.dynamics.ode import ODE
-from flow_factory.models import (Flux2Adapter, Flux2KleinAdapter, FluxAdapter, QwenImageAdapter, SD3Adapter,
-                                 WanT2VAdapter, ZImageAdapter, cat_cond, get_adapter_class, index_cond, load_adapter)
+from flow_factory.models import (Flux2Adapter, Flux2KleinAdapter, FluxAdapter, HunyuanVideo15Adapter, QwenImageAdapter,
+                                 SD3Adapter, WanT2VAdapter, ZImageAdapter, cat_cond, get_adapter_class, index_cond,
+                                 load_adapter)
 from flow_factory.rollout import sample_trajectory
 
 PROMPTS = ["a red cube on a table", "two cats"]
@@ -24,6 +25,8 @@ CASES = {
     "z-image": ("tiny_z_image_path", ZImageAdapter, dict(height=64, width=64), 4.0),
     "flux2": ("tiny_flux2_path", Flux2Adapter, dict(height=64, width=64), 4.0),
     "flux2-klein": ("tiny_flux2_klein_path", Flux2KleinAdapter, dict(height=64, width=64), 4.0),  # distilled
+    "hunyuanvideo15": ("tiny_hunyuan_video15_path", HunyuanVideo15Adapter, dict(height=32, width=32, num_frames=5),
+                       4.0),
 }
 PACKED = {"flux1", "qwen-image"}  # their pipelines take and return latents packed into 2x2 tokens
 
@@ -43,6 +46,9 @@ def _pipeline_output(adapter, noise, size, guidance, output_type):
     kwargs["true_cfg_scale" if model_type == "qwen-image" else "guidance_scale"] = guidance
     if model_type in ("flux2", "flux2-klein"):
         return _flux2_pipeline_output(adapter, noise, kwargs)
+    if model_type == "hunyuanvideo15":  # CFG is its guider's; its VAE decodes a batch one video at a time
+        pipe.guider = pipe.guider.new(guidance_scale=kwargs.pop("guidance_scale"))
+        pipe.vae.enable_slicing()
     if model_type in PACKED:
         n, c, h, w = noise.shape
         kwargs["latents"] = type(pipe)._pack_latents(noise, n, c, h, w)

@@ -11,9 +11,10 @@ from flow_factory.models.lora import block_linear_names
 
 FIXTURES = {"sd3-5": "tiny_sd3_path", "flux1": "tiny_flux_path", "wan2_t2v": "tiny_wan_path",
             "qwen-image": "tiny_qwen_image_path", "z-image": "tiny_z_image_path", "flux2": "tiny_flux2_path",
-            "flux2-klein": "tiny_flux2_klein_path"}
+            "flux2-klein": "tiny_flux2_klein_path", "hunyuanvideo15": "tiny_hunyuan_video15_path"}
 SIZES = {"sd3-5": (64, 64, None), "flux1": (64, 64, None), "wan2_t2v": (32, 32, 5), "qwen-image": (64, 64, None),
-         "z-image": (64, 64, None), "flux2": (64, 64, None), "flux2-klein": (64, 64, None)}
+         "z-image": (64, 64, None), "flux2": (64, 64, None), "flux2-klein": (64, 64, None),
+         "hunyuanvideo15": (32, 32, 5)}
 
 
 def _setup(request, model_type):
@@ -59,7 +60,11 @@ def test_lora_saved_for_diffusers_reloads_exactly(request, model_type, tmp_path)
 
     save_lora(adapter.pipeline_class, adapter.transformer, tmp_path / "lora")
     fresh = get_adapter_class(model_type).pipeline_class.from_pretrained(path)
-    fresh.load_lora_weights(tmp_path / "lora")  # plain diffusers, no Flow-Factory involved
+    if hasattr(fresh, "load_lora_weights"):
+        fresh.load_lora_weights(tmp_path / "lora")  # plain diffusers, no Flow-Factory involved
+    else:  # a pipeline without diffusers' LoRA loader (HunyuanVideo-1.5): the transformer's own
+        fresh.transformer.load_lora_adapter(tmp_path / "lora", weight_name="pytorch_lora_weights.safetensors",
+                                            prefix="transformer")
     reloaded = get_adapter_class(model_type)(fresh)
     torch.testing.assert_close(_v(reloaded, x, cond), tuned, rtol=0, atol=1e-6)
 

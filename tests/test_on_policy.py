@@ -16,7 +16,8 @@ from flow_factory.trainer.policy import AdapterPolicy
 ADAPTERS = [("sd3-5", "tiny_sd3_path", 64, None, 3.0), ("flux1", "tiny_flux_path", 64, None, 3.5),
             ("wan2_t2v", "tiny_wan_path", 32, 5, 3.0), ("qwen-image", "tiny_qwen_image_path", 64, None, 4.0),
             ("z-image", "tiny_z_image_path", 64, None, 4.0), ("flux2", "tiny_flux2_path", 64, None, 4.0),
-            ("flux2-klein", "tiny_flux2_klein_base_path", 64, None, 3.0)]  # Klein base: CFG
+            ("flux2-klein", "tiny_flux2_klein_base_path", 64, None, 3.0),  # Klein base: CFG
+            ("hunyuanvideo15", "tiny_hunyuan_video15_path", 32, 5, 4.0)]
 TRAIN = TrainConfig(kl_type="v-based")  # defaults: clip_range 1e-4, adv_clip_range 5, no KL
 
 

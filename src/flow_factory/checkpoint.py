@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from .guards import check_pipeline_finite, nonfinite_tensors
-from .models.lora import LORA_WEIGHT_NAME, load_lora_state, lora_weight_name, save_lora
+from .models.lora import LORA_WEIGHT_NAME, load_lora_into, load_lora_state, lora_weight_name, save_lora
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -258,13 +258,14 @@ def load_for_sampling(model_type: str, model_path, checkpoint=None, device=None)
 
 
 def _apply_weights(adapter, ckpt: Path) -> None:
-    """Each component's weights the way a user applies them: the pipeline's ``load_lora_weights``, or
-    ``from_pretrained`` of the component's folder."""
+    """Each component's weights the way a user applies them: the pipeline's ``load_lora_weights`` (the
+    transformer's ``load_lora_adapter`` where the pipeline has none), or ``from_pretrained`` of the component's
+    folder."""
     found = False
     for name, module in adapter.transformers.items():
         if (ckpt / lora_weight_name(name)).is_file():
-            adapter.pipeline.load_lora_weights(str(ckpt), weight_name=lora_weight_name(name),
-                                               **adapter.lora_load_kwargs.get(name, {}))
+            load_lora_into(adapter.pipeline, name, ckpt, lora_weight_name(name),
+                           **adapter.lora_load_kwargs.get(name, {}))
         elif (ckpt / name).is_dir():
             module.load_state_dict(type(module).from_pretrained(ckpt / name, dtype=adapter.dtype).state_dict())
         else:

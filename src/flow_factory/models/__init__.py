@@ -3,6 +3,7 @@
 from .base import Conditioning, FlowAdapter, cat_cond, index_cond
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
+from .hunyuan_video15 import HunyuanVideo15Adapter
 from .lora import (
     apply_lora, block_linear_names, load_lora_state, lora_disabled, lora_state_dict, lora_target_names, save_lora,
 )
@@ -14,7 +15,7 @@ from .z_image import ZImageAdapter
 
 __all__ = [
     "ADAPTERS", "Conditioning", "FlowAdapter", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter", "QwenImageAdapter",
-    "SD3Adapter", "WanT2VAdapter", "ZImageAdapter",
+    "SD3Adapter", "WanT2VAdapter", "ZImageAdapter", "HunyuanVideo15Adapter",
     "apply_lora", "block_linear_names", "cat_cond", "get_adapter_class", "index_cond", "load_adapter", "load_lora_state",
     "lora_disabled", "lora_state_dict", "lora_target_names", "save_lora",
 ]

@@ -39,9 +39,10 @@ JOINT_ATTENTION_LORA_TARGETS = [
 
 @torch.no_grad()
 def decode_image(vae, latents: Tensor, device) -> Tensor:
-    """(B, 3, H, W) in [0, 1] from latents of an image VAE with ``scaling_factor`` and
-    ``shift_factor`` (SD3's and FLUX's), as their pipelines decode."""
-    z = latents.to(device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+    """(B, 3, H, W) in [0, 1] from latents of a VAE with ``scaling_factor`` and ``shift_factor`` (SD3's and
+    FLUX's), as their pipelines decode; (B, 3, F, H, W) from a video VAE's, whose shift may be absent
+    (HunyuanVideo-1.5's)."""
+    z = latents.to(device, vae.dtype) / vae.config.scaling_factor + (vae.config.get("shift_factor") or 0.0)
     image = vae.decode(z, return_dict=False)[0]
     return (image.float() / 2 + 0.5).clamp(0, 1)
 
@@ -314,18 +315,18 @@ class FlowAdapter:
         raise NotImplementedError  # abstract
 
     # --- shared -----------------------------------------------------------------
-    @staticmethod
-    def cfg_inputs(cond: Conditioning, guidance_scale: float, x: Tensor, t: Tensor,
+    def cfg_inputs(self, cond: Conditioning, guidance_scale: float, x: Tensor, t: Tensor,
                    keys: tuple[str, ...]) -> tuple[bool, Tensor, Tensor, list[Tensor]]:
-        """Classifier-free guidance batches [uncond, cond] into one call, the pipelines' order.
+        """Classifier-free guidance (where ``uses_cfg``) batches [uncond, cond] into one call, the pipelines' order.
 
         Returns (cfg, x, t, the ``keys`` of ``cond`` with their ``negative_`` twins prepended).
         """
-        cfg = guidance_scale > 1
+        cfg = self.uses_cfg(guidance_scale)
         if not cfg:
             return cfg, x, t, [cond[k] for k in keys]
         if any(f"negative_{k}" not in cond for k in keys):
-            raise ValueError("guidance_scale > 1 needs the negative branch: encode() with the same guidance_scale")
+            raise ValueError(f"guidance_scale {guidance_scale} needs the negative branch: encode() with the same "
+                             "guidance_scale")
         doubled = [torch.cat([cond[f"negative_{k}"], cond[k]]) for k in keys]
         return cfg, torch.cat([x, x]), torch.cat([t, t]), doubled
 

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from diffusers.loaders.lora_base import LoraBaseMixin
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
@@ -131,14 +132,34 @@ def lora_state_dict(transformer: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_lora(pipeline_class, transformer: nn.Module, out_dir, weight_name: str = LORA_WEIGHT_NAME) -> Path:
-    """Write ``out_dir/<weight_name>`` loadable by ``pipe.load_lora_weights(out_dir, weight_name=...)``."""
+    """Write ``out_dir/<weight_name>`` loadable by ``pipe.load_lora_weights(out_dir, weight_name=...)``.
+
+    A pipeline class without diffusers' LoRA loader (``HunyuanVideo15Pipeline``) gets the same file, written by
+    the loaders' common base; ``load_lora_into`` reads it with the transformer's own ``load_lora_adapter``."""
     out_dir = Path(out_dir)
     config = transformer.peft_config[ADAPTER_NAME].to_dict()
-    pipeline_class.save_lora_weights(
-        out_dir, transformer_lora_layers=lora_state_dict(transformer),
-        transformer_lora_adapter_metadata=config, weight_name=weight_name,
-    )
+    if hasattr(pipeline_class, "save_lora_weights"):
+        pipeline_class.save_lora_weights(
+            out_dir, transformer_lora_layers=lora_state_dict(transformer),
+            transformer_lora_adapter_metadata=config, weight_name=weight_name,
+        )
+    else:
+        LoraBaseMixin.write_lora_layers(
+            state_dict=LoraBaseMixin.pack_weights(lora_state_dict(transformer), "transformer"),
+            save_directory=str(out_dir), is_main_process=True, weight_name=weight_name, save_function=None,
+            safe_serialization=True, lora_adapter_metadata=LoraBaseMixin.pack_weights(config, "transformer"),
+        )
     return out_dir
+
+
+def load_lora_into(pipeline, component: str, lora_dir, weight_name: str = LORA_WEIGHT_NAME, **kwargs) -> None:
+    """Load a ``save_lora`` file into ``pipeline.<component>`` the way a user would: the pipeline's
+    ``load_lora_weights(lora_dir, weight_name=..., **kwargs)``, or, for a pipeline class without diffusers' LoRA
+    loader, ``pipeline.<component>.load_lora_adapter(lora_dir, weight_name=..., prefix="transformer")``."""
+    if hasattr(pipeline, "load_lora_weights"):
+        pipeline.load_lora_weights(str(lora_dir), weight_name=weight_name, **kwargs)
+    else:
+        getattr(pipeline, component).load_lora_adapter(str(lora_dir), weight_name=weight_name, prefix="transformer")
 
 
 def load_lora_state(transformer: nn.Module, lora_dir, weight_name: str = LORA_WEIGHT_NAME) -> None:

@@ -18,7 +18,9 @@ expert takes 2) and TI2V-5B (``wan2.2-ti2v-5b``: one timestep per token, the Wan
 with 48 latent channels, x16, so sizes in multiples of 32: 5 frames at 32x32 -> 48x2x2x2).
 FLUX.2's latents are 2x2-patchified 32-channel ones (64x64 -> 128x4x4); ``flux2-klein`` is a
 step-distilled Klein, ``flux2-klein-base`` the same weights as a base checkpoint
-(``is_distilled`` false: classifier-free guidance).
+(``is_distilled`` false: classifier-free guidance). HunyuanVideo-1.5 (``hunyuanvideo15``): VAE x16 and x4
+with 8 latent channels, 5 frames at 32x32 -> latents 8x2x2x2; at 25 MB (the transformer's ByT5
+projection has a fixed 2048 width) and about 2000 text and image tokens a pipeline call, the slowest.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein")
+TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15")
 # other tiny checkpoints, and the model_type that loads each
 TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v", "flux2-klein-base": "flux2-klein"}
 
@@ -366,8 +368,43 @@ def _build_flux2_klein(is_distilled: bool = True):
                               transformer=transformer, is_distilled=is_distilled)
 
 
+def _build_hunyuan_video15():
+    """HunyuanVideo-1.5 at its smallest: 8 latent channels (the released VAE has 32; the VAE needs its last
+    block at least twice as wide), x16 and x4 like the release. The transformer's ByT5 projection keeps
+    a fixed 2048 width (17 MB) whatever the config."""
+    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
+                           HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    tokenizer, glyph_tokenizer = tiny_qwen_tokenizer(_CHATML), ByT5Tokenizer()
+    torch.manual_seed(0)
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=2 * 8 + 1, out_channels=8, num_attention_heads=2, attention_head_dim=8, num_layers=1,
+        num_refiner_layers=1, mlp_ratio=2.0, text_embed_dim=16, text_embed_2_dim=32, image_embed_dim=16,
+        rope_axes_dim=(2, 2, 4), target_size=32, task_type="t2v",
+    )
+    torch.manual_seed(1)
+    # the pipeline reads hidden_states[-3]: three layers
+    text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=2, bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e6},
+    ))
+    torch.manual_seed(2)
+    text_encoder_2 = T5EncoderModel(T5Config(**_t5_kwargs(len(glyph_tokenizer))))
+    torch.manual_seed(3)
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=8, block_out_channels=(8, 8, 8, 8, 16), layers_per_block=1)
+    return HunyuanVideo15Pipeline(
+        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=text_encoder_2,
+        tokenizer_2=glyph_tokenizer, guider=ClassifierFreeGuidance(guidance_scale=6.0),  # 480p T2V: shift 5, CFG 6
+    )
+
+
 _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, "qwen-image": _build_qwen_image,
              "z-image": _build_z_image, "flux2": _build_flux2, "flux2-klein": _build_flux2_klein,
+             "hunyuanvideo15": _build_hunyuan_video15,
              "flux2-klein-base": lambda: _build_flux2_klein(is_distilled=False),
              "wan2.2-a14b": lambda: _build_wan("wan2.2-a14b"), "wan2.2-ti2v-5b": lambda: _build_wan("wan2.2-ti2v-5b")}
 
