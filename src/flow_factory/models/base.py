@@ -116,6 +116,8 @@ class FlowAdapter:
     default_lora_targets: ClassVar[list[str]]
     # True: video model, decode returns (B, F, 3, H, W)
     is_video: ClassVar[bool] = False
+    # True: the model makes sound too; decode_audio gives it (a reward asks with the "audio" field)
+    has_audio: ClassVar[bool] = False
     # height and width must be multiples of this in the released checkpoints; the config checks it
     # before anything loads, so the number lives in config.sections.MODEL_FAMILIES (no torch there)
     pixel_factor: ClassVar[int]
@@ -284,6 +286,15 @@ class FlowAdapter:
     def decode(self, latents: Tensor) -> Tensor:
         """Images (B, 3, H, W) or videos (B, F, 3, H, W), float32 in [0, 1]."""
         raise NotImplementedError  # abstract
+
+    def decode_audio(self, latents: Tensor) -> tuple[Tensor, int]:
+        """Waveforms (B, channels, T), float32 in [-1, 1], and their sample rate: a model with ``has_audio``."""
+        raise NotImplementedError(f"{self.model_type} makes no audio")
+
+    def sampling_dynamics(self, dynamics):
+        """The dynamics this model samples and trains with: the configured one, unless part of the latent
+        must stay on the ODE (LTX-2's audio: ``dynamics.partial.PartlyStochastic``)."""
+        return dynamics
 
     # --- shared -----------------------------------------------------------------
     @staticmethod
