@@ -9,6 +9,7 @@ from ..class_path import import_class
 from .base import FlowAdapter
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
+from .ltx2 import LTX2Adapter
 from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .wan import WanT2VAdapter
@@ -17,7 +18,7 @@ from .z_image import ZImageAdapter
 ADAPTERS: dict[str, type[FlowAdapter]] = {cls.model_type: cls for cls in (
     SD3Adapter, FluxAdapter, WanT2VAdapter,
     QwenImageAdapter, ZImageAdapter,
-    Flux2Adapter, Flux2KleinAdapter,
+    Flux2Adapter, Flux2KleinAdapter, LTX2Adapter,
 )}
 
 
