@@ -123,6 +123,9 @@ class FlowAdapter:
     pixel_factor: ClassVar[int]
     # text tokens per prompt where the adapter fixes the length; part of the prompt cache's fingerprint
     max_sequence_length: ClassVar[int | None] = None
+    # the pipeline components that turn prompts into the transformer's text conditioning (frozen; the prompt
+    # cache fingerprints them and stands in for them)
+    text_encoder_names: ClassVar[tuple[str, ...]] = TEXT_ENCODERS
     # the pipeline components that denoise: one transformer, or each expert of a multi-expert model
     # (Wan2.2 A14B: transformer, transformer_2); model.target_components picks which of them train
     transformer_names: ClassVar[tuple[str, ...]] = ("transformer",)
@@ -199,7 +202,7 @@ class FlowAdapter:
     # --- the text side, which the prompt cache (prompt_cache.py) stands in for ----------
     def text_encoders(self) -> dict[str, torch.nn.Module]:
         """The pipeline's text encoders that are loaded, by component name."""
-        found = {name: getattr(self.pipeline, name, None) for name in TEXT_ENCODERS}
+        found = {name: getattr(self.pipeline, name, None) for name in self.text_encoder_names}
         return {name: module for name, module in found.items() if module is not None}
 
     def tokenizers(self) -> dict:

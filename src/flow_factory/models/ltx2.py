@@ -68,10 +68,11 @@ class LTX2Adapter(FlowAdapter):
     is_video = True
     has_audio = True
     pixel_factor = MODEL_FAMILIES[model_type].pixel_factor
-    frame_factor = MODEL_FAMILIES[model_type].frame_factor
     default_lora_targets = LTX2_LORA_TARGETS
     max_sequence_length = 1024  # Gemma tokens, the pipeline's default
-    frame_rate = 24.0
+    # the connectors turn Gemma's stacked layers into the transformer's video and audio text
+    text_encoder_names = ("text_encoder", "connectors")
+    frame_rate = 24.0  # the pipeline's default; sets the audio's length and the video's time positions
 
     def __init__(self, pipeline, device="cpu", dtype: torch.dtype = torch.float32):
         super().__init__(pipeline, device, dtype)
@@ -89,10 +90,6 @@ class LTX2Adapter(FlowAdapter):
         spatial = vae.get("spatial_compression_ratio") or vae["patch_size"] * 2 ** sum(
             [scaling] * 4 if isinstance(scaling, bool) else scaling)
         return spatial * transformer["patch_size"]
-
-    def text_encoders(self) -> dict[str, torch.nn.Module]:
-        # the connectors turn Gemma's layers into the transformer's text: part of the text side
-        return {**super().text_encoders(), "connectors": self.pipeline.connectors}
 
     def sampling_dynamics(self, dynamics: Dynamics) -> Dynamics:
         if not dynamics.stochastic:
