@@ -80,3 +80,9 @@ def tiny_flux2_klein_path(tmp_path_factory):
 def tiny_flux2_klein_base_path(tmp_path_factory):
     """Folder of a tiny Klein base checkpoint (model_type "flux2-klein", is_distilled false: CFG)."""
     return _build(tmp_path_factory, "flux2-klein-base")
+
+
+@pytest.fixture(scope="session")
+def tiny_ltx2_path(tmp_path_factory):
+    """Folder of a tiny LTX2Pipeline (model_type "ltx2_t2av"): video with audio; 9 frames at 32x32."""
+    return _build(tmp_path_factory, "ltx2_t2av")

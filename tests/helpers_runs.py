@@ -17,6 +17,7 @@ TINY_MODELS = {
     "z-image": ("tiny_z_image_path", 64, None, 0.0),  # Z-Image-Turbo's settings: no CFG
     "flux2": ("tiny_flux2_path", 64, None, 4.0),
     "flux2-klein": ("tiny_flux2_klein_path", 64, None, 1.0),  # step-distilled: no guidance
+    "ltx2_t2av": ("tiny_ltx2_path", 32, 9, 4.0),  # video with audio
 }
 
 
