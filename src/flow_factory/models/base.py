@@ -22,6 +22,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import Tensor
 
 from ..config import ConfigError
+from ..dynamics import Dynamics
 
 Conditioning = dict[str, Tensor]
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -294,7 +295,7 @@ class FlowAdapter:
         """Waveforms (B, channels, T), float32 in [-1, 1], and their sample rate: a model with ``has_audio``."""
         raise NotImplementedError(f"{self.model_type} makes no audio")
 
-    def sampling_dynamics(self, dynamics):
+    def sampling_dynamics(self, dynamics: Dynamics) -> Dynamics:
         """The dynamics this model samples and trains with: the configured one, unless part of the latent
         must stay on the ODE (LTX-2's audio: ``dynamics.partial.PartlyStochastic``)."""
         return dynamics

@@ -338,16 +338,18 @@ class BaseRewardModel:
 
     def _score_once(self, inputs: RewardInputs) -> Tensor:
         """One ``__call__`` on ``inputs`` with only the required fields; -> float32 (n,) on CPU."""
+        names = list(self.required_fields)
+        # Flow-Factory passes the rate with the audio to a reward that takes it (its CLAP lists only "audio")
+        if "audio" in names and "audio_sample_rate" not in names and _takes(self, "audio_sample_rate"):
+            names.append("audio_sample_rate")
         kwargs = {}
-        for name in self.required_fields:
+        for name in names:
             if name == "prompt":
                 kwargs[name] = inputs.prompt
-            elif name == "audio_sample_rate":
+            elif name == "audio_sample_rate":  # one per sample, as Flow-Factory gives it
                 kwargs[name] = None if inputs.audio is None else [inputs.audio_sample_rate] * len(inputs)
             else:
                 kwargs[name] = inputs.tensors(name) if self.use_tensor_inputs else inputs.pil(name)
-        if "audio" in kwargs and "audio_sample_rate" not in kwargs and _takes(self, "audio_sample_rate"):
-            kwargs["audio_sample_rate"] = None if inputs.audio is None else [inputs.audio_sample_rate] * len(inputs)
         with torch.no_grad():
             out = self(**kwargs)
         rewards = out.rewards if isinstance(out, RewardModelOutput) else out
