@@ -15,7 +15,7 @@ from flow_factory.dynamics import ODE, FlowSDE, PartlyStochastic
 from flow_factory.models import apply_lora, load_adapter
 from flow_factory.models.preflight import check_reward_inputs
 from flow_factory.rewards import RewardSet
-from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput
+from flow_factory.rewards.base import PointwiseRewardModel, RewardInputs, RewardModelOutput
 from flow_factory.rollout import sample_trajectory
 from flow_factory.sampling import SamplingSettings, collect_rollouts
 from flow_factory.trainer.policy import AdapterPolicy
@@ -150,6 +150,22 @@ def test_the_audio_is_decoded_only_when_a_reward_asks(adapter, monkeypatch):
     monkeypatch.setattr(adapter, "decode_audio", refuse)
     rollouts = _rollouts(adapter, RewardSet({"bright": Brightness()}, {"bright": 1.0}))
     assert rollouts.rewards["bright"].shape == (2,)
+
+
+def test_reward_inputs_carry_the_audio_and_its_rate():
+    audio = torch.rand(3, 2, 10, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    inputs = RewardInputs(["a", "b", "c"], audio=audio, audio_sample_rate=16000)
+    part = inputs.select([2, 0])
+    assert torch.equal(part.audio, audio[[2, 0]]) and part.audio_sample_rate == 16000
+    assert torch.equal(RewardInputs.concat([part, inputs.select([1])]).audio, audio[[2, 0, 1]])
+    arrays = inputs.pil("audio")  # the non-tensor form, and back
+    assert [a.shape for a in arrays] == [(2, 10)] * 3
+    assert torch.equal(RewardInputs(["a", "b", "c"], audio=arrays, audio_sample_rate=16000).tensors("audio"), audio)
+    other = RewardInputs(["d"], audio=audio[:1], audio_sample_rate=24000)
+    with pytest.raises(ValueError, match="several sample rates"):
+        RewardInputs.concat([inputs, other])
+    with pytest.raises(ValueError, match="needs its audio_sample_rate"):
+        RewardInputs(["a"], audio=audio[:1])
 
 
 def test_a_reward_asking_for_audio_from_a_silent_model_fails_before_loading():

@@ -150,8 +150,9 @@ def _first_leaf(media: Any) -> Any:
     return None
 
 
-def _holds_pil(media: Any) -> bool:
-    return isinstance(_first_leaf(media), (Image.Image, np.ndarray))
+def _holds_pil(media: Any, name: str = "image") -> bool:
+    """Whether field ``name`` holds its non-tensor form: PIL images, or numpy arrays for the audio."""
+    return isinstance(_first_leaf(media), np.ndarray if name == "audio" else Image.Image)
 
 
 def _take(media: Any, idx: list[int]) -> Any:
@@ -238,7 +239,7 @@ class RewardInputs:
     def pil(self, name: str) -> list | None:
         """Field ``name`` as PIL images (audio: numpy arrays); tensors are converted once and kept."""
         value = getattr(self, name)
-        if value is None or _holds_pil(value):
+        if value is None or _holds_pil(value, name):
             return value
         if name not in self._pil_cache:
             self._pil_cache[name] = _CONVERT[name][0](value)
@@ -248,7 +249,7 @@ class RewardInputs:
         """Field ``name`` as tensors; PIL images are converted at each call, which the scoring
         makes on one chunk at a time, so the float copies stay small."""
         value = getattr(self, name)
-        if value is None or not _holds_pil(value):
+        if value is None or not _holds_pil(value, name):
             return value
         return _CONVERT[name][1](value)
 
