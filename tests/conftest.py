@@ -87,3 +87,9 @@ def tiny_hunyuan_video15_path(tmp_path_factory):
     """Folder of a tiny HunyuanVideo15Pipeline (model_type "hunyuanvideo15", 8 latent channels, x16 and x4);
     5 frames at 32x32."""
     return _build(tmp_path_factory, "hunyuanvideo15")
+
+
+@pytest.fixture(scope="session")
+def tiny_ltx2_path(tmp_path_factory):
+    """Folder of a tiny LTX2Pipeline (model_type "ltx2_t2av"): video with audio; 9 frames at 32x32."""
+    return _build(tmp_path_factory, "ltx2_t2av")

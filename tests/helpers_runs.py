@@ -18,6 +18,7 @@ TINY_MODELS = {
     "flux2": ("tiny_flux2_path", 64, None, 4.0),
     "flux2-klein": ("tiny_flux2_klein_path", 64, None, 1.0),  # step-distilled: no guidance
     "hunyuanvideo15": ("tiny_hunyuan_video15_path", 32, 5, 1.0),
+    "ltx2_t2av": ("tiny_ltx2_path", 32, 9, 4.0),  # video with audio
 }
 
 

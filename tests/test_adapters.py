@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from flow_factory.dynamics.ode import ODE
-from flow_factory.models import (Flux2Adapter, Flux2KleinAdapter, FluxAdapter, HunyuanVideo15Adapter, QwenImageAdapter,
-                                 SD3Adapter, WanT2VAdapter, ZImageAdapter, cat_cond, get_adapter_class, index_cond,
-                                 load_adapter)
+from flow_factory.models import (Flux2Adapter, Flux2KleinAdapter, FluxAdapter, HunyuanVideo15Adapter, LTX2Adapter,
+                                 QwenImageAdapter, SD3Adapter, WanT2VAdapter, ZImageAdapter, cat_cond,
+                                 get_adapter_class, index_cond, load_adapter)
 from flow_factory.rollout import sample_trajectory
 
 PROMPTS = ["a red cube on a table", "two cats"]
@@ -27,6 +27,7 @@ CASES = {
     "flux2-klein": ("tiny_flux2_klein_path", Flux2KleinAdapter, dict(height=64, width=64), 4.0),  # distilled
     "hunyuanvideo15": ("tiny_hunyuan_video15_path", HunyuanVideo15Adapter, dict(height=32, width=32, num_frames=5),
                        4.0),
+    "ltx2_t2av": ("tiny_ltx2_path", LTX2Adapter, dict(height=32, width=32, num_frames=9), 4.0),
 }
 PACKED = {"flux1", "qwen-image"}  # their pipelines take and return latents packed into 2x2 tokens
 
@@ -49,6 +50,8 @@ def _pipeline_output(adapter, noise, size, guidance, output_type):
     if model_type == "hunyuanvideo15":  # CFG is its guider's; its VAE decodes a batch one video at a time
         pipe.guider = pipe.guider.new(guidance_scale=kwargs.pop("guidance_scale"))
         pipe.vae.enable_slicing()
+    if model_type == "ltx2_t2av":
+        return _ltx2_pipeline_output(adapter, noise, kwargs)
     if model_type in PACKED:
         n, c, h, w = noise.shape
         kwargs["latents"] = type(pipe)._pack_latents(noise, n, c, h, w)
@@ -74,6 +77,25 @@ def _flux2_pipeline_output(adapter, noise, kwargs):
     return type(pipe)._unpack_latents_with_ids(last["latents"], type(pipe)._prepare_latent_ids(noise))
 
 
+def _ltx2_pipeline_output(adapter, noise, kwargs):
+    """LTX-2 with the adapter's guidance (CFG alone, one scale for video and audio) on the adapter's noise
+    (video and audio tokens); latents in the adapter's layout, or (videos, audio waveforms)."""
+    pipe = adapter.pipeline
+    video, audio = adapter.split(noise)
+    stats = pipe.audio_vae.latents_mean, pipe.audio_vae.latents_std
+    # the pipeline normalises the audio latents it is given (not the packed video ones)
+    out = pipe(**{**kwargs, "latents": video, "audio_latents": pipe._denormalize_audio_latents(audio, *stats)},
+               negative_prompt=list(NEGATIVES), stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0,
+               audio_guidance_scale=None, audio_stg_scale=None, audio_modality_scale=None, audio_guidance_rescale=None)
+    if kwargs["output_type"] != "latent":
+        return out.frames, out.audio
+    vae = pipe.vae
+    video = pipe._pack_latents(pipe._normalize_latents(out.frames, vae.latents_mean, vae.latents_std,
+                                                       vae.config.scaling_factor))
+    audio = pipe._normalize_audio_latents(pipe._pack_audio_latents(out.audio), *stats)
+    return torch.cat([video.flatten(1), audio.flatten(1)], 1)
+
+
 @pytest.mark.parametrize("model_type", list(CASES))
 def test_ode_rollout_reproduces_the_pipeline(request, model_type):
     adapter, size, guidance = _load(request, model_type)
@@ -96,6 +118,11 @@ def _check_ode_rollout(adapter, size, guidance):
 
     images = adapter.decode(traj.final)
     expected_images = _pipeline_output(adapter, noise.clone(), size, guidance, "pt")
+    if adapter.has_audio:  # LTX-2: and the soundtrack
+        expected_images, expected_audio = expected_images
+        waveforms, _ = adapter.decode_audio(traj.final)
+        assert waveforms.abs().max() > 0.01
+        torch.testing.assert_close(waveforms, expected_audio.float(), rtol=0, atol=1e-4)
     torch.testing.assert_close(images, expected_images.float(), rtol=0, atol=1e-4)
 
 

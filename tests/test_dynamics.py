@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flow_factory.dynamics import CPS, ODE, DanceSDE, FlowSDE, make_dynamics
+from flow_factory.dynamics import CPS, ODE, DanceSDE, FlowSDE, PartlyStochastic, make_dynamics
 from flow_factory.dynamics.window import choose_sde_steps
 
 GAUSSIAN_SDES = [FlowSDE, DanceSDE]
@@ -105,6 +105,26 @@ def test_zero_noise_is_exactly_the_ode_step(cls, case):
     assert torch.equal(out.mean, ode.sample)
     assert torch.equal(out.sample, ode.sample)
     assert (out.std == 0).all()
+
+
+@pytest.mark.parametrize("cls", ALL_STOCHASTIC)
+def test_partly_stochastic_steps_the_masked_part_and_leaves_the_rest_to_the_ode(cls):
+    """LTX-2's dynamics: the wrapped SDE on the first 5 elements of a flat (B, 8) latent (its video), the ODE
+    on the other 3 (its audio); the log-prob is the SDE's over the 5 alone, recomputed exactly in training."""
+    x, v, gen = random_step_inputs(shape=(3, 8))
+    noise = torch.randn(x.shape, generator=gen)
+    sigma, sigma_next = torch.tensor([1.0, 0.6, 0.3]), torch.tensor([0.95, 0.5, 0.0])
+    inner = cls(0.7)
+    dyn = PartlyStochastic(inner, lambda t: torch.arange(t.shape[1]) < 5)
+    assert (dyn.name, dyn.stochastic, dyn.noise_level) == (inner.name, True, 0.7)
+    out = dyn.step(x, v, sigma, sigma_next, noise=noise)
+    sde = inner.step(x[:, :5], v[:, :5], sigma, sigma_next, noise=noise[:, :5])
+    assert torch.equal(out.sample[:, :5], sde.sample) and torch.equal(out.log_prob, sde.log_prob)
+    assert torch.equal(out.sample[:, 5:], ODE().step(x, v, sigma, sigma_next).sample[:, 5:])
+    assert (out.std[:, 5:] == 0).all() and (out.std[:, :5] > 0).any()
+    mean, std = dyn.mean_and_std(x, v, sigma, sigma_next)
+    assert torch.equal(dyn.log_prob(out.sample, mean, std), out.log_prob)
+    assert torch.equal(dyn.stochastic_part(mean), sde.mean) and inner.stochastic_part(mean) is mean
 
 
 def test_dance_sde_step_from_sigma_zero_leaves_x_unchanged():

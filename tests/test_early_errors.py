@@ -142,6 +142,9 @@ RELEASED = {
     "flux2": ({"block_out_channels": [128, 256, 512, 512]}, {"patch_size": 1}),  # FLUX.2 [dev]
     "flux2-klein": ({"block_out_channels": [128, 256, 512, 512]}, {"patch_size": 1}),  # FLUX.2 [klein] 4B / 9B
     "hunyuanvideo15": ({"spatial_compression_ratio": 16}, {"patch_size": 1}),  # HunyuanVideo-1.5 480p / 720p
+    # LTX-2 (diffusers' conversion script, version 2.0): the VAE's ratio is in its config
+    "ltx2_t2av": ({"patch_size": 4, "spatio_temporal_scaling": [True] * 4, "spatial_compression_ratio": 32},
+                  {"patch_size": 1}),
 }
 
 
@@ -203,7 +206,8 @@ def test_a_pipeline_no_adapter_loads_lists_those_that_do(tmp_path):
         f"{folder / 'model_index.json'}: holds a StableDiffusionXLPipeline, but model.model_type 'sd3-5' loads a "
         "StableDiffusion3Pipeline; no adapter loads it; the adapters load StableDiffusion3Pipeline (sd3-5), "
         "FluxPipeline (flux1), WanPipeline (wan2_t2v), QwenImagePipeline (qwen-image), ZImagePipeline (z-image), "
-        "Flux2Pipeline (flux2), Flux2KleinPipeline (flux2-klein), HunyuanVideo15Pipeline (hunyuanvideo15)")
+        "Flux2Pipeline (flux2), Flux2KleinPipeline (flux2-klein), HunyuanVideo15Pipeline (hunyuanvideo15), "
+        "LTX2Pipeline (ltx2_t2av)")
 
 
 WAN = ["diffusers", "WanTransformer3DModel"]

@@ -17,7 +17,8 @@ ADAPTERS = [("sd3-5", "tiny_sd3_path", 64, None, 3.0), ("flux1", "tiny_flux_path
             ("wan2_t2v", "tiny_wan_path", 32, 5, 3.0), ("qwen-image", "tiny_qwen_image_path", 64, None, 4.0),
             ("z-image", "tiny_z_image_path", 64, None, 4.0), ("flux2", "tiny_flux2_path", 64, None, 4.0),
             ("flux2-klein", "tiny_flux2_klein_base_path", 64, None, 3.0),  # Klein base: CFG
-            ("hunyuanvideo15", "tiny_hunyuan_video15_path", 32, 5, 4.0)]
+            ("hunyuanvideo15", "tiny_hunyuan_video15_path", 32, 5, 4.0),
+            ("ltx2_t2av", "tiny_ltx2_path", 32, 9, 4.0)]  # the noise on the video, the audio on the ODE
 TRAIN = TrainConfig(kl_type="v-based")  # defaults: clip_range 1e-4, adv_clip_range 5, no KL
 
 
@@ -36,7 +37,7 @@ def test_on_policy_ratio_is_one(request, model_type, path_fixture, size, frames,
     adapter = load_adapter(model_type, request.getfixturevalue(path_fixture))
     apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
     _perturb_lora(adapter.transformer)
-    dynamics = make_dynamics(dynamics_name, 0.7)
+    dynamics = adapter.sampling_dynamics(make_dynamics(dynamics_name, 0.7))  # as the trainer makes it
     algorithm = make_algorithm("grpo", TRAIN, dynamics)
     policy = AdapterPolicy(adapter, guidance, "lora", keep_reference=False)
 

@@ -74,7 +74,8 @@ def test_ff_train_runs_and_writes_a_loadable_lora(request, tmp_path, model_type,
     assert not torch.allclose(base, tuned, atol=1e-6), "the trained LoRA does not change the output"
 
 
-@pytest.mark.parametrize("model_type", ["qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15"])
+@pytest.mark.parametrize("model_type", ["qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15",
+                                        "ltx2_t2av"])
 def test_ff_train_nft_writes_a_loadable_lora(request, tmp_path, model_type):
     """A decoupled algorithm end to end on the families after the first three (Qwen-Image's and Z-Image's
     prompts keep their own lengths: the epoch's conditioning concatenates across batches); the LoRA loads in

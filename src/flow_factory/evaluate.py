@@ -57,7 +57,9 @@ def evaluate_config(cfg, checkpoint=None):
     items = load_prompts(cfg.data.dataset_dir, "test", cfg.data.max_dataset_size)
     items = items[: ev.num_samples] if ev.num_samples else items
     rewards = RewardSet.from_configs(cfg.eval_rewards or cfg.rewards)
-    from .models.preflight import check_experts
+    from .models.preflight import check_experts, check_reward_inputs
+
+    check_reward_inputs(rewards, cfg.model.model_type, "eval_rewards" if cfg.eval_rewards else "rewards")
 
     adapter = load_for_sampling(cfg.model.model_type, cfg.model.model_name_or_path, checkpoint)
     check_experts(adapter.experts(adapter.pipeline.config), cfg, cfg.model.model_name_or_path)

@@ -40,7 +40,10 @@ def encoder_fingerprint(adapter) -> str:
     """What the text conditioning depends on, hashed: 16 hex digits."""
     h = hashlib.sha256(f"format {FORMAT} {type(adapter).__name__} {adapter.max_sequence_length}".encode())
     for name, module in sorted(adapter.text_encoders().items()):
-        config = {k: v for k, v in module.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+        # a transformers config, or a diffusers one (a FrozenDict: LTX-2's text connectors)
+        config = module.config.to_dict() if hasattr(module.config, "to_dict") else dict(module.config)
+        config = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version",
+                                                                "_diffusers_version")}
         h.update(f"{name} {type(module).__name__} {json.dumps(config, sort_keys=True, default=str)}".encode())
         for key, tensor in module.state_dict().items():
             h.update(f"{key} {tuple(tensor.shape)} {tensor.dtype} {weight_checksum(tensor)}".encode())

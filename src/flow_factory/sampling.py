@@ -80,6 +80,8 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
     # async rewards start on each batch as soon as it is decoded; the rest score at the end
     job = reward_set.start(group_ids) if reward_set is not None else None
     media_key = "videos" if adapter.is_video else "images"
+    # a soundtrack is decoded only for a reward that asks for it
+    wants_audio = reward_set is not None and "audio" in reward_set.required_fields
     chunks = []
     for start in range(0, len(items), s.batch_size):
         batch = items[start:start + s.batch_size]
@@ -100,10 +102,14 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
                 traj, cond = _to_cpu(traj), {k: v.cpu() for k, v in cond.items()}
         with timer.phase("decode"):
             media = adapter.decode(traj.final).float().cpu()
+            audio = {}
+            if wants_audio:
+                waveforms, rate = adapter.decode_audio(traj.final)
+                audio = {"audios": waveforms.float().cpu(), "audio_sample_rate": rate}
         chunks.append((traj, cond, media))
         if job is not None:
             with timer.phase("reward"):
-                job.add([it.prompt for it in batch], **{media_key: media})
+                job.add([it.prompt for it in batch], **{media_key: media}, **audio)
 
     trajs = [c[0] for c in chunks]
     keep = s.keep_trajectory

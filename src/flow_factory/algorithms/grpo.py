@@ -139,7 +139,9 @@ class GRPO(Algorithm):
             v_ref = policy.reference_velocity(x, sigma, batch.cond)
         if self.cfg.kl_type == "v-based":
             return v_based_kl(v, v_ref).mean()
-        std = torch.as_tensor(std)
+        # the KL of the step's Gaussian: over the elements its noise reaches (all, but LTX-2's video alone)
+        part = self.dynamics.stochastic_part
+        mean, std = part(mean), part(torch.as_tensor(std))
         zero = ~(std > 0).reshape(len(x), -1).all(dim=1) if std.ndim else (~(std > 0)).expand(len(x))
         if bool(zero.any()):
             i = int(batch.step[zero.nonzero()[0, 0]])
@@ -149,5 +151,5 @@ class GRPO(Algorithm):
                 "or leave that step out of scheduler.sde_steps"
             )
         with torch.no_grad():
-            mean_ref, _ = self.dynamics.mean_and_std(x, v_ref, sigma, sigma_next)
+            mean_ref = part(self.dynamics.mean_and_std(x, v_ref, sigma, sigma_next)[0])
         return x_based_kl(mean, mean_ref, std).mean()

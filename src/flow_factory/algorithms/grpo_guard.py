@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..dynamics import FlowSDE
+from ..dynamics import FlowSDE, PartlyStochastic
 from ..dynamics.base import mean_over_sample
 from .base import TrainBatch
 from .grpo import GRPO
@@ -66,7 +66,7 @@ class GRPOGuard(GRPO):
     records_step_means = True
 
     def __init__(self, train_cfg, dynamics):
-        if not isinstance(dynamics, FlowSDE):
+        if not isinstance(dynamics.inner if isinstance(dynamics, PartlyStochastic) else dynamics, FlowSDE):
             raise ValueError(
                 f"grpo-guard's ratio normalisation and step weights are derived for Flow-SDE, "
                 f"got dynamics {dynamics.name!r}; set scheduler.dynamics_type: Flow-SDE"
@@ -79,7 +79,8 @@ class GRPOGuard(GRPO):
                 "grpo-guard needs the rollout's step means (TrainBatch.old_mean); the rollout "
                 "records them for algorithms with records_step_means = True"
             )
-        return normalized_log_ratio(log_prob, batch.old_log_prob, mean, batch.old_mean, std)
+        part = self.dynamics.stochastic_part  # the log-prob's elements: the drift must average over the same
+        return normalized_log_ratio(log_prob, batch.old_log_prob, part(mean), part(batch.old_mean), part(std))
 
     def policy_loss_weight(self, sigma: Tensor, sigma_next: Tensor) -> Tensor:
         return 1.0 / (sigma - sigma_next).float()

@@ -34,6 +34,19 @@ SPELLINGS = {
 # keys Flow-Factory has whose only value here is its default: (path, the value)
 FIXED = {"train.logit_mean": (0, "the logit-normal timesteps are the standard one, mean 0"),
          "train.logit_std": (1, "the logit-normal timesteps are the standard one, std 1")}
+# LTX-2's sampling keys, at the values of Flow-Factory's LTX-2 examples (models/ltx2.py)
+_LTX2_GUIDANCE = "LTX-2 samples with classifier-free guidance alone here, as Flow-Factory's LTX-2 examples set it"
+_LTX2_FIXED = {
+    "stg_scale": (0, _LTX2_GUIDANCE + " (no spatio-temporal guidance)"),
+    "modality_scale": (1, _LTX2_GUIDANCE + " (no modality-isolation guidance)"),
+    "guidance_rescale": (0, _LTX2_GUIDANCE + " (no rescale)"),
+    **{f"audio_{key}": (None, "the audio takes the video's value here") for key in
+       ("guidance_scale", "stg_scale", "modality_scale", "guidance_rescale")},
+    "frame_rate": (24, "LTX-2's videos play at the pipeline's default 24 fps here (LTX2Adapter.frame_rate)"),
+    "system_prompt": (None, "prompt enhancement is not in this version"),
+    "prompt_enhancement_seed": (10, "prompt enhancement is not in this version"),
+}
+FIXED.update({f"{section}.{key}": fixed for section in ("train", "eval") for key, fixed in _LTX2_FIXED.items()})
 # the single optimizer of Flow-Factory's newest layout (``optimizers: [{...}]``) -> train keys
 OPTIMIZER_KEYS = {"learning_rate": "learning_rate", "weight_decay": "adam_weight_decay", "betas": "adam_betas",
                   "eps": "adam_epsilon", "max_grad_norm": "max_grad_norm"}

@@ -43,6 +43,7 @@ MODEL_FAMILIES = {
     "flux2": ModelFamily(16, "VAE x8, then 2x2 latent patchify"),
     "flux2-klein": ModelFamily(16, "VAE x8, then 2x2 latent patchify"),
     "hunyuanvideo15": ModelFamily(16, "VAE x16, then 1x1 transformer patches", frame_factor=4),
+    "ltx2_t2av": ModelFamily(32, "VAE x32, then 1x1 transformer patches", frame_factor=8),
 }
 # what a user's adapter class (model.model_type: package.module.Class) sets, as the built-in ones do
 ADAPTER_CLASS_ATTRIBUTES = ("model_type", "pipeline_class", "pixel_factor", "default_lora_targets")
@@ -94,6 +95,7 @@ MODEL_TYPE_ALIASES = {
     "flux2-klein-base": "flux2-klein",
     "hunyuanvideo15": "hunyuanvideo15", "hunyuanvideo1.5": "hunyuanvideo15", "hunyuan-video-1.5": "hunyuanvideo15",
     "hunyuan_video15": "hunyuanvideo15", "hunyuanvideo-1.5": "hunyuanvideo15",
+    "ltx2_t2av": "ltx2_t2av", "ltx2": "ltx2_t2av", "ltx-2": "ltx2_t2av",
 }
 DYNAMICS_TYPES = ("Flow-SDE", "Dance-SDE", "CPS", "ODE", "DPM-Solver++2M")
 DYNAMICS_ALIASES = {"flow-sde": "Flow-SDE", "flowsde": "Flow-SDE", "dance-sde": "Dance-SDE",
@@ -127,9 +129,9 @@ class DataConfig(Section):
 class ModelConfig(Section):
     model_name_or_path: str = setting(description="Hugging Face hub id or local folder of a diffusers pipeline")
     model_type: str = setting(
-        description="model family: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2, flux2-klein or "
-        "hunyuanvideo15 (aliases such as sd3_5, flux, wan2.1, qwenimage, z_image, flux2_klein, hunyuanvideo1.5 "
-        "accepted), or the dotted path of your own "
+        description="model family: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2, flux2-klein, "
+        "hunyuanvideo15 or ltx2_t2av (aliases such as sd3_5, flux, wan2.1, qwenimage, z_image, flux2_klein, "
+        "hunyuanvideo1.5, ltx2 accepted), or the dotted path of your own "
         "FlowAdapter subclass (my_package.adapters.MyAdapter)")
     finetune_type: Literal["lora", "full"] = setting("lora", "train LoRA adapters or every transformer weight")
     lora_rank: PositiveInt = setting(32, "LoRA rank r")

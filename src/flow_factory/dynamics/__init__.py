@@ -11,6 +11,7 @@ from .dance_sde import DanceSDE
 from .dpm_solver import DPMSolver2M
 from .flow_sde import FlowSDE
 from .ode import ODE
+from .partial import PartlyStochastic
 
 DYNAMICS = {cls.name: cls for cls in (FlowSDE, DanceSDE, CPS, ODE, DPMSolver2M)}
 
@@ -21,4 +22,5 @@ def make_dynamics(name: str, noise_level: float = 0.0) -> Dynamics:
     return DYNAMICS[name](noise_level)
 
 
-__all__ = ["CPS", "DPMSolver2M", "DYNAMICS", "DanceSDE", "Dynamics", "FlowSDE", "ODE", "StepResult", "make_dynamics"]
+__all__ = ["CPS", "DPMSolver2M", "DYNAMICS", "DanceSDE", "Dynamics", "FlowSDE", "ODE", "PartlyStochastic", "StepResult",
+           "make_dynamics"]

@@ -67,6 +67,11 @@ class Dynamics:
         empty history, so trajectories never share state."""
         return self
 
+    def stochastic_part(self, t: Tensor) -> Tensor:
+        """The elements of a step's sample, mean or scale (full shape) that the noise acts on: all of them,
+        but for a dynamics that leaves part of the latent to the ODE (``partial.PartlyStochastic``)."""
+        return t
+
     def log_prob(self, sample: Tensor, mean: Tensor, std: Tensor) -> Tensor:
         """Gaussian log-density of ``sample``, averaged over non-batch dims (flow_grpo's scale)."""
         std = torch.as_tensor(std, dtype=torch.float32, device=sample.device)

@@ -7,6 +7,7 @@ from .hunyuan_video15 import HunyuanVideo15Adapter
 from .lora import (
     apply_lora, block_linear_names, load_lora_state, lora_disabled, lora_state_dict, lora_target_names, save_lora,
 )
+from .ltx2 import LTX2Adapter
 from .qwen_image import QwenImageAdapter
 from .registry import ADAPTERS, get_adapter_class, load_adapter
 from .sd3 import SD3Adapter
@@ -14,8 +15,8 @@ from .wan import WanT2VAdapter
 from .z_image import ZImageAdapter
 
 __all__ = [
-    "ADAPTERS", "Conditioning", "FlowAdapter", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter", "QwenImageAdapter",
-    "SD3Adapter", "WanT2VAdapter", "ZImageAdapter", "HunyuanVideo15Adapter",
+    "ADAPTERS", "Conditioning", "FlowAdapter", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter", "HunyuanVideo15Adapter",
+    "LTX2Adapter", "QwenImageAdapter", "SD3Adapter", "WanT2VAdapter", "ZImageAdapter",
     "apply_lora", "block_linear_names", "cat_cond", "get_adapter_class", "index_cond", "load_adapter", "load_lora_state",
     "lora_disabled", "lora_state_dict", "lora_target_names", "save_lora",
 ]

@@ -22,6 +22,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import Tensor
 
 from ..config import ConfigError
+from ..dynamics import Dynamics
 
 Conditioning = dict[str, Tensor]
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -117,11 +118,16 @@ class FlowAdapter:
     default_lora_targets: ClassVar[list[str]]
     # True: video model, decode returns (B, F, 3, H, W)
     is_video: ClassVar[bool] = False
+    # True: the model makes sound too; decode_audio gives it (a reward asks with the "audio" field)
+    has_audio: ClassVar[bool] = False
     # height and width must be multiples of this in the released checkpoints; the config checks it
     # before anything loads, so the number lives in config.sections.MODEL_FAMILIES (no torch there)
     pixel_factor: ClassVar[int]
     # text tokens per prompt where the adapter fixes the length; part of the prompt cache's fingerprint
     max_sequence_length: ClassVar[int | None] = None
+    # the pipeline components that turn prompts into the transformer's text conditioning (frozen; the prompt
+    # cache fingerprints them and stands in for them)
+    text_encoder_names: ClassVar[tuple[str, ...]] = TEXT_ENCODERS
     # the pipeline components that denoise: one transformer, or each expert of a multi-expert model
     # (Wan2.2 A14B: transformer, transformer_2); model.target_components picks which of them train
     transformer_names: ClassVar[tuple[str, ...]] = ("transformer",)
@@ -198,7 +204,7 @@ class FlowAdapter:
     # --- the text side, which the prompt cache (prompt_cache.py) stands in for ----------
     def text_encoders(self) -> dict[str, torch.nn.Module]:
         """The pipeline's text encoders that are loaded, by component name."""
-        found = {name: getattr(self.pipeline, name, None) for name in TEXT_ENCODERS}
+        found = {name: getattr(self.pipeline, name, None) for name in self.text_encoder_names}
         return {name: module for name, module in found.items() if module is not None}
 
     def tokenizers(self) -> dict:
@@ -313,6 +319,15 @@ class FlowAdapter:
     def decode(self, latents: Tensor) -> Tensor:
         """Images (B, 3, H, W) or videos (B, F, 3, H, W), float32 in [0, 1]."""
         raise NotImplementedError  # abstract
+
+    def decode_audio(self, latents: Tensor) -> tuple[Tensor, int]:
+        """Waveforms (B, channels, T), float32 in [-1, 1], and their sample rate: a model with ``has_audio``."""
+        raise NotImplementedError(f"{self.model_type} makes no audio")
+
+    def sampling_dynamics(self, dynamics: Dynamics) -> Dynamics:
+        """The dynamics this model samples and trains with: the configured one, unless part of the latent
+        must stay on the ODE (LTX-2's audio: ``dynamics.partial.PartlyStochastic``)."""
+        return dynamics
 
     # --- shared -----------------------------------------------------------------
     def cfg_inputs(self, cond: Conditioning, guidance_scale: float, x: Tensor, t: Tensor,

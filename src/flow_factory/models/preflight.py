@@ -25,6 +25,15 @@ from .registry import ADAPTERS, get_adapter_class, model_type_for_pipeline
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
+def check_reward_inputs(rewards, model_type: str, key: str) -> None:
+    """``ConfigError`` when a reward of ``rewards`` (a RewardSet, config section ``key``) asks for audio from
+    a model that makes none."""
+    if "audio" in rewards.required_fields and not get_adapter_class(model_type).has_audio:
+        asking = [name for name, model in rewards.models.items() if "audio" in model.required_fields]
+        raise ConfigError(f"{key}: {', '.join(asking)} ask(s) for audio, which model.model_type {model_type!r} "
+                          "does not make; only ltx2_t2av does")
+
+
 def check_before_loading(cfg) -> None:
     """Raise ``ConfigError`` (a ValueError) naming the key or file if the model source cannot serve ``cfg``."""
     if cfg.model.attn_backend is not None:

@@ -10,6 +10,7 @@ from .base import FlowAdapter
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
 from .hunyuan_video15 import HunyuanVideo15Adapter
+from .ltx2 import LTX2Adapter
 from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .wan import WanT2VAdapter
@@ -19,7 +20,7 @@ ADAPTERS: dict[str, type[FlowAdapter]] = {cls.model_type: cls for cls in (
     SD3Adapter, FluxAdapter, WanT2VAdapter,
     QwenImageAdapter, ZImageAdapter,
     Flux2Adapter, Flux2KleinAdapter,
-    HunyuanVideo15Adapter,
+    HunyuanVideo15Adapter, LTX2Adapter,
 )}
 
 

@@ -15,8 +15,13 @@ What a subclass receives for each field (only the fields it names are passed):
 | video              | Tensor (n, F, 3, H, W) in [0, 1]   | list[list[PIL.Image]] (frames)   |
 | condition_images   | list (per sample) of Tensor (k, 3, H, W) or list of (3, H, W) | list[list[PIL.Image]] |
 | condition_videos   | list (per sample) of Tensor (k, F, 3, H, W) or list of (F, 3, H, W) | list[list[list[PIL.Image]]] |
+| audio              | Tensor (n, C, T) in [-1, 1]        | list[np.ndarray] (C, T) each     |
+| audio_sample_rate  | list[int] (one per sample)         | list[int]                        |
 
-A requested field that the caller did not provide arrives as ``None``.
+A requested field that the caller did not provide arrives as ``None``. ``audio`` is the
+soundtrack of a model that makes one (LTX-2), decoded only when a reward asks for it; as in
+Flow-Factory, a reward that lists ``audio`` and takes an ``audio_sample_rate`` argument also
+receives the rate without listing it.
 Unlike Flow-Factory, tensor media arrive as one stacked tensor rather than a list
 of per-sample tensors: iterating or indexing it behaves the same, and a model can
 use it as a batch without stacking.
@@ -46,8 +51,8 @@ from torch import Tensor
 from ..config.base import DTYPE_NAMES
 from ..hparams import RewardArguments
 
-MEDIA_FIELDS = ("image", "video", "condition_images", "condition_videos")
-KNOWN_FIELDS = ("prompt", *MEDIA_FIELDS)
+MEDIA_FIELDS = ("image", "video", "condition_images", "condition_videos", "audio")
+KNOWN_FIELDS = ("prompt", *MEDIA_FIELDS, "audio_sample_rate")
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
@@ -116,12 +121,21 @@ def _condition_videos_to_tensor(per_sample: list) -> list[Tensor]:
     return [_videos_to_tensor(clips) for clips in per_sample]
 
 
+def _audio_to_arrays(audio: Tensor) -> list[np.ndarray]:
+    return list(audio.detach().float().cpu().numpy())
+
+
+def _arrays_to_audio(audio: list) -> Tensor:
+    return torch.stack([torch.as_tensor(np.asarray(a), dtype=torch.float32) for a in audio])
+
+
 # field -> (tensors to PIL, PIL to tensors), in the layouts of the module docstring's table
 _CONVERT = {
     "image": (images_to_pil, pil_to_tensor),
     "video": (videos_to_pil, _videos_to_tensor),
     "condition_images": (_condition_images_to_pil, _condition_images_to_tensor),
     "condition_videos": (_condition_videos_to_pil, _condition_videos_to_tensor),
+    "audio": (_audio_to_arrays, _arrays_to_audio),  # waveforms, not pictures: numpy arrays stand for PIL
 }
 
 
@@ -136,8 +150,9 @@ def _first_leaf(media: Any) -> Any:
     return None
 
 
-def _holds_pil(media: Any) -> bool:
-    return isinstance(_first_leaf(media), Image.Image)
+def _holds_pil(media: Any, name: str = "image") -> bool:
+    """Whether field ``name`` holds its non-tensor form: PIL images, or numpy arrays for the audio."""
+    return isinstance(_first_leaf(media), np.ndarray if name == "audio" else Image.Image)
 
 
 def _take(media: Any, idx: list[int]) -> Any:
@@ -175,6 +190,8 @@ class RewardInputs:
     video: Tensor | list | None = None
     condition_images: list | None = None  # per sample
     condition_videos: list | None = None  # per sample
+    audio: Tensor | list | None = None  # waveforms (B, C, T) in [-1, 1], or numpy (C, T) each
+    audio_sample_rate: int | None = None  # of ``audio``
     _pil_cache: dict[str, list] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -183,6 +200,10 @@ class RewardInputs:
             raise ValueError(f"images must be (B, 3, H, W), got shape {tuple(self.image.shape)}")
         if isinstance(self.video, Tensor) and (self.video.ndim != 5 or self.video.shape[2] != 3):
             raise ValueError(f"videos must be (B, F, 3, H, W), got shape {tuple(self.video.shape)}")
+        if isinstance(self.audio, Tensor) and self.audio.ndim != 3:
+            raise ValueError(f"audio must be (B, channels, samples), got shape {tuple(self.audio.shape)}")
+        if self.audio is not None and self.audio_sample_rate is None:
+            raise ValueError("audio needs its audio_sample_rate")
         for name in MEDIA_FIELDS:
             value = getattr(self, name)
             if value is not None and len(value) != n:
@@ -194,7 +215,8 @@ class RewardInputs:
     def select(self, index: Sequence[int]) -> "RewardInputs":
         """Samples ``index``, in that order."""
         idx = list(index)
-        sub = RewardInputs([self.prompt[i] for i in idx], *(_take(getattr(self, name), idx) for name in MEDIA_FIELDS))
+        sub = RewardInputs([self.prompt[i] for i in idx], *(_take(getattr(self, name), idx) for name in MEDIA_FIELDS),
+                           audio_sample_rate=self.audio_sample_rate)
         # PIL conversion is done once per batch, not once per chunk or per reward
         sub._pil_cache = {k: [v[i] for i in idx] for k, v in self._pil_cache.items()}
         return sub
@@ -208,12 +230,16 @@ class RewardInputs:
                 return None
             return torch.cat(values) if isinstance(values[0], Tensor) else [x for v in values for x in v]
 
-        return cls([p for part in parts for p in part.prompt], *(join(name) for name in MEDIA_FIELDS))
+        rates = {part.audio_sample_rate for part in parts}
+        if len(rates) > 1:
+            raise ValueError(f"audio of several sample rates {sorted(rates)} cannot be scored together")
+        return cls([p for part in parts for p in part.prompt], *(join(name) for name in MEDIA_FIELDS),
+                   audio_sample_rate=rates.pop())
 
     def pil(self, name: str) -> list | None:
-        """Field ``name`` as PIL images; tensors are converted once and kept."""
+        """Field ``name`` as PIL images (audio: numpy arrays); tensors are converted once and kept."""
         value = getattr(self, name)
-        if value is None or _holds_pil(value):
+        if value is None or _holds_pil(value, name):
             return value
         if name not in self._pil_cache:
             self._pil_cache[name] = _CONVERT[name][0](value)
@@ -223,7 +249,7 @@ class RewardInputs:
         """Field ``name`` as tensors; PIL images are converted at each call, which the scoring
         makes on one chunk at a time, so the float copies stay small."""
         value = getattr(self, name)
-        if value is None or not _holds_pil(value):
+        if value is None or not _holds_pil(value, name):
             return value
         return _CONVERT[name][1](value)
 
@@ -313,10 +339,16 @@ class BaseRewardModel:
 
     def _score_once(self, inputs: RewardInputs) -> Tensor:
         """One ``__call__`` on ``inputs`` with only the required fields; -> float32 (n,) on CPU."""
+        names = list(self.required_fields)
+        # Flow-Factory passes the rate with the audio to a reward that takes it (its CLAP lists only "audio")
+        if "audio" in names and "audio_sample_rate" not in names and _takes(self, "audio_sample_rate"):
+            names.append("audio_sample_rate")
         kwargs = {}
-        for name in self.required_fields:
+        for name in names:
             if name == "prompt":
                 kwargs[name] = inputs.prompt
+            elif name == "audio_sample_rate":  # one per sample, as Flow-Factory gives it
+                kwargs[name] = None if inputs.audio is None else [inputs.audio_sample_rate] * len(inputs)
             else:
                 kwargs[name] = inputs.tensors(name) if self.use_tensor_inputs else inputs.pil(name)
         with torch.no_grad():
@@ -330,6 +362,12 @@ class BaseRewardModel:
             raise ValueError(f"{type(self).__name__} returned {scores.numel()} rewards "
                              f"for {len(inputs)} samples")
         return scores
+
+
+def _takes(reward: BaseRewardModel, argument: str) -> bool:
+    """Whether the reward's ``__call__`` accepts ``argument`` (by name, or through ``**kwargs``)."""
+    params = inspect.signature(reward.__call__).parameters.values()
+    return any(p.name == argument or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class PointwiseRewardModel(BaseRewardModel):

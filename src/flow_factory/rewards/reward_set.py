@@ -97,6 +97,11 @@ class RewardSet:
         return list(self.models)
 
     @property
+    def required_fields(self) -> set[str]:
+        """The inputs any of the rewards asks for (``audio`` is decoded only when one does)."""
+        return {f for model in self.models.values() for f in model.required_fields}
+
+    @property
     def needs_groups(self) -> bool:
         return any(isinstance(m, GroupwiseRewardModel) for m in self.models.values())
 
@@ -108,16 +113,20 @@ class RewardSet:
         group_ids: Tensor | None = None,
         condition_images: list | None = None,
         condition_videos: list | None = None,
+        audios: Tensor | None = None,
+        audio_sample_rate: int | None = None,
     ) -> dict[str, Tensor]:
         """Raw scores ``{name: float32 (B,)}`` on the CPU.
 
-        ``images`` (B, 3, H, W) / ``videos`` (B, F, 3, H, W) in [0, 1]. ``group_ids`` (B,)
+        ``images`` (B, 3, H, W) / ``videos`` (B, F, 3, H, W) in [0, 1]; ``audios`` (B, C, T) waveforms
+        in [-1, 1] at ``audio_sample_rate``, needed only when a reward asks for ``audio``. ``group_ids`` (B,)
         marks which samples share a prompt; groupwise rewards need it, and need every
         sample of a group in this call (score the gathered batch, not a rank's shard,
         unless groups never straddle ranks).
         """
         self._check_groups(group_ids)
-        inputs = RewardInputs(list(prompts), images, videos, condition_images, condition_videos)
+        inputs = RewardInputs(list(prompts), images, videos, condition_images, condition_videos, audios,
+                              audio_sample_rate)
         scored = score_each_once(self.models.values(), inputs, group_ids)
         return {name: scored[id(model)].clone() for name, model in self.models.items()}
 

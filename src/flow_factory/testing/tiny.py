@@ -21,6 +21,9 @@ step-distilled Klein, ``flux2-klein-base`` the same weights as a base checkpoint
 (``is_distilled`` false: classifier-free guidance). HunyuanVideo-1.5 (``hunyuanvideo15``): VAE x16 and x4
 with 8 latent channels, 5 frames at 32x32 -> latents 8x2x2x2; at 25 MB (the transformer's ByT5
 projection has a fixed 2048 width) and about 2000 text and image tokens a pipeline call, the slowest.
+LTX-2 (``ltx2_t2av``) makes a video and its audio: its VAE is x8 in space and x2 in time, so
+9 frames at 32x32 -> video latents 4x5x4x4 and, at 24 fps, 9 audio latent frames; the vocoder
+turns them into about a third of a second of stereo 16 kHz audio.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15")
+TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15",
+                    "ltx2_t2av")
 # other tiny checkpoints, and the model_type that loads each
 TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v", "flux2-klein-base": "flux2-klein"}
 
@@ -402,9 +406,96 @@ def _build_hunyuan_video15():
     )
 
 
+def tiny_gemma_tokenizer():
+    """A sentencepiece-style Gemma tokenizer: specials (Gemma3's image markers among them), byte fallback,
+    ``▁`` and printable ASCII."""
+    from transformers import GemmaTokenizer
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_image>", "<end_of_image>",
+                "<image_soft_token>"]
+    vocab = {s: i for i, s in enumerate(specials)}
+    vocab.update({f"<0x{b:02X}>": len(specials) + b for b in range(256)})
+    for c in ["▁", *string.printable.strip()]:
+        vocab.setdefault(c, len(vocab))
+    return GemmaTokenizer(vocab=vocab, merges=[], extra_special_tokens=specials[5:])
+
+
+def _build_ltx2():
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
+                           LTX2Pipeline, LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tokenizer = tiny_gemma_tokenizer()
+    token = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(0)
+    # video tokens of 4 channels (the VAE's latents, 1x1 patches); audio tokens of 4 = 1 audio latent
+    # channel x 4 latent mel bins, as LTX-2's 128 = 8 x 16
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+        audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
+        audio_cross_attention_dim=8, num_layers=1, caption_channels=16, rope_double_precision=False,
+        rope_type="split",
+    )
+    torch.manual_seed(1)
+    # Gemma3 with two layers, one sliding and one full; the pipeline stacks every layer's hidden states
+    text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8,
+                         sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                         max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        mm_tokens_per_image=4, boi_token_index=token("<start_of_image>"), eoi_token_index=token("<end_of_image>"),
+        image_token_index=token("<image_soft_token>"),
+    ))
+    torch.manual_seed(2)
+    connectors = LTX2TextConnectors(  # LTX-2.0's: one projection of the 3 stacked layers, then a connector each
+        caption_channels=16, text_proj_in_factor=3, video_connector_num_attention_heads=2,
+        video_connector_attention_head_dim=8, video_connector_num_layers=1,
+        video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=2,
+        audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_double_precision=False,
+        rope_type="split",
+    )
+    torch.manual_seed(3)
+    # 4x4 pixel patches, then one block halving space and time: x8, x2
+    vae = AutoencoderKLLTX2Video(
+        latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,), layers_per_block=(1, 1),
+        decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,), decoder_spatio_temporal_scaling=(True,),
+        decoder_inject_noise=(False, False), downsample_type=("spatiotemporal",), upsample_residual=(False,),
+        upsample_factor=(1,), patch_size=4, decoder_causal=False,
+    )
+    torch.manual_seed(4)
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, in_channels=2, resolution=32,
+        latent_channels=1, mel_bins=16, sample_rate=16000, mel_hop_length=160,
+    )
+    # latent statistics other than (0, 1), so decoding without them would show
+    for module in (vae, audio_vae):
+        n = module.latents_mean.numel()
+        module.latents_mean.copy_(0.1 * torch.arange(n) - 0.1)
+        module.latents_std.copy_(0.5 + 0.25 * torch.arange(n))
+    torch.manual_seed(5)
+    # upsampling 10 x 4 x 4 = the mel hop length: one waveform sample per audio sample
+    vocoder = LTX2Vocoder(
+        in_channels=2 * 16, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[20, 8, 8],
+        upsample_factors=[10, 4, 4], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+        output_sampling_rate=16000,
+    )
+    # LTX-2's scheduler (diffusers' conversion script): resolution-dependent shift, stretched to end at 0.1
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+        max_image_seq_len=4096, shift_terminal=0.1,
+    )
+    return LTX2Pipeline(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
+                        tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder)
+
+
 _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, "qwen-image": _build_qwen_image,
              "z-image": _build_z_image, "flux2": _build_flux2, "flux2-klein": _build_flux2_klein,
              "hunyuanvideo15": _build_hunyuan_video15,
+             "ltx2_t2av": _build_ltx2,
              "flux2-klein-base": lambda: _build_flux2_klein(is_distilled=False),
              "wan2.2-a14b": lambda: _build_wan("wan2.2-a14b"), "wan2.2-ti2v-5b": lambda: _build_wan("wan2.2-ti2v-5b")}
 

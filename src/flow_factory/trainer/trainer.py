@@ -30,7 +30,7 @@ from ..guards import NonFiniteError, NonFiniteGuard, all_finite, check_pipeline_
 from ..media import caption, plot_curves, sample_grid
 from ..models import load_adapter
 from ..models.lora import apply_lora, component_targets
-from ..models.preflight import check_before_loading, check_experts
+from ..models.preflight import check_before_loading, check_experts, check_reward_inputs
 from ..prompt_cache import PromptCache
 from ..rewards import RewardSet
 from ..rewards.base import parse_dtype
@@ -97,6 +97,8 @@ class Trainer:
         self.rewards = RewardSet.from_configs(cfg.rewards, accelerator=self.accelerator)
         self.eval_rewards = (RewardSet.from_configs(cfg.eval_rewards, accelerator=self.accelerator)
                              if cfg.eval_rewards else self.rewards)
+        check_reward_inputs(self.rewards, model.model_type, "rewards")
+        check_reward_inputs(self.eval_rewards, model.model_type, "eval_rewards")
 
         precision = self.accelerator.mixed_precision  # "no" on CPU, whatever the config says
         dtype = parse_dtype("float32" if precision == "no" else precision)
@@ -111,7 +113,9 @@ class Trainer:
         if model.attn_backend is not None:  # the name is checked before loading (models/preflight.py)
             self.adapter.set_attention_backend(model.attn_backend)
         self.prompt_cache = self._cache_prompts() if cfg.data.enable_preprocess else None
-        self.dynamics = make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level)
+        # as the model samples: LTX-2 keeps its audio on the ODE, whatever the SDE (models/ltx2.py)
+        self.dynamics = self.adapter.sampling_dynamics(make_dynamics(cfg.scheduler.dynamics_type,
+                                                                     cfg.scheduler.noise_level))
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
         self.params = self._make_trainable()
         self._check_trained_steps()
