@@ -42,7 +42,8 @@ FAMILIES = {"sd3-5": ("sd3-5", 64, None, 4.5), "flux1": ("flux1", 64, None, 3.5)
             "wan2_t2v": ("wan2_t2v", 32, 5, 5.0), "wan2.2-a14b": ("wan2_t2v", 32, 5, 4.0),
             "wan2.2-ti2v-5b": ("wan2_t2v", 32, 5, 5.0), "qwen-image": ("qwen-image", 64, None, 4.0),
             "z-image": ("z-image", 64, None, 0.0), "flux2": ("flux2", 64, None, 4.0),
-            "flux2-klein": ("flux2-klein", 64, None, 1.0), "hunyuanvideo15": ("hunyuanvideo15", 32, 5, 6.0)}
+            "flux2-klein": ("flux2-klein", 64, None, 1.0), "hunyuanvideo15": ("hunyuanvideo15", 32, 5, 6.0),
+            "ltx2_t2av": ("ltx2_t2av", 32, 9, 4.0)}
 
 
 def case_config(case: str, tmp: Path, model: Path, family: str = "sd3-5") -> dict:
