@@ -80,3 +80,10 @@ def tiny_flux2_klein_path(tmp_path_factory):
 def tiny_flux2_klein_base_path(tmp_path_factory):
     """Folder of a tiny Klein base checkpoint (model_type "flux2-klein", is_distilled false: CFG)."""
     return _build(tmp_path_factory, "flux2-klein-base")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_kontext_path(tmp_path_factory):
+    """Folder of a tiny FluxKontextPipeline (model_type "flux1-kontext"); 64x64 images, condition images of any
+    size in multiples of 16."""
+    return _build(tmp_path_factory, "flux1-kontext")

@@ -9,6 +9,7 @@ from ..class_path import import_class
 from .base import FlowAdapter
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
+from .flux_kontext import FluxKontextAdapter
 from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .wan import WanT2VAdapter
@@ -18,6 +19,7 @@ ADAPTERS: dict[str, type[FlowAdapter]] = {cls.model_type: cls for cls in (
     SD3Adapter, FluxAdapter, WanT2VAdapter,
     QwenImageAdapter, ZImageAdapter,
     Flux2Adapter, Flux2KleinAdapter,
+    FluxKontextAdapter,
 )}
 
 

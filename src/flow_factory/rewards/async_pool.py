@@ -53,10 +53,11 @@ class RewardJob:
         self._arrived: dict[int, list[int]] = {}
 
     def add(self, prompts: list[str], images: Tensor | None = None, videos: Tensor | None = None,
-            condition_images: list | None = None, condition_videos: list | None = None) -> None:
+            condition_images: list | None = None, condition_videos: list | None = None,
+            metadata: list[dict] | None = None) -> None:
         """The next ``len(prompts)`` samples of the batch, in batch order."""
         self.raise_failures()
-        inputs = RewardInputs(list(prompts), images, videos, condition_images, condition_videos)
+        inputs = RewardInputs(list(prompts), images, videos, condition_images, condition_videos, metadata)
         start, self._next = self._next, self._next + len(inputs)
         if self.group_ids is not None and self._next > len(self.group_ids):
             raise ValueError(f"{self._next} samples added for {len(self.group_ids)} group ids")

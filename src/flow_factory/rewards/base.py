@@ -15,8 +15,12 @@ What a subclass receives for each field (only the fields it names are passed):
 | video              | Tensor (n, F, 3, H, W) in [0, 1]   | list[list[PIL.Image]] (frames)   |
 | condition_images   | list (per sample) of Tensor (k, 3, H, W) or list of (3, H, W) | list[list[PIL.Image]] |
 | condition_videos   | list (per sample) of Tensor (k, F, 3, H, W) or list of (F, 3, H, W) | list[list[list[PIL.Image]]] |
+| metadata           | list[dict]                         | list[dict]                       |
 
-A requested field that the caller did not provide arrives as ``None``.
+``condition_images`` / ``condition_videos`` are the condition files a conditioned model generated
+from (an edit's source image), resized as the model saw them; a sample's conditions are one tensor
+when their sizes agree. ``metadata`` is each sample's dataset row without its prompt and condition
+keys (``{}`` for a row with none). A requested field that the caller did not provide arrives as ``None``.
 Unlike Flow-Factory, tensor media arrive as one stacked tensor rather than a list
 of per-sample tensors: iterating or indexing it behaves the same, and a model can
 use it as a batch without stacking.
@@ -47,7 +51,7 @@ from ..config.base import DTYPE_NAMES
 from ..hparams import RewardArguments
 
 MEDIA_FIELDS = ("image", "video", "condition_images", "condition_videos")
-KNOWN_FIELDS = ("prompt", *MEDIA_FIELDS)
+KNOWN_FIELDS = ("prompt", *MEDIA_FIELDS, "metadata")
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
@@ -175,10 +179,15 @@ class RewardInputs:
     video: Tensor | list | None = None
     condition_images: list | None = None  # per sample
     condition_videos: list | None = None  # per sample
+    metadata: list[dict] | None = None  # per sample: the dataset row's other keys; None = {} for every sample
     _pil_cache: dict[str, list] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         n = len(self.prompt)
+        if self.metadata is None:
+            self.metadata = [{} for _ in range(n)]
+        elif len(self.metadata) != n:
+            raise ValueError(f"{len(self.metadata)} metadata for {n} prompts; need one per prompt")
         if isinstance(self.image, Tensor) and (self.image.ndim != 4 or self.image.shape[1] != 3):
             raise ValueError(f"images must be (B, 3, H, W), got shape {tuple(self.image.shape)}")
         if isinstance(self.video, Tensor) and (self.video.ndim != 5 or self.video.shape[2] != 3):
@@ -194,7 +203,8 @@ class RewardInputs:
     def select(self, index: Sequence[int]) -> "RewardInputs":
         """Samples ``index``, in that order."""
         idx = list(index)
-        sub = RewardInputs([self.prompt[i] for i in idx], *(_take(getattr(self, name), idx) for name in MEDIA_FIELDS))
+        sub = RewardInputs([self.prompt[i] for i in idx], *(_take(getattr(self, name), idx) for name in MEDIA_FIELDS),
+                           [self.metadata[i] for i in idx])
         # PIL conversion is done once per batch, not once per chunk or per reward
         sub._pil_cache = {k: [v[i] for i in idx] for k, v in self._pil_cache.items()}
         return sub
@@ -208,7 +218,8 @@ class RewardInputs:
                 return None
             return torch.cat(values) if isinstance(values[0], Tensor) else [x for v in values for x in v]
 
-        return cls([p for part in parts for p in part.prompt], *(join(name) for name in MEDIA_FIELDS))
+        return cls([p for part in parts for p in part.prompt], *(join(name) for name in MEDIA_FIELDS),
+                   [m for part in parts for m in part.metadata])
 
     def pil(self, name: str) -> list | None:
         """Field ``name`` as PIL images; tensors are converted once and kept."""
@@ -315,8 +326,8 @@ class BaseRewardModel:
         """One ``__call__`` on ``inputs`` with only the required fields; -> float32 (n,) on CPU."""
         kwargs = {}
         for name in self.required_fields:
-            if name == "prompt":
-                kwargs[name] = inputs.prompt
+            if name in ("prompt", "metadata"):
+                kwargs[name] = getattr(inputs, name)
             else:
                 kwargs[name] = inputs.tensors(name) if self.use_tensor_inputs else inputs.pil(name)
         with torch.no_grad():

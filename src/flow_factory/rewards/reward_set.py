@@ -108,6 +108,7 @@ class RewardSet:
         group_ids: Tensor | None = None,
         condition_images: list | None = None,
         condition_videos: list | None = None,
+        metadata: list[dict] | None = None,
     ) -> dict[str, Tensor]:
         """Raw scores ``{name: float32 (B,)}`` on the CPU.
 
@@ -117,7 +118,7 @@ class RewardSet:
         unless groups never straddle ranks).
         """
         self._check_groups(group_ids)
-        inputs = RewardInputs(list(prompts), images, videos, condition_images, condition_videos)
+        inputs = RewardInputs(list(prompts), images, videos, condition_images, condition_videos, metadata)
         scored = score_each_once(self.models.values(), inputs, group_ids)
         return {name: scored[id(model)].clone() for name, model in self.models.items()}
 

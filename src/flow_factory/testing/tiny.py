@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein")
+TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "flux1-kontext")
 # other tiny checkpoints, and the model_type that loads each
 TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v", "flux2-klein-base": "flux2-klein"}
 
@@ -144,8 +144,10 @@ def _build_sd3():
     )
 
 
-def _build_flux():
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+def _build_flux(pipeline: str = "FluxPipeline"):
+    """FLUX.1, or FLUX.1 Kontext (``FluxKontextPipeline``: the same components)."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel, T5Config
 
     t5_tokenizer = tiny_t5_tokenizer()
@@ -165,7 +167,7 @@ def _build_flux():
         use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
         base_shift=0.5, max_shift=1.15,
     )
-    return FluxPipeline(
+    return getattr(diffusers, pipeline)(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(),
         text_encoder_2=text_encoder_2, tokenizer_2=t5_tokenizer, transformer=transformer,
     )
@@ -369,7 +371,8 @@ def _build_flux2_klein(is_distilled: bool = True):
 _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, "qwen-image": _build_qwen_image,
              "z-image": _build_z_image, "flux2": _build_flux2, "flux2-klein": _build_flux2_klein,
              "flux2-klein-base": lambda: _build_flux2_klein(is_distilled=False),
-             "wan2.2-a14b": lambda: _build_wan("wan2.2-a14b"), "wan2.2-ti2v-5b": lambda: _build_wan("wan2.2-ti2v-5b")}
+             "wan2.2-a14b": lambda: _build_wan("wan2.2-a14b"), "wan2.2-ti2v-5b": lambda: _build_wan("wan2.2-ti2v-5b"),
+             "flux1-kontext": lambda: _build_flux("FluxKontextPipeline")}
 
 
 def tiny_pipeline(model_type: str):
