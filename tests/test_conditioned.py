@@ -280,3 +280,41 @@ def test_ff_train_names_a_missing_condition_file_before_the_model_loads(tmp_path
     err = capsys.readouterr().err
     train = tmp_path / "data" / "train.jsonl"
     assert f"{train}:2: image 'green.png' ({tmp_path / 'data' / 'images' / 'green.png'}) not found" in err
+
+
+def test_auto_resize_generates_at_the_conditions_aspect_ratio(tmp_path, tiny_flux_kontext_path):
+    """train.auto_resize: the conditions are 83x50, so 64x64 pixels become 48 x 80 (height x width); eval keeps
+    its resolution (auto_resize false) and its condition size."""
+    from flow_factory.config import parse_config
+    from flow_factory.trainer import Trainer
+
+    config = tiny_run_config(tmp_path, "flux1-kontext", tiny_flux_kontext_path, auto_resize=True)
+    config["eval"].update(auto_resize=False, condition_image_size=32)
+    config["log"]["logging_backend"] = "none"  # no trackers: train() starts them, this test does not call it
+    trainer = Trainer(parse_config(config))
+    try:
+        assert (trainer.train_size, trainer.eval_size) == ((48, 80), (64, 64))
+        rollouts = trainer.sample_epoch(0)
+        assert rollouts.media.shape[-2:] == (48, 80) and rollouts.latents.shape[-2:] == (6, 10)
+        assert rollouts.conditions.images[0].shape == (1, 3, 48, 80)  # null condition size: the size generated
+        trainer.evaluate(0)
+        assert Image.open(tmp_path / "saves" / "run" / "samples" / "eval_epoch_0000.png").width == 2 * 2 * 256
+    finally:
+        trainer.close()
+
+
+def test_ff_sample_takes_the_conditions_from_a_jsonl_file(tmp_path, tiny_flux_kontext_path, capsys):
+    from helpers_runs import write_conditioned_dataset
+
+    from flow_factory.sample import main as ff_sample
+
+    data = write_conditioned_dataset(tmp_path / "data")
+    common = ["--model-type", "flux1-kontext", "--resolution", "64", "--steps", "2", "--guidance-scale", "2.5"]
+    assert ff_sample([str(tiny_flux_kontext_path), *common, "--prompt-file", str(data / "test.jsonl"),
+                      "--out", str(tmp_path / "s")]) == 0
+    assert Image.open(tmp_path / "s" / "0001.png").size == (64, 64)
+    assert Image.open(tmp_path / "s" / "grid.png").width == 2 * 2 * 256  # each sample beside its source image
+    assert ff_sample([str(tiny_flux_kontext_path), *common, "--prompts", "make it red", "--out",
+                      str(tmp_path / "x")]) == 2
+    assert ("ff-sample: prompt 'make it red': flux1-kontext takes 1 condition images per prompt ('image' / 'images'), "
+            "the row names 0") in capsys.readouterr().err

@@ -14,11 +14,12 @@ def check_conditions(items: list[PromptItem], model_type: str, takes: tuple[str,
     """PromptFileError naming the row unless every row gives the condition files ``model_type`` takes
     (``takes``: "images" / "videos"; ``per_sample``: how many, fewest and most) and no other kind."""
     for item in items:
+        where = item.source or f"prompt {item.prompt!r}"
         for kind in ("images", "videos"):
             count = len(getattr(item, kind))
             if kind not in takes and count:
                 what = f"condition {takes[0]}" if takes else "text alone"
-                raise PromptFileError(f"{item.source}: {model_type} generates from {what}, but the row names {count} "
+                raise PromptFileError(f"{where}: {model_type} generates from {what}, but the row names {count} "
                                       f"condition {kind} ('{MEDIA_KEYS[kind][0]}'); remove them, or use a model that "
                                       "takes them")
         for kind in takes:
@@ -26,7 +27,7 @@ def check_conditions(items: list[PromptItem], model_type: str, takes: tuple[str,
             if not low <= count <= high:
                 wanted = str(low) if low == high else f"{low} to {high}"
                 keys = "' / '".join(MEDIA_KEYS[kind])
-                raise PromptFileError(f"{item.source}: {model_type} takes {wanted} condition {kind} per prompt "
+                raise PromptFileError(f"{where}: {model_type} takes {wanted} condition {kind} per prompt "
                                       f"('{keys}'), the row names {count}")
 
 def generated_size(items: list[PromptItem], resolution: tuple[int, int], auto_resize: bool, factor: int,
