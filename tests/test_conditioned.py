@@ -234,14 +234,16 @@ def test_rewards_see_each_samples_condition_in_both_forms(request, model_type, t
 # --------------------------------------------------------------------------------- ff-train
 
 
-def _pipeline_images(model_type, path, lora_dir, source):
-    _, resolution, _, guidance = CONDITIONED_MODELS[model_type]
-    pipe = get_adapter_class(model_type).pipeline_class.from_pretrained(path)
+def _pipeline_latents(model_type, path, lora_dir, source):
+    """The pipeline's own output (``PIPELINES``), with the LoRA loaded by its ``load_lora_weights``."""
+    _, _, size, _, guidance = CASES[model_type]
+    cls = get_adapter_class(model_type)
+    pipe = cls.pipeline_class.from_pretrained(path)
     if lora_dir is not None:
         pipe.load_lora_weights(lora_dir)
-    return pipe(image=source, prompt="make it red", height=resolution, width=resolution, max_area=resolution ** 2,
-                _auto_resize=False, num_inference_steps=2, guidance_scale=guidance, output_type="latent",
-                generator=torch.Generator().manual_seed(0)).images
+    adapter = cls(pipe)
+    noise = adapter.initial_noise(1, size[0], size[1], torch.Generator().manual_seed(0), num_frames=size[2])
+    return PIPELINES[model_type](adapter, ["make it red"], [[source]], noise, size, guidance, "latent")
 
 
 @pytest.mark.parametrize("trainer_type", ["grpo", "nft"])
@@ -263,8 +265,8 @@ def test_ff_train_runs_from_a_conditioned_dataset(request, tmp_path, model_type,
     assert grid.width == 2 * 2 * 256  # 2 test prompts, each beside its condition image
     lora_dir = run_dir / "checkpoints" / "epoch_2"
     source = Image.open(tmp_path / "data" / "images" / next(iter(CONDITION_IMAGES))).convert("RGB")
-    base = _pipeline_images(model_type, path, None, source)
-    tuned = _pipeline_images(model_type, path, lora_dir, source)
+    base = _pipeline_latents(model_type, path, None, source)
+    tuned = _pipeline_latents(model_type, path, lora_dir, source)
     assert not torch.allclose(base, tuned, atol=1e-6), "the trained LoRA does not change the output"
 
 
