@@ -320,3 +320,69 @@ def test_ff_sample_takes_the_conditions_from_a_jsonl_file(tmp_path, tiny_flux_ko
                       str(tmp_path / "x")]) == 2
     assert ("ff-sample: prompt 'make it red': flux1-kontext takes 1 condition images per prompt ('image' / 'images'), "
             "the row names 0") in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------- the condition cache
+
+
+def test_the_condition_cache_holds_what_encode_conditions_gives(tmp_path, tiny_flux_kontext_path):
+    """data.enable_preprocess: each row's condition encoded once per geometry; a changed file is a new
+    entry; the folder follows the condition encoders' weights."""
+    import os
+
+    from helpers_runs import write_conditioned_dataset
+
+    from flow_factory.prompt_cache import ConditionCache, condition_fingerprint, condition_media
+
+    adapter = load_adapter("flux1-kontext", tiny_flux_kontext_path)
+    items = load_prompts(write_conditioned_dataset(tmp_path / "data"), "train")[:3]
+    geometries = [(64, 64, None, (48, 80)), (64, 64, None, None)]
+    cache = ConditionCache.build(adapter, [(it, g) for g in geometries for it in items], tmp_path / "cache", 2)
+    assert cache.folder.name == condition_fingerprint(adapter) and cache.folder.name.startswith("conditions-")
+    for geometry in geometries:
+        for batch in (items[:2], items[2:]):  # the batches it was built in: float32 convolutions round by batch
+            fresh = adapter.encode_conditions(condition_media(adapter, batch, geometry), *geometry[:3])
+            cached = cache.lookup(batch, geometry, "cpu")
+            assert cached.keys() == fresh.keys()
+            assert all(torch.equal(cached[k], fresh[k]) for k in fresh)
+    assert cache.lookup([items[2], items[0], items[2]], geometries[0], "cpu")["image_latents"].shape[0] == 3
+    assert cache.lookup(items, (32, 32, None, None), "cpu") is None  # a geometry never encoded
+
+    path = items[1].images[0].path  # the same name, other pixels: another entry
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10 ** 9))
+    assert cache.lookup(items, geometries[0], "cpu") is None
+    with torch.no_grad():
+        next(adapter.pipeline.vae.parameters()).view(-1)[3] += 1e-3
+    assert condition_fingerprint(adapter) != cache.folder.name
+
+
+def test_a_run_with_the_condition_cache_ends_with_the_weights_of_a_run_without(tmp_path, tiny_flux_kontext_path,
+                                                                               monkeypatch):
+    """The same encoder calls give the same run: the cache encodes one row at a time, as the rollouts do
+    (a batch of 2 holds one group); after it is built no condition is encoded, in training or eval."""
+    from flow_factory.config import parse_config
+    from flow_factory.prompt_cache import ConditionCache
+    from flow_factory.trainer import Trainer
+
+    def run(folder, **data):
+        config = tiny_run_config(folder, "flux1-kontext", tiny_flux_kontext_path, max_epochs=1)
+        config["data"].update(data)
+        config["log"]["logging_backend"] = "none"
+        trainer = Trainer(parse_config(config))
+        trainer.train()
+        return trainer, [p.detach().clone() for p in trainer.params]
+
+    _, without = run(tmp_path / "live", enable_preprocess=False)
+    original = ConditionCache.build
+
+    def build_then_forbid_encoding(*args, **kwargs):
+        cache = original(*args, **kwargs)
+        monkeypatch.setattr(FluxKontextAdapter, "encode_conditions",
+                            lambda *a, **k: pytest.fail("a condition was encoded after the cache was built"))
+        return cache
+
+    monkeypatch.setattr(ConditionCache, "build", build_then_forbid_encoding)
+    trainer, cached = run(tmp_path / "cached", preprocessing_batch_size=1)
+    assert trainer.condition_cache is not None and trainer.eval_history  # evaluation read it too
+    for a, b in zip(without, cached):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)

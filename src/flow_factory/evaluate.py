@@ -50,7 +50,7 @@ def evaluate_config(cfg, checkpoint=None):
     from .rewards import RewardSet
     from .checkpoint import load_for_sampling
     from .models import get_adapter_class
-    from .prompt_cache import PromptCache
+    from .prompt_cache import ConditionCache, PromptCache
     from .sampling import SamplingSettings, load_split, sample_prompts, split_size
 
     ev = cfg.eval
@@ -66,8 +66,10 @@ def evaluate_config(cfg, checkpoint=None):
     adapter.guidance_scale_2 = ev.guidance_scale_2
     # the run's prompt cache where it exists (the same embeddings its evaluation used); else encode
     cache = PromptCache.open(adapter, cfg.data.cache_dir) if cfg.data.enable_preprocess else None
+    conditions = (ConditionCache.open(adapter, cfg.data.cache_dir) if cfg.data.enable_preprocess and
+                  adapter.condition_inputs else None)
     rollouts = sample_prompts(adapter, items, SamplingSettings.for_eval(ev, size), reward_set=rewards,
-                              prompt_cache=cache)
+                              prompt_cache=cache, condition_cache=conditions)
     return summarise(rollouts.rewards), rollouts
 
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from .data import load_prompts, read_image, read_video
+from .data import load_prompts
 from .data.conditions import check_conditions, generated_size
 from .dynamics.ode import ODE
 from .models.base import ConditionMedia, Conditioning, cat_cond, index_cond
+from .prompt_cache import condition_media
 from .rollout import KeptStates, sample_trajectory
 from .seeding import generator, per_sample_noise
 from .timer import PhaseTimer
@@ -43,6 +44,11 @@ class SamplingSettings:
     offload: bool = False  # keep the trajectory and conditioning in CPU memory until a micro-batch needs them
     keep_states: tuple[int, ...] | None = None  # the trajectory states kept (0 noise .. T final); None = all
     condition_size: tuple[int, int] | None = None  # (height, width) of condition images; None = the model's choice
+
+    @property
+    def geometry(self) -> tuple:
+        """What a conditioned model's conditions are prepared for (the condition cache's key)."""
+        return self.height, self.width, self.num_frames, self.condition_size
 
     @classmethod
     def for_eval(cls, ev, size: tuple[int, int] | None = None) -> "SamplingSettings":
@@ -99,13 +105,14 @@ class Rollouts(KeptStates):
 @torch.no_grad()
 def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_ids: list[int],
                      settings: SamplingSettings, *, epoch: int, reward_set=None, timer: PhaseTimer | None = None,
-                     autocast=nullcontext, prompt_cache=None) -> Rollouts:
+                     autocast=nullcontext, prompt_cache=None, condition_cache=None) -> Rollouts:
     """Sample ``items`` (``data.PromptItem``: prompt, negative prompt, a conditioned model's condition files,
     metadata) in batches, decode, and score with ``reward_set``.
 
     ``sample_ids``: each item's global sample index (its noise seed); ``autocast``: a context
     factory for mixed precision (``accelerator.autocast``); ``prompt_cache``: a ``PromptCache``
-    that answers for the prompts it holds (the others are encoded)."""
+    that answers for the prompts it holds (the others are encoded); ``condition_cache``: a
+    ``ConditionCache`` that answers for a conditioned model's condition files likewise."""
     s, timer = settings, timer or PhaseTimer()
     sigmas = adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float()
     # async rewards start on each batch as soon as it is decoded; the rest score at the end
@@ -120,7 +127,7 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
         with timer.phase("sampling"):
             cond = _conditioning(adapter, batch, s.guidance_scale, autocast, prompt_cache)
             if adapter.condition_inputs:
-                conditions, condition_cond = _conditions(adapter, batch, s, autocast)
+                conditions, condition_cond = _conditions(adapter, batch, s, autocast, condition_cache)
                 cond = {**cond, **condition_cond}
             keys = [("noise", s.seed, epoch, "group", int(g)) if s.same_latent else ("noise", s.seed, epoch, i)
                     for g, i in zip(groups.tolist(), ids)]
@@ -166,12 +173,13 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
 
 def sample_prompts(adapter, items: list, settings: SamplingSettings, *, sample_ids: list[int] | None = None,
                    reward_set=None, timer: PhaseTimer | None = None, autocast=nullcontext,
-                   prompt_cache=None) -> Rollouts:
+                   prompt_cache=None, condition_cache=None) -> Rollouts:
     """ODE samples of ``items``, sample ``i`` seeded as the Trainer's eval seeds it (epoch -1)."""
     ids = list(range(len(items))) if sample_ids is None else list(sample_ids)
     settings = replace(settings, sde_steps=[], same_latent=False)
     return collect_rollouts(adapter, ODE(), items, torch.tensor(ids), ids, settings, epoch=-1,
-                            reward_set=reward_set, timer=timer, autocast=autocast, prompt_cache=prompt_cache)
+                            reward_set=reward_set, timer=timer, autocast=autocast, prompt_cache=prompt_cache,
+                            condition_cache=condition_cache)
 
 
 def _to_cpu(traj):
@@ -202,18 +210,20 @@ def _conditioning(adapter, batch: list, guidance_scale: float, autocast, prompt_
     return _encode_unique(adapter, batch, guidance_scale, autocast)
 
 
-def _conditions(adapter, batch: list, s: SamplingSettings, autocast) -> tuple[ConditionMedia, Conditioning]:
+def _conditions(adapter, batch: list, s: SamplingSettings, autocast,
+                condition_cache) -> tuple[ConditionMedia, Conditioning]:
     """The batch's condition media and their conditioning: each distinct row's files read, resized and encoded
-    once (a group repeats its row), for every step of the rollout and the training that reads it."""
+    once (a group repeats its row), for every step of the rollout and the training that reads it; the
+    encoding comes from ``condition_cache`` when it holds it."""
     keys = [it.condition_key for it in batch]
     unique = list(dict.fromkeys(keys))
     rows = [batch[keys.index(key)] for key in unique]
-    takes = adapter.condition_inputs
-    images = [[read_image(f) for f in it.images] for it in rows] if "images" in takes else None
-    videos = [[read_video(f) for f in it.videos] for it in rows] if "videos" in takes else None
-    media = adapter.prepare_conditions(images, videos, s.height, s.width, s.num_frames, s.condition_size)
-    with autocast():
-        cond = adapter.encode_conditions(media, s.height, s.width, s.num_frames)
+    geometry = s.geometry
+    media = condition_media(adapter, rows, geometry)
+    cond = condition_cache.lookup(rows, geometry, adapter.device) if condition_cache is not None else None
+    if cond is None:
+        with autocast():
+            cond = adapter.encode_conditions(media, s.height, s.width, s.num_frames)
     index = [unique.index(key) for key in keys]
     return media.take(index), index_cond(cond, torch.tensor(index))
 

@@ -113,8 +113,9 @@ class DataConfig(Section):
         None, "folder the jsonl rows' video / videos paths are relative to (condition videos); null = "
         "dataset_dir/videos")
     max_dataset_size: PositiveInt | None = setting(None, "use at most this many prompts per split; null = all")
-    enable_preprocess: bool = setting(True, "encode every train and test prompt once before training, into the "
-                                      "prompt cache under cache_dir; false = encode them per rollout batch")
+    enable_preprocess: bool = setting(True, "encode every train and test prompt (and a conditioned model's condition "
+                                      "files) once before training, into the cache under cache_dir; false = encode "
+                                      "them per rollout batch")
     preprocessing_batch_size: PositiveInt = setting(8, "prompts encoded at a time when building the cache")
     text_encoders_after_preprocess: Literal["cpu", "free"] = setting(
         "cpu", "where the text encoders go once every prompt is cached: cpu (as Flow-Factory), or free (dropped)")

@@ -334,6 +334,12 @@ class FlowAdapter:
         own choice; float32 tensors in [0, 1]. Deterministic and cheap (no network)."""
         raise NotImplementedError(f"{self.model_type} takes no condition images or videos")
 
+    def condition_encoders(self) -> dict:
+        """The pipeline's networks and processors that ``prepare_conditions`` / ``encode_conditions`` use, by
+        name: what the condition cache's fingerprint covers (prompt_cache.py)."""
+        names = ("vae", "image_encoder", "image_processor", "video_processor", "feature_extractor")
+        return {n: getattr(self.pipeline, n) for n in names if getattr(self.pipeline, n, None) is not None}
+
     def encode_conditions(self, media: ConditionMedia, height: int, width: int,
                           num_frames: int | None) -> Conditioning:
         """Batch-first conditioning tensors of ``prepare_conditions``' media (VAE latents, image-encoder

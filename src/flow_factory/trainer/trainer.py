@@ -31,7 +31,7 @@ from ..media import caption, plot_curves, sample_grid, save_grid
 from ..models import get_adapter_class, load_adapter
 from ..models.lora import apply_lora, component_targets
 from ..models.preflight import check_before_loading, check_experts
-from ..prompt_cache import PromptCache
+from ..prompt_cache import ConditionCache, PromptCache
 from ..rewards import RewardSet
 from ..rewards.base import parse_dtype
 from ..sampling import (Rollouts, SamplingSettings, collect_rollouts, condition_size, load_split, sample_prompts,
@@ -114,6 +114,8 @@ class Trainer:
         if model.attn_backend is not None:  # the name is checked before loading (models/preflight.py)
             self.adapter.set_attention_backend(model.attn_backend)
         self.prompt_cache = self._cache_prompts() if cfg.data.enable_preprocess else None
+        self.condition_cache = (self._cache_conditions() if cfg.data.enable_preprocess and
+                                self.adapter.condition_inputs else None)
         self.dynamics = make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level)
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
         self.params = self._make_trainable()
@@ -193,6 +195,25 @@ class Trainer:
         self.adapter.release_text_encoders(cfg.data.text_encoders_after_preprocess)
         return cache
 
+    def _train_settings(self, **overrides) -> SamplingSettings:
+        train = self.cfg.train
+        height, width = self.train_size
+        return SamplingSettings(height, width, train.num_frames, train.num_inference_steps, train.guidance_scale,
+                                train.per_device_batch_size, self.seed, condition_size=condition_size(train),
+                                **overrides)
+
+    def _cache_conditions(self) -> ConditionCache:
+        """A conditioned model's condition files encoded once, for the sizes train and eval prepare them at."""
+        cfg, acc = self.cfg, self.accelerator
+        train, test = self._train_settings().geometry, SamplingSettings.for_eval(cfg.eval, self.eval_size).geometry
+        requests = [(it, train) for it in self.train_prompts] + [(it, test) for it in self.test_prompts]
+        local = cfg.data.preprocess_parallelism == "local"
+        share = ((acc.local_process_index, acc.num_processes // cfg.num_machines, acc.is_local_main_process)
+                 if local else (acc.process_index, acc.num_processes, acc.is_main_process))
+        with acc.autocast():  # as the rollout would encode them
+            return ConditionCache.build(self.adapter, requests, cfg.data.cache_dir, cfg.data.preprocessing_batch_size,
+                                        force=cfg.data.force_reprocess, share=share, barrier=acc.wait_for_everyone)
+
     def _from_main(self, fn):
         """``fn()`` on the main process, its result (or its RunFolderError) on every process."""
         result = error = None
@@ -258,17 +279,15 @@ class Trainer:
         indices, group_ids = self.sampler.draw(epoch)
         share = self._local_share(len(indices))
         sample_ids = list(range(len(indices)))[share]
-        height, width = self.train_size
         sde_steps = None
         if self.dynamics.stochastic:
             sde_steps = choose_sde_steps(train.num_inference_steps, cfg.sde_step_candidates,
                                          cfg.scheduler.num_sde_steps, generator("window", cfg.scheduler.seed, epoch))
-        settings = SamplingSettings(height, width, train.num_frames, train.num_inference_steps, train.guidance_scale,
-                                    train.per_device_batch_size, self.seed, sde_steps, train.same_latent,
-                                    record_means=self.algorithm.records_step_means,
-                                    storage_dtype=self.latent_storage_dtype, offload=train.offload_samples_to_cpu,
-                                    keep_states=tuple(self.algorithm.kept_states(train.num_inference_steps, sde_steps)),
-                                    condition_size=condition_size(train))
+        settings = self._train_settings(sde_steps=sde_steps, same_latent=train.same_latent,
+                                        record_means=self.algorithm.records_step_means,
+                                        storage_dtype=self.latent_storage_dtype, offload=train.offload_samples_to_cpu,
+                                        keep_states=tuple(self.algorithm.kept_states(train.num_inference_steps,
+                                                                                     sde_steps)))
         if self.rollout_weights is not None:
             self.rollout_weights.copy_from_params()  # NFT / AWM's old policy: the weights sampled with
         # off_policy: the rollout samples with the EMA weights while the current policy trains
@@ -279,7 +298,8 @@ class Trainer:
             rollouts = collect_rollouts(
                 self.adapter, self.dynamics, [self.train_prompts[i] for i in indices[share]], group_ids[share],
                 sample_ids, settings, epoch=epoch, reward_set=self.rewards, timer=self.timer,
-                autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache)
+                autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache,
+                condition_cache=self.condition_cache)
         return rollouts
 
     def compute_advantages(self, rollouts: Rollouts, epoch: int) -> torch.Tensor | None:
@@ -337,7 +357,8 @@ class Trainer:
         try:  # what ff-eval samples for the same config: its numbers agree with these
             rollouts = sample_prompts(self.adapter, items[share], SamplingSettings.for_eval(ev, self.eval_size),
                                       sample_ids=list(range(len(items)))[share], reward_set=self.eval_rewards,
-                                      autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache)
+                                      autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache,
+                                      condition_cache=self.condition_cache)
         finally:
             self.adapter.guidance_scale_2 = self.cfg.train.guidance_scale_2
         scores = rollouts.rewards
