@@ -61,6 +61,7 @@ def problem_of(data=None, overrides=()) -> str:
     ("wan22_t2v_a14b_grpo_lora.yaml", 64, 64, 32),
     ("flux2_grpo_lora.yaml", 96, 96, 48),
     ("flux2_klein_grpo_lora.yaml", 96, 96, 48),
+    ("flux1_kontext_grpo_lora.yaml", 96, 96, 48),
 ])
 def test_examples_load_with_the_batch_arithmetic_their_comments_state(name, batches, micro, accumulation):
     cfg = load_config(EXAMPLES / name)
