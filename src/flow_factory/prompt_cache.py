@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 from tqdm.auto import tqdm
 
+from .data import read_image, read_video
 from .models.base import Conditioning
 
 logger = logging.getLogger(__name__)
@@ -227,8 +228,6 @@ def condition_key(item, geometry: Geometry) -> str:
 
 def condition_media(adapter, items: list, geometry: Geometry):
     """``prepare_conditions`` of the rows ``items`` (their files read) for ``geometry``."""
-    from .data import read_image, read_video
-
     takes = adapter.condition_inputs
     images = [[read_image(f) for f in it.images] for it in items] if "images" in takes else None
     videos = [[read_video(f) for f in it.videos] for it in items] if "videos" in takes else None

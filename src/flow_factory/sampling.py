@@ -2,7 +2,9 @@
 
 One module for every caller: the Trainer's rollouts (any dynamics, an SDE window) and
 its eval, ``ff-sample``, ``ff-eval`` and the scripts. What a call samples is one
-``SamplingSettings``; the denoising loop itself is ``rollout.sample_trajectory``.
+``SamplingSettings``; the denoising loop itself is ``rollout.sample_trajectory``. A conditioned
+model's condition files are read and encoded once per distinct row of a batch (``_conditions``),
+and the rewards get them, with each row's metadata, beside the samples.
 
 Every draw is seeded by what it is for (``seeding.py``): sample ``i``'s initial noise by
 ``(seed, epoch, i)`` (eval and the CLIs use epoch -1), so the eval of a run and

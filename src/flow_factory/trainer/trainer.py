@@ -186,14 +186,20 @@ class Trainer:
         cfg, acc = self.cfg, self.accelerator
         items = ([(it.prompt, it.negative_prompt, cfg.train.guidance_scale) for it in self.train_prompts]
                  + [(it.prompt, it.negative_prompt, cfg.eval.guidance_scale) for it in self.test_prompts])
-        local = cfg.data.preprocess_parallelism == "local"  # each machine encodes into its own cache_dir
-        share = ((acc.local_process_index, acc.num_processes // cfg.num_machines, acc.is_local_main_process)
-                 if local else (acc.process_index, acc.num_processes, acc.is_main_process))
         with acc.autocast():  # as the rollout would encode them
             cache = PromptCache.build(self.adapter, items, cfg.data.cache_dir, cfg.data.preprocessing_batch_size,
-                                      force=cfg.data.force_reprocess, share=share, barrier=acc.wait_for_everyone)
+                                      **self._cache_share())
         self.adapter.release_text_encoders(cfg.data.text_encoders_after_preprocess)
         return cache
+
+    def _cache_share(self) -> dict:
+        """Who builds the caches: the processes of each machine into its own cache_dir (local), or all of them
+        into a shared one (global); each encodes its share of what is missing."""
+        cfg, acc = self.cfg, self.accelerator
+        local = cfg.data.preprocess_parallelism == "local"
+        share = ((acc.local_process_index, acc.num_processes // cfg.num_machines, acc.is_local_main_process)
+                 if local else (acc.process_index, acc.num_processes, acc.is_main_process))
+        return dict(force=cfg.data.force_reprocess, share=share, barrier=acc.wait_for_everyone)
 
     def _train_settings(self, **overrides) -> SamplingSettings:
         train = self.cfg.train
@@ -207,12 +213,9 @@ class Trainer:
         cfg, acc = self.cfg, self.accelerator
         train, test = self._train_settings().geometry, SamplingSettings.for_eval(cfg.eval, self.eval_size).geometry
         requests = [(it, train) for it in self.train_prompts] + [(it, test) for it in self.test_prompts]
-        local = cfg.data.preprocess_parallelism == "local"
-        share = ((acc.local_process_index, acc.num_processes // cfg.num_machines, acc.is_local_main_process)
-                 if local else (acc.process_index, acc.num_processes, acc.is_main_process))
         with acc.autocast():  # as the rollout would encode them
             return ConditionCache.build(self.adapter, requests, cfg.data.cache_dir, cfg.data.preprocessing_batch_size,
-                                        force=cfg.data.force_reprocess, share=share, barrier=acc.wait_for_everyone)
+                                        **self._cache_share())
 
     def _from_main(self, fn):
         """``fn()`` on the main process, its result (or its RunFolderError) on every process."""
