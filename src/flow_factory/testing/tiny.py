@@ -6,7 +6,9 @@ tokenizers, same VAE layout and scheduler) at a few hundred kilobytes, so tests
 code paths without downloading weights. Every build is seeded: the same call gives
 the same weights, byte for byte, without touching the caller's global RNG.
 
-Sizes that matter to callers: images 64x64 (latents 16x8x8); Wan videos of
+Sizes that matter to callers: images 64x64 (latents 16x8x8; FLUX.1 Kontext's condition
+images any size in multiples of 16, the pipeline called with ``max_area`` = height x width and
+``_auto_resize=False`` to keep them); Wan videos of
 ``1 + 4k`` frames at multiples of 16 pixels (e.g. 5 frames at 32x32 -> latents
 16x2x4x4). The Qwen tokenizers (Qwen-Image, Z-Image) have no merges: every byte is a
 token, so a prompt with its chat template is a few hundred tokens.
