@@ -93,3 +93,10 @@ def tiny_hunyuan_video15_path(tmp_path_factory):
 def tiny_ltx2_path(tmp_path_factory):
     """Folder of a tiny LTX2Pipeline (model_type "ltx2_t2av"): video with audio; 9 frames at 32x32."""
     return _build(tmp_path_factory, "ltx2_t2av")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_kontext_path(tmp_path_factory):
+    """Folder of a tiny FluxKontextPipeline (model_type "flux1-kontext"); 64x64 images, condition images of any
+    size in multiples of 16."""
+    return _build(tmp_path_factory, "flux1-kontext")

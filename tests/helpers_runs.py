@@ -22,6 +22,39 @@ TINY_MODELS = {
 }
 
 
+# conditioned models: (fixture, resolution, num_frames, guidance); their datasets name condition files
+CONDITIONED_MODELS = {
+    "flux1-kontext": ("tiny_flux_kontext_path", 64, None, 2.5),
+}
+# the condition images of the conditioned datasets: (width, height), as the files are, and an RGB colour
+CONDITION_IMAGES = {"red.png": ((83, 50), (200, 30, 30)), "green.png": ((83, 50), (30, 200, 30)),
+                    "blue.png": ((83, 50), (30, 30, 200))}
+
+
+def write_condition_image(path: Path, size: tuple[int, int], colour: tuple[int, int, int], seed: int = 0) -> Path:
+    """A colour with a little noise (so resizing it is not trivial), saved as PNG."""
+    import numpy as np
+    from PIL import Image
+
+    noise = np.random.default_rng(seed).integers(-30, 30, (size[1], size[0], 3))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.clip(np.array(colour) + noise, 0, 255).astype(np.uint8)).save(path)
+    return path
+
+
+def write_conditioned_dataset(folder: Path) -> Path:
+    """train.jsonl / test.jsonl whose rows each name a condition image under images/, and a metadata key."""
+    import json
+
+    names = list(CONDITION_IMAGES)
+    for i, (name, (size, colour)) in enumerate(CONDITION_IMAGES.items()):
+        write_condition_image(folder / "images" / name, size, colour, seed=i)
+    for split, prompts in (("train", TRAIN_PROMPTS), ("test", TEST_PROMPTS)):
+        rows = [{"prompt": f"make it {p}", "image": names[i % len(names)], "row": i} for i, p in enumerate(prompts)]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
 def write_dataset(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "train.txt").write_text("\n".join(TRAIN_PROMPTS) + "\n")
@@ -30,10 +63,12 @@ def write_dataset(folder: Path) -> Path:
 
 
 def tiny_run_config(tmp: Path, model_type: str, model_path, **train) -> dict:
-    _, resolution, frames, guidance = TINY_MODELS[model_type]
+    """A tiny run of ``model_type`` (``TINY_MODELS`` or ``CONDITIONED_MODELS``, with its condition dataset)."""
+    _, resolution, frames, guidance = {**TINY_MODELS, **CONDITIONED_MODELS}[model_type]
+    write = write_conditioned_dataset if model_type in CONDITIONED_MODELS else write_dataset
     return {
         "seed": 7,
-        "data": {"dataset_dir": str(write_dataset(tmp / "data")), "cache_dir": str(tmp / "prompt_cache")},
+        "data": {"dataset_dir": str(write(tmp / "data")), "cache_dir": str(tmp / "prompt_cache")},
         "model": {"model_name_or_path": str(model_path), "model_type": model_type, "finetune_type": "lora",
                   "lora_rank": 4, "lora_alpha": 8},
         "scheduler": {"dynamics_type": "Flow-SDE", "noise_level": 0.7, "seed": 3},

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from flow_factory.data import EpochSampler, PromptItem, load_prompts
+from flow_factory.data import EpochSampler, PromptFileError, PromptItem, load_prompts
 
 
 def write(path, text):
@@ -24,11 +24,14 @@ def test_txt_one_prompt_a_line_trailing_newlines_are_fine(tmp_path):
 
 
 def test_jsonl_with_negative_prompts_and_extra_keys(tmp_path):
-    rows = [{"prompt": "a cat", "negative_prompt": "blurry"}, {"prompt": "a dog", "tag": "animals"},
+    """Keys other than the prompt's and the condition files' are the row's metadata (rewards may ask for it)."""
+    rows = [{"prompt": "a cat", "negative_prompt": "blurry"}, {"prompt": "a dog", "tag": "animals", "n": [1, 2]},
             {"prompt": "a fox", "negative_prompt": None}]
     write(tmp_path / "test.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n")
-    assert load_prompts(tmp_path, split="test") == [PromptItem("a cat", "blurry"), PromptItem("a dog"),
-                                                    PromptItem("a fox")]
+    items = load_prompts(tmp_path, split="test")
+    assert items == [PromptItem("a cat", "blurry"), PromptItem("a dog", metadata={"tag": "animals", "n": [1, 2]}),
+                     PromptItem("a fox")]
+    assert items[1].source == f"{tmp_path / 'test.jsonl'}:2"
 
 
 def test_jsonl_wins_over_txt_and_max_size_keeps_the_first(tmp_path):
@@ -110,3 +113,128 @@ def test_sampler_errors():
         EpochSampler(3, 4, 2)
     with pytest.raises(ValueError, match="group_size"):
         EpochSampler(3, 2, 0)
+
+
+# --- condition files (conditioned models) ---------------------------------------------------
+
+
+def image_file(path, size=(24, 16), frames=1):
+    """A PNG (or, with frames > 1, an animated GIF) of ``size`` (width, height)."""
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pictures = [Image.new("RGB", size, (40 * i, 100, 200)) for i in range(frames)]
+    pictures[0].save(path, save_all=frames > 1, append_images=pictures[1:])
+    return path
+
+
+def jsonl(path, *rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_rows_name_condition_files_under_images_and_videos(tmp_path):
+    image_file(tmp_path / "images" / "a.png")
+    image_file(tmp_path / "images" / "sub" / "b.png", size=(32, 8))
+    image_file(tmp_path / "videos" / "clip.gif", frames=3)
+    elsewhere = image_file(tmp_path / "abs.png")
+    jsonl(tmp_path / "train.jsonl", {"prompt": "one", "image": "a.png"},
+          {"prompt": "two", "images": ["sub/b.png", str(elsewhere)], "video": "clip.gif", "score": 0.5},
+          {"prompt": "three", "images": []})
+    one, two, three = load_prompts(tmp_path)
+    assert [f.path for f in one.images] == [tmp_path / "images" / "a.png"] and one.images[0].size == (24, 16)
+    assert [f.path for f in two.images] == [tmp_path / "images" / "sub" / "b.png", elsewhere]
+    assert two.images[0].aspect_ratio == 8 / 32
+    assert [(f.path.name, f.frames) for f in two.videos] == [("clip.gif", 3)]
+    assert two.metadata == {"score": 0.5} and three.images == () and three.metadata == {}
+    assert one.condition_key != two.condition_key
+
+
+def test_image_dir_and_video_dir_move_the_folders(tmp_path):
+    image_file(tmp_path / "pics" / "a.png")
+    jsonl(tmp_path / "data" / "train.jsonl", {"prompt": "one", "image": "a.png"})
+    item, = load_prompts(tmp_path / "data", image_dir=tmp_path / "pics")
+    assert item.images[0].path == tmp_path / "pics" / "a.png"
+
+
+@pytest.mark.parametrize("row, make, message", [
+    ({"image": "gone.png"}, None, "image 'gone.png' ({images}/gone.png) not found"),
+    ({"image": "text.png"}, "text", "image 'text.png' ({images}/text.png) cannot be read as an image or animation"),
+    ({"image": "clip.mp4"}, "mp4", "image 'clip.mp4' ({images}/clip.mp4) is a .mp4 video, not an image; list it "
+                                   "under 'video'"),
+    ({"image": "anim.gif"}, "anim", "image 'anim.gif' ({images}/anim.gif) has 3 frames: a video, not an image; "
+                                    "list it under 'video'"),
+    ({"image": "sub"}, "dir", "image 'sub' ({images}/sub) not a file"),
+    ({"video": "still.png"}, "still", "video 'still.png' ({videos}/still.png) is a single image, not a video; list "
+                                      "it under 'image'"),
+    ({"video": "clip.mp4"}, "mp4", "video 'clip.mp4' ({videos}/clip.mp4) cannot be read: a .mp4 video, which Pillow "
+                                   "does not decode; give videos as animated GIF, WebP or PNG"),
+    ({"image": "a.png", "images": ["a.png"]}, None, "both 'image' and 'images'; give one of them"),
+    ({"images": ["a.png", 3]}, None, "'images' must be a path or a list of paths, got ['a.png', 3]"),
+])
+def test_a_bad_condition_file_names_the_file_and_the_line(tmp_path, row, make, message):
+    for folder in ("images", "videos"):
+        target = tmp_path / folder
+        if make == "text":
+            target.mkdir(exist_ok=True)
+            write(target / "text.png", "not a picture")
+        elif make == "mp4":
+            target.mkdir(exist_ok=True)
+            (target / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+        elif make == "anim":
+            image_file(target / "anim.gif", frames=3)
+        elif make == "dir":
+            (target / "sub").mkdir(parents=True)
+        elif make == "still":
+            image_file(target / "still.png")
+    path = jsonl(tmp_path / "train.jsonl", {"prompt": "fine"}, {"prompt": "bad", **row})
+    with pytest.raises(PromptFileError) as info:
+        load_prompts(tmp_path)
+    expected = message.format(images=tmp_path / "images", videos=tmp_path / "videos")
+    assert str(info.value).startswith(f"{path}:2: {expected}"), str(info.value)
+
+
+def test_rows_past_max_size_are_not_opened(tmp_path):
+    image_file(tmp_path / "images" / "a.png")
+    jsonl(tmp_path / "train.jsonl", {"prompt": "one", "image": "a.png"}, {"prompt": "two", "image": "gone.png"})
+    assert [it.prompt for it in load_prompts(tmp_path, max_size=1)] == ["one"]
+    with pytest.raises(PromptFileError, match="gone.png"):
+        load_prompts(tmp_path)
+
+
+@pytest.mark.parametrize("row, takes, message", [
+    ({}, ("images",), "flux1-kontext takes 1 condition images per prompt ('image' / 'images'), the row names 0"),
+    ({"images": ["a.png", "a.png"]}, ("images",),
+     "flux1-kontext takes 1 condition images per prompt ('image' / 'images'), the row names 2"),
+    ({"video": "clip.gif"}, ("images",), "flux1-kontext generates from condition images, but the row names 1 "
+                                         "condition videos ('video')"),
+    ({"image": "a.png"}, (), "flux1-kontext generates from text alone, but the row names 1 condition images "
+                             "('image'); remove them, or use a model that takes them"),
+])
+def test_rows_must_give_what_the_model_takes(tmp_path, row, takes, message):
+    from flow_factory.data.conditions import check_conditions
+
+    image_file(tmp_path / "images" / "a.png")
+    image_file(tmp_path / "videos" / "clip.gif", frames=2)
+    path = jsonl(tmp_path / "train.jsonl", {"prompt": "p", **row})
+    with pytest.raises(PromptFileError, match=re.escape(f"{path}:1: {message}")):
+        check_conditions(load_prompts(tmp_path), "flux1-kontext", takes, (1, 1))
+
+
+def test_auto_resize_takes_the_conditions_aspect_ratio_at_the_area_of_resolution(tmp_path):
+    from flow_factory.data.conditions import generated_size
+
+    for name, size in (("wide.png", (83, 50)), ("also.png", (166, 100)), ("tall.png", (50, 83))):
+        image_file(tmp_path / "images" / name, size=size)
+    rows = [{"prompt": "p", "image": "wide.png"}, {"prompt": "q", "image": "also.png"}]
+    path = jsonl(tmp_path / "train.jsonl", *rows)
+    items = load_prompts(tmp_path)
+    assert generated_size(items, (64, 64), False, 16, "train.auto_resize") == (64, 64)
+    # 64 x 64 pixels at height / width = 50 / 83: 49.7 x 82.5, to multiples of 16
+    assert generated_size(items, (64, 64), True, 16, "train.auto_resize") == (48, 80)
+    jsonl(tmp_path / "train.jsonl", *rows, {"prompt": "r", "image": "tall.png"})
+    with pytest.raises(PromptFileError, match=re.escape(
+            f"{path}:3: train.auto_resize generates at the condition's aspect ratio, and the samples of a run share "
+            f"one size, but tall.png is 50x83 (width x height) where wide.png ({path}:1) is 83x50; set "
+            "train.auto_resize: false")):
+        generated_size(load_prompts(tmp_path), (64, 64), True, 16, "train.auto_resize")

@@ -207,7 +207,7 @@ def test_a_pipeline_no_adapter_loads_lists_those_that_do(tmp_path):
         "StableDiffusion3Pipeline; no adapter loads it; the adapters load StableDiffusion3Pipeline (sd3-5), "
         "FluxPipeline (flux1), WanPipeline (wan2_t2v), QwenImagePipeline (qwen-image), ZImagePipeline (z-image), "
         "Flux2Pipeline (flux2), Flux2KleinPipeline (flux2-klein), HunyuanVideo15Pipeline (hunyuanvideo15), "
-        "LTX2Pipeline (ltx2_t2av)")
+        "LTX2Pipeline (ltx2_t2av), FluxKontextPipeline (flux1-kontext)")
 
 
 WAN = ["diffusers", "WanTransformer3DModel"]

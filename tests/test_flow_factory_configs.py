@@ -101,9 +101,29 @@ def test_the_awm_block():
 
 
 def test_a_key_flow_factory_has_and_we_do_not_says_why():
-    with pytest.raises(ConfigError, match="train.condition_image_size: not taken here: "
+    with pytest.raises(ConfigError, match="train.ema_ref_device: not taken here: Flow-Factory's fast old-policy EMA"):
+        parse_config(run(train={"ema_ref_device": "cpu"}))
+
+
+def test_kontext_examples_condition_keys_load_with_their_meaning():
+    """examples/grpo/lora/flux1_kontext/default.yaml sets train / eval.condition_image_size; its earlier layout
+    (examples/grpo/lora/flux1_kontext.yaml) sets data.condition_image_size for both splits;
+    qwen_image_edit_plus/default.yaml sets train / eval.auto_resize. On a text-to-image model they are errors."""
+    kontext = {"model_type": "flux1-kontext"}
+    cfg = parse_config(run(model=kontext, train={"condition_image_size": 384, "auto_resize": True},
+                           eval={"condition_image_size": 512}))
+    assert (cfg.train.condition_image_size, cfg.eval.condition_image_size) == (384, 512)
+    assert cfg.train.auto_resize is True and cfg.eval.auto_resize is True  # eval's null is train's
+    earlier = parse_config(run(model=kontext, data={"condition_image_size": [512, 512]}))
+    assert earlier.train.condition_image_size == earlier.eval.condition_image_size == [512, 512]
+    own = parse_config(run(model=kontext, data={"condition_image_size": 512}, eval={"condition_image_size": 256}))
+    assert (own.train.condition_image_size, own.eval.condition_image_size) == (512, 256)
+    with pytest.raises(ConfigError, match=r"train.condition_image_size: flux1-kontext needs height and width in "
+                                          r"multiples of 16 .*, got 500; nearest valid: 496 or 512"):
+        parse_config(run(model=kontext, train={"condition_image_size": 500}))
+    with pytest.raises(ConfigError, match="eval.auto_resize: sd3-5 generates from text alone; the key is for "
                                           "conditioned models"):
-        parse_config(run(train={"condition_image_size": 512}))
+        parse_config(run(eval={"auto_resize": False}))
 
 
 # ----------------------------------------------------------------------- defaults

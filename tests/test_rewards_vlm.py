@@ -6,6 +6,7 @@ import re
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import uvicorn
@@ -132,3 +133,38 @@ def test_missing_settings_are_named():
         RewardSet.from_configs([{"reward_model": "vllm_evaluate", "vlm_model": "m"}])
     with pytest.raises(ValueError, match="set vlm_model"):
         RewardSet.from_configs([{"reward_model": "vllm_evaluate", "api_base_url": "http://127.0.0.1:1/v1"}])
+
+
+def test_rational_rewards_edit_judges_a_kontext_run_from_source_and_edit(api, tmp_path, tiny_flux_kontext_path):
+    """End to end on an editing model: ff-train samples FLUX.1 Kontext edits of the dataset's source images;
+    every judge request holds the source as the model saw it (resized to condition_image_size), then the edit,
+    and the epoch's reward is the one the rubric reply gives by hand."""
+    import base64
+    import io
+    import json
+
+    from helpers_runs import tiny_run_config, write_config
+    from PIL import Image
+
+    from flow_factory.train import main as ff_train
+
+    config = tiny_run_config(tmp_path, "flux1-kontext", tiny_flux_kontext_path, max_epochs=1,
+                             condition_image_size=[48, 80])
+    config["eval"]["eval_freq"] = 0
+    config["rewards"] = [{"name": "edit", "reward_model": "rational_rewards_edit", "api_base_url": api,
+                          "vlm_model": "tiny-vl"}]
+    train = tmp_path / "data" / "train.jsonl"
+    rows = [{**json.loads(line), "prompt": "make it red"} for line in train.read_text().splitlines()]
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ff_train([str(write_config(tmp_path, config))]) == 0
+
+    images = tmp_path / "data" / "images"
+    sources = [np.asarray(Image.open(f).convert("RGB").resize((80, 48), Image.LANCZOS)) for f in images.iterdir()]
+    history = json.loads((tmp_path / "saves" / "run" / "history.json").read_text())["train"]
+    assert history[0]["reward/edit/mean"] == pytest.approx((7 / 9 + 9 / 9 + 5 / 9) / 3)
+    assert len(REQUESTS) == 4  # 2 prompts x group 2
+    for body in REQUESTS:
+        source, edit = (Image.open(io.BytesIO(base64.b64decode(part["image_url"]["url"].split(",", 1)[1])))
+                        for part in body["messages"][0]["content"][:2])
+        assert edit.size == (64, 64)
+        assert any(np.array_equal(np.asarray(source.convert("RGB")), s) for s in sources)  # a row's own source

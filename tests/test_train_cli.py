@@ -64,7 +64,8 @@ def test_ff_train_runs_and_writes_a_loadable_lora(request, tmp_path, model_type,
                 "advantage/std", "time/sampling", "time/training", "time/other"):
         assert key in history["train"][-1], key
     assert (run_dir / "reward_curve.png").exists()
-    assert (run_dir / "samples" / "eval_epoch_0000.png").exists()
+    grid = "eval_epoch_0000" + (".gif" if get_adapter_class(model_type).is_video else ".png")  # videos animate
+    assert (run_dir / "samples" / grid).exists()
 
     lora_dir = run_dir / "checkpoints" / f"epoch_{epochs}"
     assert (lora_dir / "pytorch_lora_weights.safetensors").exists()

@@ -195,7 +195,7 @@ def test_ff_sample_takes_guidance_scale_2(request, tmp_path, capsys):
         out = tmp_path / scale
         assert ff_sample([str(request.getfixturevalue("tiny_wan22_path")), *common, "--guidance-scale-2", scale,
                           "--out", str(out)]) == 0
-        frames.append(np.asarray(Image.open(out / "0000.png")))
+        frames.append(np.asarray(Image.open(out / "0000.gif").convert("RGB")))  # a video: an animated GIF
     assert not np.array_equal(*frames)
     assert ff_sample([str(request.getfixturevalue("tiny_wan_path")), *common, "--guidance-scale-2", "2",
                       "--out", str(tmp_path / "x")]) == 2

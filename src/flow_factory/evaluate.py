@@ -27,7 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="section.key=value, value parsed as YAML")
     p.add_argument("--checkpoint", help="an ff-train checkpoint folder (LoRA or full transformer)")
     p.add_argument("--out", help="JSON path (default: eval.json in the checkpoint folder, else the run folder)")
-    p.add_argument("--grid", help="also save a grid of the first 16 samples to this PNG")
+    p.add_argument("--grid", help="also save a grid of the first 16 samples to this PNG (a GIF for a video model)")
     return p.parse_args(argv)
 
 
@@ -47,14 +47,16 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
 
 def evaluate_config(cfg, checkpoint=None):
     """(summary, rollouts) of ``cfg``'s eval rewards on its test prompts."""
-    from .data import load_prompts
     from .rewards import RewardSet
     from .checkpoint import load_for_sampling
-    from .prompt_cache import PromptCache
-    from .sampling import SamplingSettings, sample_prompts
+    from .models import get_adapter_class
+    from .prompt_cache import ConditionCache, PromptCache
+    from .sampling import SamplingSettings, load_split, sample_prompts, split_size
 
     ev = cfg.eval
-    items = load_prompts(cfg.data.dataset_dir, "test", cfg.data.max_dataset_size)
+    adapter_cls = get_adapter_class(cfg.model.model_type)
+    items = load_split(cfg, "test", adapter_cls)  # as the Trainer's eval: the same checks and size
+    size = split_size(cfg, "eval", items, adapter_cls)
     items = items[: ev.num_samples] if ev.num_samples else items
     rewards = RewardSet.from_configs(cfg.eval_rewards or cfg.rewards)
     from .models.preflight import check_experts, check_reward_inputs
@@ -68,7 +70,10 @@ def evaluate_config(cfg, checkpoint=None):
         adapter.set_flow_shift(cfg.scheduler.flow_shift)
     # the run's prompt cache where it exists (the same embeddings its evaluation used); else encode
     cache = PromptCache.open(adapter, cfg.data.cache_dir) if cfg.data.enable_preprocess else None
-    rollouts = sample_prompts(adapter, items, SamplingSettings.for_eval(ev), reward_set=rewards, prompt_cache=cache)
+    conditions = (ConditionCache.open(adapter, cfg.data.cache_dir) if cfg.data.enable_preprocess and
+                  adapter.condition_inputs else None)
+    rollouts = sample_prompts(adapter, items, SamplingSettings.for_eval(ev, size), reward_set=rewards,
+                              prompt_cache=cache, condition_cache=conditions)
     return summarise(rollouts.rewards), rollouts
 
 
@@ -81,11 +86,12 @@ def main(argv=None) -> int:
         print(f"ff-eval: --checkpoint {args.checkpoint}: no such folder", file=sys.stderr)
         return 2
     from .checkpoint import CheckpointError
+    from .data import PromptFileError
     from .guards import NonFiniteError
 
     try:
         summary, rollouts = evaluate_config(cfg, args.checkpoint)
-    except (CheckpointError, NonFiniteError, FileNotFoundError) as e:
+    except (CheckpointError, NonFiniteError, FileNotFoundError, PromptFileError) as e:
         print(f"ff-eval: {e}", file=sys.stderr)
         return 2
     print(format_table(summary))
@@ -98,11 +104,12 @@ def main(argv=None) -> int:
                                "model": cfg.model.model_name_or_path, "rewards": summary, "samples": samples},
                               indent=1))
     if args.grid:
-        from .media import caption, sample_grid
+        from .media import caption, sample_grid, save_grid
 
         shown = min(16, len(samples))
         caps = [caption(s["prompt"], {k: v for k, v in s.items() if k != "prompt"}) for s in samples[:shown]]
-        sample_grid(rollouts.media[:shown], caps).save(args.grid)
+        conditions = rollouts.conditions.per_sample()[:shown] if rollouts.conditions else None
+        save_grid(sample_grid(rollouts.media[:shown], caps, conditions=conditions), args.grid)
     print(f"ff-eval: wrote {out}")
     return 0
 

@@ -1,4 +1,5 @@
-"""The prompt cache: every prompt's text conditioning, encoded once, read from disk after.
+"""The prompt cache: every prompt's text conditioning, encoded once, read from disk after; and for a
+conditioned model its condition files' encodings (``ConditionCache``), the same way.
 
 Flow-Factory's preprocessing (``data.enable_preprocess``): before training, each distinct
 (prompt, negative prompt, CFG or not) of the train and test splits is encoded once, in
@@ -29,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 from tqdm.auto import tqdm
 
+from .data import read_image, read_video
 from .models.base import Conditioning
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,8 @@ def entry_key(prompt: str, negative_prompt: str | None, cfg: bool) -> str:
 class PromptCache:
     """The shards of one fingerprint: ``lookup`` gives the conditioning of a batch of prompts."""
 
+    what = "prompt"  # for messages
+
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.index: dict[str, tuple[Path, list[str]]] = {}  # entry key -> (shard, its tensor names)
@@ -88,8 +92,19 @@ class PromptCache:
         """The cache holding every ``(prompt, negative_prompt, guidance_scale)`` of ``items``,
         encoding whatever is missing. ``share``: (this process's index, how many processes share
         the folder, whether this one tidies it); ``barrier``: waits for all of those processes."""
+        wanted = {}
+        for prompt, negative, guidance in items:
+            cfg = adapter.uses_cfg(guidance)
+            wanted.setdefault(entry_key(prompt, negative, cfg), (prompt, negative or "", guidance))
+        return cls._build(adapter, encoder_fingerprint(adapter), wanted, root, batch_size, force, share, barrier)
+
+    @classmethod
+    def _build(cls, adapter, fingerprint: str, wanted: dict, root, batch_size: int, force: bool,
+               share: tuple[int, int, bool], barrier) -> "PromptCache":
+        """The cache under ``root/fingerprint`` holding every entry of ``wanted`` (key -> what ``_encode``
+        encodes for it), each process encoding its share of the missing ones."""
         rank, world, main = share
-        cache = cls(Path(root).expanduser() / encoder_fingerprint(adapter))
+        cache = cls(Path(root).expanduser() / fingerprint)
         if main:
             cache.folder.mkdir(parents=True, exist_ok=True)
             if force:
@@ -98,17 +113,13 @@ class PromptCache:
             cache.scan(check=True, remove=True)  # once, here: what is written later is complete by construction
         barrier()
         cache.scan()
-        wanted = {}
-        for prompt, negative, guidance in items:
-            cfg = adapter.uses_cfg(guidance)
-            wanted.setdefault(entry_key(prompt, negative, cfg), (prompt, negative or "", guidance))
         missing = [v for k, v in wanted.items() if k not in cache.index]
         cache._encode(adapter, missing[rank::world], batch_size, f"{rank:03d}", show=main)
         barrier()
         cache.scan()
         absent = [v[0] for k, v in wanted.items() if k not in cache.index]
         if absent:
-            raise RuntimeError(f"prompt cache {cache.folder}: {len(absent)} prompts missing after encoding "
+            raise RuntimeError(f"{cls.what} cache {cache.folder}: {len(absent)} entries missing after encoding "
                                f"(e.g. {absent[0]!r}); is data.cache_dir shared by every process?")
         return cache
 
@@ -168,7 +179,10 @@ class PromptCache:
     def lookup(self, pairs: list[tuple[str, str | None]], cfg: bool, device) -> Conditioning | None:
         """The conditioning of ``pairs`` (prompt, negative prompt) stacked in order, on ``device``;
         None when one of them is not cached."""
-        keys = [entry_key(p, n, cfg) for p, n in pairs]
+        return self.rows([entry_key(p, n, cfg) for p, n in pairs], device)
+
+    def rows(self, keys: list[str], device) -> Conditioning | None:
+        """The entries ``keys`` stacked in order, on ``device``; None when one of them is not cached."""
         if not all(k in self.index for k in keys):
             return None
         names = self.index[keys[0]][1]
@@ -182,3 +196,90 @@ class PromptCache:
                 rows[name].append(handle.get_tensor(f"{key}.{name}"))
         return {name: torch.stack(values).to(device) for name, values in rows.items()}
 
+
+
+# --- conditioned models: the encodings of their condition files ----------------------------
+
+
+def condition_fingerprint(adapter) -> str:
+    """What a conditioned model's condition encodings depend on, hashed: the adapter class, the networks and
+    processors ``prepare_conditions`` / ``encode_conditions`` use (configs and weights)."""
+    h = hashlib.sha256(f"format {FORMAT} conditions {type(adapter).__name__}".encode())
+    for name, part in sorted(adapter.condition_encoders().items()):
+        config = getattr(part, "config", None)  # diffusers' and transformers' models and diffusers' processors
+        config = (config.to_dict() if hasattr(config, "to_dict") else dict(config) if config is not None
+                  else part.to_dict())  # transformers' image processors
+        config = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version",
+                                                               "_diffusers_version")}
+        h.update(f"{name} {type(part).__name__} {json.dumps(config, sort_keys=True, default=str)}".encode())
+        if isinstance(part, torch.nn.Module):
+            for key, tensor in part.state_dict().items():
+                h.update(f"{key} {tuple(tensor.shape)} {tensor.dtype} {weight_checksum(tensor)}".encode())
+    return "conditions-" + h.hexdigest()[:16]
+
+
+Geometry = tuple  # (height, width, num_frames, condition_size): what a condition is prepared for
+
+
+def condition_key(item, geometry: Geometry) -> str:
+    """An entry's key: the row's condition files (path, size in bytes, modification time: a changed file is
+    a new entry) and the geometry they are prepared for."""
+    files = [(str(f.path.resolve()), f.path.stat().st_size, f.path.stat().st_mtime_ns)
+             for f in (*item.images, *item.videos)]
+    return hashlib.sha256(json.dumps([files, list(geometry)], default=str).encode()).hexdigest()[:32]
+
+
+def condition_media(adapter, items: list, geometry: Geometry):
+    """``prepare_conditions`` of the rows ``items`` (their files read) for ``geometry``."""
+    takes = adapter.condition_inputs
+    images = [[read_image(f) for f in it.images] for it in items] if "images" in takes else None
+    videos = [[read_video(f) for f in it.videos] for it in items] if "videos" in takes else None
+    return adapter.prepare_conditions(images, videos, *geometry)
+
+
+class ConditionCache(PromptCache):
+    """A conditioned model's condition encodings (VAE latents, image-encoder states), one entry per row's
+    condition files and geometry, under ``data.cache_dir/conditions-<fingerprint>``: encoded once before
+    training, as the prompts are; ``lookup`` gives a batch's."""
+
+    what = "condition"
+
+    @classmethod
+    def build(cls, adapter, requests: list[tuple], root, batch_size: int, *, force: bool = False,
+              share: tuple[int, int, bool] = (0, 1, True), barrier=lambda: None) -> "ConditionCache":
+        """The cache holding every ``(item, geometry)`` of ``requests``, encoding whatever is missing."""
+        wanted = {}
+        for item, geometry in requests:
+            wanted.setdefault(condition_key(item, geometry), (item, geometry))
+        return cls._build(adapter, condition_fingerprint(adapter), wanted, root, batch_size, force, share, barrier)
+
+    @classmethod
+    def open(cls, adapter, root) -> "ConditionCache | None":
+        folder = Path(root).expanduser() / condition_fingerprint(adapter)
+        if not folder.is_dir():
+            return None
+        cache = cls(folder)
+        cache.scan(check=True)
+        return cache
+
+    def _encode(self, adapter, requests: list, batch_size: int, tag: str, show: bool) -> None:
+        by_geometry: dict[tuple, list] = {}
+        for item, geometry in requests:
+            by_geometry.setdefault(tuple(geometry), []).append(item)
+        bar = tqdm(total=len(requests), desc="encoding conditions", disable=not show or not requests)
+        for number, (geometry, items) in enumerate(by_geometry.items()):
+            for start in range(0, len(items), batch_size):
+                batch = items[start:start + batch_size]
+                media = condition_media(adapter, batch, geometry)
+                with torch.no_grad():
+                    cond = adapter.encode_conditions(media, *geometry[:3])
+                tensors = {f"{condition_key(it, geometry)}.{name}": value[i].detach().cpu().contiguous()
+                           for name, value in cond.items() for i, it in enumerate(batch)}
+                self._write(tensors, f"{tag}-c{number}-{start:07d}")
+                bar.update(len(batch))
+        bar.close()
+
+    def lookup(self, items: list, geometry: Geometry, device) -> Conditioning | None:
+        """The condition encodings of rows ``items`` for ``geometry``, stacked in order, on ``device``; None
+        when one of them is not cached."""
+        return self.rows([condition_key(it, geometry) for it in items], device)

@@ -1,10 +1,14 @@
-"""``ff-sample``: images from a pipeline (optionally with a training checkpoint) for given prompts.
+"""``ff-sample``: images or videos from a pipeline (optionally with a training checkpoint) for given prompts.
 
     ff-sample MODEL_DIR --prompts "a photo of a red circle" ... --out DIR
     ff-sample MODEL_DIR --checkpoint runs/x/checkpoints/epoch_8 --prompt-file prompts.txt --out DIR
+    ff-sample MODEL_DIR --model-type flux1-kontext --prompt-file edits.jsonl --out DIR
 
-Writes ``DIR/NNNN.png`` (one per sample), ``DIR/grid.png`` (every sample with its
-prompt) and ``DIR/samples.jsonl`` (``{"index", "prompt", "seed", "file"}`` a line).
+Writes ``DIR/NNNN.png`` (one per sample; a video as an animated ``NNNN.gif``), ``DIR/grid.png``
+(every sample with its prompt, beside its condition images; ``grid.gif`` for videos) and
+``DIR/samples.jsonl`` (``{"index", "prompt", "seed", "file"}`` a line). A conditioned model
+(flux1-kontext) takes its condition files from a jsonl prompt file's rows (``image``, relative to
+the file's folder's ``images/``).
 Sample ``i`` is drawn from the ODE with noise seeded by ``(seed, i)`` exactly as the
 Trainer's eval draws test prompt ``i``: the same seed gives the same images.
 """
@@ -21,8 +25,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ff-sample", description=__doc__.split("\n")[0])
     p.add_argument("model", help="a diffusers pipeline folder (or hub id)")
     p.add_argument("--model-type", default="sd3-5",
-                   help="the adapter: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2, flux2-klein, or your adapter "
-                   "class's dotted path")
+                   help="the adapter: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2, flux2-klein, flux1-kontext, "
+                   "or your adapter class's dotted path")
     p.add_argument("--checkpoint", help="an ff-train checkpoint folder (LoRA or full transformer)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", nargs="+", help="prompts, one sample each")
@@ -30,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--resolution", type=int, default=64)
     p.add_argument("--num-frames", type=int, default=None, help="video models only")
+    p.add_argument("--condition-image-size", type=int, default=None,
+                   help="conditioned models: the size condition images are resized to; default: --resolution")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--guidance-scale", type=float, default=1.0)
     p.add_argument("--guidance-scale-2", type=float, default=None,
@@ -51,10 +57,14 @@ def read_prompt_file(path: Path) -> list:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from .data.conditions import check_conditions
     from .data.prompts import PromptItem
+    from .models import get_adapter_class
 
     try:
         items = read_prompt_file(Path(args.prompt_file)) if args.prompt_file else [PromptItem(p) for p in args.prompts]
+        adapter_cls = get_adapter_class(args.model_type)
+        check_conditions(items, args.model_type, adapter_cls.condition_inputs, adapter_cls.conditions_per_sample)
     except (FileNotFoundError, ValueError) as e:
         print(f"ff-sample: {e}", file=sys.stderr)
         return 2
@@ -64,8 +74,8 @@ def main(argv=None) -> int:
 
     from .checkpoint import CheckpointError, load_for_sampling
     from .guards import NonFiniteError
-    from .media import sample_grid
-    from .rewards.base import images_to_pil
+    from .media import gif_bytes, sample_grid, save_grid
+    from .rewards.base import images_to_pil, videos_to_pil
     from .sampling import SamplingSettings, sample_prompts
 
     try:
@@ -77,21 +87,27 @@ def main(argv=None) -> int:
         print(f"ff-sample: --guidance-scale-2: {args.model} has one expert; remove the flag", file=sys.stderr)
         return 2
     adapter.guidance_scale_2 = args.guidance_scale_2
+    size = args.condition_image_size
     settings = SamplingSettings(args.resolution, args.resolution, args.num_frames, args.steps, args.guidance_scale,
-                                args.batch_size, args.seed)
+                                args.batch_size, args.seed, condition_size=None if size is None else (size, size))
     rollouts = sample_prompts(adapter, items, settings)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     media = rollouts.media
-    frames = media[:, media.shape[1] // 2] if adapter.is_video else media  # a video is saved by its middle frame
     rows = []
-    for i, (item, image) in enumerate(zip(items, images_to_pil(frames))):
-        name = f"{i:04d}.png"
-        image.save(out / name)
+    pictures = videos_to_pil(media) if adapter.is_video else images_to_pil(media)
+    for i, (item, picture) in enumerate(zip(items, pictures)):
+        if adapter.is_video:  # an animated GIF of every frame
+            name = f"{i:04d}.gif"
+            (out / name).write_bytes(gif_bytes(picture))
+        else:
+            name = f"{i:04d}.png"
+            picture.save(out / name)
         rows.append({"index": i, "prompt": item.prompt, "seed": args.seed, "file": name})
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    sample_grid(media, [it.prompt for it in items]).save(out / "grid.png")
-    print(f"ff-sample: {len(rows)} samples and grid.png in {out}")
+    conditions = rollouts.conditions.per_sample() if rollouts.conditions else None
+    grid = save_grid(sample_grid(media, [it.prompt for it in items], conditions=conditions), out / "grid")
+    print(f"ff-sample: {len(rows)} samples and {grid.name} in {out}")
     return 0
 
 

@@ -2,7 +2,9 @@
 
 One module for every caller: the Trainer's rollouts (any dynamics, an SDE window) and
 its eval, ``ff-sample``, ``ff-eval`` and the scripts. What a call samples is one
-``SamplingSettings``; the denoising loop itself is ``rollout.sample_trajectory``.
+``SamplingSettings``; the denoising loop itself is ``rollout.sample_trajectory``. A conditioned
+model's condition files are read and encoded once per distinct row of a batch (``_conditions``),
+and the rewards get them, with each row's metadata, beside the samples.
 
 Every draw is seeded by what it is for (``seeding.py``): sample ``i``'s initial noise by
 ``(seed, epoch, i)`` (eval and the CLIs use epoch -1), so the eval of a run and
@@ -17,8 +19,11 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
+from .data import load_prompts
+from .data.conditions import check_conditions, generated_size
 from .dynamics.ode import ODE
-from .models.base import Conditioning, cat_cond, index_cond
+from .models.base import ConditionMedia, Conditioning, cat_cond, index_cond
+from .prompt_cache import condition_media
 from .rollout import KeptStates, sample_trajectory
 from .seeding import generator, per_sample_noise
 from .timer import PhaseTimer
@@ -40,13 +45,45 @@ class SamplingSettings:
     storage_dtype: torch.dtype | None = None  # precision of the kept trajectory; None = float32
     offload: bool = False  # keep the trajectory and conditioning in CPU memory until a micro-batch needs them
     keep_states: tuple[int, ...] | None = None  # the trajectory states kept (0 noise .. T final); None = all
+    condition_size: tuple[int, int] | None = None  # (height, width) of condition images; None = the model's choice
+
+    @property
+    def geometry(self) -> tuple:
+        """What a conditioned model's conditions are prepared for (the condition cache's key)."""
+        return self.height, self.width, self.num_frames, self.condition_size
 
     @classmethod
-    def for_eval(cls, ev) -> "SamplingSettings":
-        """The ODE eval of an ``EvalConfig`` (the config has filled its nulls from ``train``)."""
-        height, width = ev.height_width
+    def for_eval(cls, ev, size: tuple[int, int] | None = None) -> "SamplingSettings":
+        """The ODE eval of an ``EvalConfig`` (the config has filled its nulls from ``train``); ``size``: the
+        (height, width) generated, when auto_resize made it other than ``eval.resolution``."""
+        height, width = size or ev.height_width
         return cls(height, width, ev.num_frames, ev.num_inference_steps, ev.guidance_scale,
-                   ev.per_device_batch_size, ev.seed, sde_steps=[], keep_trajectory=False)
+                   ev.per_device_batch_size, ev.seed, sde_steps=[], keep_trajectory=False,
+                   condition_size=condition_size(ev))
+
+
+def condition_size(section) -> tuple[int, int] | None:
+    """``condition_image_size`` of a train or eval config section as (height, width); None when unset."""
+    value = section.condition_image_size
+    return None if value is None else (value, value) if isinstance(value, int) else (value[0], value[-1])
+
+
+def load_split(cfg, split: str, adapter_cls) -> list:
+    """The prompts of ``split`` (train / test) with their condition files, checked against what the model of
+    ``adapter_cls`` takes: before it loads (PromptFileError naming the file and line)."""
+    data = cfg.data
+    items = load_prompts(data.dataset_dir, split, data.max_dataset_size, data.image_dir, data.video_dir)
+    check_conditions(items, cfg.model.model_type, adapter_cls.condition_inputs, adapter_cls.conditions_per_sample)
+    return items
+
+
+def split_size(cfg, section: str, items: list, adapter_cls) -> tuple[int, int]:
+    """The (height, width) the ``train`` or ``eval`` section generates ``items`` at: its resolution, or with
+    auto_resize (null: the model's default) its conditions' aspect ratio at that area."""
+    config = getattr(cfg, section)
+    auto = adapter_cls.auto_resize if config.auto_resize is None else config.auto_resize
+    return generated_size(items, config.height_width, auto and bool(adapter_cls.condition_inputs),
+                          adapter_cls.pixel_factor, f"{section}.auto_resize")
 
 
 @dataclass
@@ -64,17 +101,20 @@ class Rollouts(KeptStates):
     means: Tensor | None = None  # (N, T, *latent) step means, when recorded
     rewards: dict[str, Tensor] | None = None  # raw score per reward name, (N,)
     latent_steps: list[int] | None = None  # the states ``latents`` holds; None: all T + 1
+    conditions: ConditionMedia | None = None  # a conditioned model's condition media, as it saw them
 
 
 @torch.no_grad()
 def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_ids: list[int],
                      settings: SamplingSettings, *, epoch: int, reward_set=None, timer: PhaseTimer | None = None,
-                     autocast=nullcontext, prompt_cache=None) -> Rollouts:
-    """Sample ``items`` (``.prompt``, ``.negative_prompt``) in batches, decode, and score with ``reward_set``.
+                     autocast=nullcontext, prompt_cache=None, condition_cache=None) -> Rollouts:
+    """Sample ``items`` (``data.PromptItem``: prompt, negative prompt, a conditioned model's condition files,
+    metadata) in batches, decode, and score with ``reward_set``.
 
     ``sample_ids``: each item's global sample index (its noise seed); ``autocast``: a context
     factory for mixed precision (``accelerator.autocast``); ``prompt_cache``: a ``PromptCache``
-    that answers for the prompts it holds (the others are encoded)."""
+    that answers for the prompts it holds (the others are encoded); ``condition_cache``: a
+    ``ConditionCache`` that answers for a conditioned model's condition files likewise."""
     s, timer = settings, timer or PhaseTimer()
     sigmas = adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float()
     # async rewards start on each batch as soon as it is decoded; the rest score at the end
@@ -87,8 +127,12 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
         batch = items[start:start + s.batch_size]
         ids = sample_ids[start:start + s.batch_size]
         groups = group_ids[start:start + s.batch_size]
+        conditions = None
         with timer.phase("sampling"):
             cond = _conditioning(adapter, batch, s.guidance_scale, autocast, prompt_cache)
+            if adapter.condition_inputs:
+                conditions, condition_cond = _conditions(adapter, batch, s, autocast, condition_cache)
+                cond = {**cond, **condition_cond}
             keys = [("noise", s.seed, epoch, "group", int(g)) if s.same_latent else ("noise", s.seed, epoch, i)
                     for g, i in zip(groups.tolist(), ids)]
             noise = per_sample_noise(adapter, keys, s.height, s.width, s.num_frames)
@@ -106,10 +150,12 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
             if wants_audio:
                 waveforms, rate = adapter.decode_audio(traj.final)
                 audio = {"audios": waveforms.float().cpu(), "audio_sample_rate": rate}
-        chunks.append((traj, cond, media))
+        chunks.append((traj, cond, media, conditions))
         if job is not None:
             with timer.phase("reward"):
-                job.add([it.prompt for it in batch], **{media_key: media}, **audio)
+                shown = conditions or ConditionMedia()
+                job.add([it.prompt for it in batch], **{media_key: media}, condition_images=shown.images,
+                        condition_videos=shown.videos, metadata=[it.metadata for it in batch], **audio)
 
     trajs = [c[0] for c in chunks]
     keep = s.keep_trajectory
@@ -124,6 +170,7 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
         media=torch.cat([c[2] for c in chunks]),
         means=torch.cat([t.means for t in trajs]) if s.record_means else None,
         latent_steps=trajs[0].latent_steps,
+        conditions=ConditionMedia.concat([c[3] for c in chunks]) if adapter.condition_inputs else None,
     )
     if job is not None:
         with timer.phase("reward"):
@@ -134,12 +181,13 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
 
 def sample_prompts(adapter, items: list, settings: SamplingSettings, *, sample_ids: list[int] | None = None,
                    reward_set=None, timer: PhaseTimer | None = None, autocast=nullcontext,
-                   prompt_cache=None) -> Rollouts:
+                   prompt_cache=None, condition_cache=None) -> Rollouts:
     """ODE samples of ``items``, sample ``i`` seeded as the Trainer's eval seeds it (epoch -1)."""
     ids = list(range(len(items))) if sample_ids is None else list(sample_ids)
     settings = replace(settings, sde_steps=[], same_latent=False)
     return collect_rollouts(adapter, ODE(), items, torch.tensor(ids), ids, settings, epoch=-1,
-                            reward_set=reward_set, timer=timer, autocast=autocast, prompt_cache=prompt_cache)
+                            reward_set=reward_set, timer=timer, autocast=autocast, prompt_cache=prompt_cache,
+                            condition_cache=condition_cache)
 
 
 def _to_cpu(traj):
@@ -168,6 +216,24 @@ def _conditioning(adapter, batch: list, guidance_scale: float, autocast, prompt_
         if cond is not None:
             return cond
     return _encode_unique(adapter, batch, guidance_scale, autocast)
+
+
+def _conditions(adapter, batch: list, s: SamplingSettings, autocast,
+                condition_cache) -> tuple[ConditionMedia, Conditioning]:
+    """The batch's condition media and their conditioning: each distinct row's files read, resized and encoded
+    once (a group repeats its row), for every step of the rollout and the training that reads it; the
+    encoding comes from ``condition_cache`` when it holds it."""
+    keys = [it.condition_key for it in batch]
+    unique = list(dict.fromkeys(keys))
+    rows = [batch[keys.index(key)] for key in unique]
+    geometry = s.geometry
+    media = condition_media(adapter, rows, geometry)
+    cond = condition_cache.lookup(rows, geometry, adapter.device) if condition_cache is not None else None
+    if cond is None:
+        with autocast():
+            cond = adapter.encode_conditions(media, s.height, s.width, s.num_frames)
+    index = [unique.index(key) for key in keys]
+    return media.take(index), index_cond(cond, torch.tensor(index))
 
 
 def _encode_unique(adapter, batch: list, guidance_scale: float, autocast) -> Conditioning:

@@ -51,7 +51,8 @@ FIXED.update({f"{section}.{key}": fixed for section in ("train", "eval") for key
 OPTIMIZER_KEYS = {"learning_rate": "learning_rate", "weight_decay": "adam_weight_decay", "betas": "adam_betas",
                   "eps": "adam_epsilon", "max_grad_norm": "max_grad_norm"}
 # the single dataset of its newest layout (``data.datasets: [{...}]``) -> ours
-DATASET_KEYS = {"dataset_dir": "data.dataset_dir", "train.max_dataset_size": "data.max_dataset_size",
+DATASET_KEYS = {"dataset_dir": "data.dataset_dir", "image_dir": "data.image_dir", "video_dir": "data.video_dir",
+                "train.max_dataset_size": "data.max_dataset_size",
                 "eval.max_dataset_size": "eval.num_samples", "eval.resolution": "eval.resolution",
                 "eval.num_inference_steps": "eval.num_inference_steps", "eval.guidance_scale": "eval.guidance_scale"}
 
@@ -61,13 +62,9 @@ MOVED = {
     "train.num_noise_steps": "scheduler.num_sde_steps", "train.eval_args": "eval",
 }
 
-_CONDITIONED = ("conditioned models (image editing, image- and video-to-video: flux1-kontext, "
-                "qwen-image-edit-plus, wan2_i2v, wan2_v2v) are not in this version")
 _EMA_REF = ("Flow-Factory's fast old-policy EMA of dgpo (ema_ref) is not in this version: dgpo's clip_dsm / clip_kl "
             "compare with the weights the rollout sampled with (the EMA with off_policy); remove the key")
 NOT_HERE = {
-    "train.condition_image_size": _CONDITIONED, "eval.condition_image_size": _CONDITIONED,
-    "train.auto_resize": _CONDITIONED, "eval.auto_resize": _CONDITIONED,
     "train.ema_ref_max_decay": _EMA_REF, "train.ema_ref_ramp_rate": _EMA_REF, "train.ema_ref_device": _EMA_REF,
     "train.warmup_steps": "the EMA schedules here take flat_steps / ramp_rate (piecewise_linear, warmup_cosine); "
                           "use train.flat_steps for a warm-up",
@@ -130,6 +127,11 @@ def read_flow_factory_spellings(data: dict) -> dict:
             raise problem(f"optimizers[0]: unknown keys {unknown}; valid: name, {', '.join(OPTIMIZER_KEYS)}")
         for key, value in optimizer.items():
             _put(data, f"train.{OPTIMIZER_KEYS[key]}", value, f"optimizers[0].{key}")
+    found, size = _pop(data, "data.condition_image_size")
+    if found:  # Flow-Factory's earlier layout: one size for both splits, which eval's own key overrides
+        _put(data, "train.condition_image_size", size, "data.condition_image_size")
+        if "condition_image_size" not in (data.get("eval") or {}):
+            _put(data, "eval.condition_image_size", size, "data.condition_image_size")
     found, datasets = _pop(data, "data.datasets")
     if found:
         _read_dataset(data, _only_entry(datasets, "data.datasets", "one dataset per run here"))
@@ -213,8 +215,8 @@ def _read_dataset(data: dict, dataset: dict) -> None:
         dataset.update({f"{part}.{k}": v for k, v in inner.items()})
     unknown = sorted(set(dataset) - set(DATASET_KEYS))
     if unknown:
-        raise problem(f"data.datasets[0]: keys {unknown} are not taken here (condition images and videos are "
-                      f"not in this version); valid: name, {', '.join(DATASET_KEYS)}, train.weight")
+        raise problem(f"data.datasets[0]: keys {unknown} are not taken here; valid: name, "
+                      f"{', '.join(DATASET_KEYS)}, train.weight")
     for key, value in dataset.items():
         _put(data, DATASET_KEYS[key], value, f"data.datasets[0].{key}")
 

@@ -135,7 +135,7 @@ class Config(Section):
         if train.learning_rate is None:
             train.learning_rate = DEFAULT_LEARNING_RATE[self.model.finetune_type]
         for key in ("resolution", "num_frames", "num_inference_steps", "guidance_scale", "guidance_scale_2",
-                    "per_device_batch_size", "seed"):
+                    "per_device_batch_size", "seed", "condition_image_size", "auto_resize"):
             if getattr(ev, key) is None:
                 setattr(ev, key, getattr(train, key))
         if self.log.run_name is None:
@@ -209,7 +209,14 @@ class Config(Section):
         before loading (models/preflight.py), where its config files can be read."""
         name = self.model.model_type
         family = model_family(name)
-        sizes = (("train.resolution", self.train.resolution), ("eval.resolution", self.eval.resolution))
+        sizes = [("train.resolution", self.train.resolution), ("eval.resolution", self.eval.resolution)]
+        conditioned = [(f"{part}.{key}", getattr(section, key)) for part, section in (("train", self.train),
+                       ("eval", self.eval)) for key in ("condition_image_size", "auto_resize")
+                       if getattr(section, key) is not None]
+        if conditioned and not family.conditions:
+            return [f"{path}: {name} generates from text alone; the key is for conditioned models (flux1-kontext); "
+                    "remove it" for path, _ in conditioned]
+        sizes += [(path, value) for path, value in conditioned if path.endswith("condition_image_size")]
         found = (size_problem(key, value, family.pixel_factor, name, family.why)
                  for key, value in sizes if value is not None)
         return [line for line in found if line]

@@ -30,6 +30,8 @@ class ModelFamily:
     # the denoising networks a checkpoint of the family may have, as the pipeline names its components
     # (model.target_components); a multi-expert family lists every expert, the first the default
     components: tuple[str, ...] = ("transformer",)
+    # what a sample is generated from besides its prompt: ("images",) / ("videos",) for a conditioned model
+    conditions: tuple[str, ...] = ()
 
 
 MODEL_FAMILIES = {
@@ -44,6 +46,7 @@ MODEL_FAMILIES = {
     "flux2-klein": ModelFamily(16, "VAE x8, then 2x2 latent patchify"),
     "hunyuanvideo15": ModelFamily(16, "VAE x16, then 1x1 transformer patches", frame_factor=4),
     "ltx2_t2av": ModelFamily(32, "VAE x32, then 1x1 transformer patches", frame_factor=8),
+    "flux1-kontext": ModelFamily(16, "VAE x8, then 2x2 token packing", conditions=("images",)),
 }
 # what a user's adapter class (model.model_type: package.module.Class) sets, as the built-in ones do
 ADAPTER_CLASS_ATTRIBUTES = ("model_type", "pipeline_class", "pixel_factor", "default_lora_targets")
@@ -72,7 +75,8 @@ def model_family(model_type: str) -> ModelFamily:
     # a video adapter may declare frame_factor (num_frames = 1 + a multiple of it); 1 checks nothing
     frames = (getattr(cls, "frame_factor", None) or 1) if cls.is_video else None
     return ModelFamily(factor, f"{cls.__qualname__}.pixel_factor", frames,
-                       tuple(getattr(cls, "transformer_names", ("transformer",))))
+                       tuple(getattr(cls, "transformer_names", ("transformer",))),
+                       tuple(getattr(cls, "condition_inputs", ())))
 
 
 # Flow-Factory's sample placements, its legacy names and its newer ones
@@ -96,6 +100,8 @@ MODEL_TYPE_ALIASES = {
     "hunyuanvideo15": "hunyuanvideo15", "hunyuanvideo1.5": "hunyuanvideo15", "hunyuan-video-1.5": "hunyuanvideo15",
     "hunyuan_video15": "hunyuanvideo15", "hunyuanvideo-1.5": "hunyuanvideo15",
     "ltx2_t2av": "ltx2_t2av", "ltx2": "ltx2_t2av", "ltx-2": "ltx2_t2av",
+    "flux1-kontext": "flux1-kontext", "flux-kontext": "flux1-kontext", "flux-1-kontext": "flux1-kontext",
+    "kontext": "flux1-kontext", "flux1-kontext-dev": "flux1-kontext",
 }
 DYNAMICS_TYPES = ("Flow-SDE", "Dance-SDE", "CPS", "ODE", "DPM-Solver++2M")
 DYNAMICS_ALIASES = {"flow-sde": "Flow-SDE", "flowsde": "Flow-SDE", "dance-sde": "Dance-SDE",
@@ -105,9 +111,16 @@ DYNAMICS_ALIASES = {"flow-sde": "Flow-SDE", "flowsde": "Flow-SDE", "dance-sde": 
 
 class DataConfig(Section):
     dataset_dir: str = setting(description="folder of prompts: train.txt / train.jsonl (and test.* for eval)")
+    image_dir: str | None = setting(
+        None, "folder the jsonl rows' image / images paths are relative to (condition images); null = "
+        "dataset_dir/images")
+    video_dir: str | None = setting(
+        None, "folder the jsonl rows' video / videos paths are relative to (condition videos); null = "
+        "dataset_dir/videos")
     max_dataset_size: PositiveInt | None = setting(None, "use at most this many prompts per split; null = all")
-    enable_preprocess: bool = setting(True, "encode every train and test prompt once before training, into the "
-                                      "prompt cache under cache_dir; false = encode them per rollout batch")
+    enable_preprocess: bool = setting(True, "encode every train and test prompt (and a conditioned model's condition "
+                                      "files) once before training, into the cache under cache_dir; false = encode "
+                                      "them per rollout batch")
     preprocessing_batch_size: PositiveInt = setting(8, "prompts encoded at a time when building the cache")
     text_encoders_after_preprocess: Literal["cpu", "free"] = setting(
         "cpu", "where the text encoders go once every prompt is cached: cpu (as Flow-Factory), or free (dropped)")
@@ -130,9 +143,9 @@ class ModelConfig(Section):
     model_name_or_path: str = setting(description="Hugging Face hub id or local folder of a diffusers pipeline")
     model_type: str = setting(
         description="model family: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2, flux2-klein, "
-        "hunyuanvideo15 or ltx2_t2av (aliases such as sd3_5, flux, wan2.1, qwenimage, z_image, flux2_klein, "
-        "hunyuanvideo1.5, ltx2 accepted), or the dotted path of your own "
-        "FlowAdapter subclass (my_package.adapters.MyAdapter)")
+        "hunyuanvideo15, ltx2_t2av, or flux1-kontext (image editing: condition images from the dataset's rows) "
+        "(aliases such as sd3_5, flux, wan2.1, qwenimage, z_image, flux2_klein, hunyuanvideo1.5, ltx2, "
+        "flux1_kontext accepted), or the dotted path of your own FlowAdapter subclass (my_package.adapters.MyAdapter)")
     finetune_type: Literal["lora", "full"] = setting("lora", "train LoRA adapters or every transformer weight")
     lora_rank: PositiveInt = setting(32, "LoRA rank r")
     lora_alpha: PositiveInt = setting(64, "LoRA alpha; the update is scaled by alpha / r")
@@ -305,6 +318,12 @@ class EvalConfig(Section):
     guidance_scale: float | None = setting(None, "CFG / guidance scale at eval; null = train.guidance_scale", ge=0)
     guidance_scale_2: float | None = setting(
         None, "the low-noise expert's CFG scale at eval (Wan2.2 A14B); null = train.guidance_scale_2", ge=0)
+    condition_image_size: int | list[int] | None = setting(
+        None, "size condition images are resized to at eval, an int or [height, width] (conditioned models); "
+        "null = train.condition_image_size", expects="an integer, [height, width] or null")
+    auto_resize: bool | None = setting(
+        None, "at eval, generate at the aspect ratio of the condition images (conditioned models); null = "
+        "train.auto_resize")
     eval_freq: NonNegativeInt = setting(10, "evaluate every this many epochs (and the final weights); 0 = never; "
                                         "a dataset without a test split is not evaluated")
     per_device_batch_size: PositiveInt | None = setting(
@@ -312,7 +331,7 @@ class EvalConfig(Section):
     num_samples: PositiveInt | None = setting(None, "evaluate on at most this many test prompts; null = all")
     seed: int | None = setting(None, "seed of the eval noise; null = the training seed")
 
-    @field_validator("resolution", mode="before")
+    @field_validator("resolution", "condition_image_size", mode="before")
     @classmethod
     def _resolution(cls, value):
         return check_resolution(value)

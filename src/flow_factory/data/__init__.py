@@ -1,5 +1,8 @@
-"""Prompt datasets and the per-epoch, group-aware prompt draw."""
+"""Prompt datasets (with the condition files of conditioned models) and the per-epoch, group-aware
+prompt draw."""
 
+from .media import MediaError, MediaFile, read_image, read_video
 from .prompts import EpochDraw, EpochSampler, MissingPromptFile, PromptFileError, PromptItem, load_prompts
 
-__all__ = ["EpochDraw", "EpochSampler", "MissingPromptFile", "PromptFileError", "PromptItem", "load_prompts"]
+__all__ = ["EpochDraw", "EpochSampler", "MediaError", "MediaFile", "MissingPromptFile", "PromptFileError",
+           "PromptItem", "load_prompts", "read_image", "read_video"]

@@ -5,7 +5,11 @@ of flow_grpo's and Flow-Factory's prompt datasets; ``.jsonl`` wins when both are
 there):
 
 * ``.jsonl``: one JSON object a line, ``{"prompt": ..., "negative_prompt": ...}``
-  (``negative_prompt`` optional; other keys are ignored);
+  (``negative_prompt`` optional). ``image`` / ``images`` and ``video`` / ``videos`` (a path or a
+  list of paths) name the condition files of a conditioned model (editing, image- or
+  video-to-video), relative to ``image_dir`` / ``video_dir`` (by default the dataset folder's
+  ``images/`` and ``videos/``, as Flow-Factory's); each is opened here (``media.py``). Any other
+  key is the row's ``metadata``, which rewards may ask for;
 * ``.txt``: one prompt a line.
 
 Blank lines at the end of a file are fine; a blank line before the last prompt
@@ -16,13 +20,15 @@ and the 1-based line.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from .media import MediaError, MediaFile, check_image, check_video
 
 
 class PromptFileError(ValueError):
@@ -37,6 +43,15 @@ class MissingPromptFile(PromptFileError, FileNotFoundError):
 class PromptItem:
     prompt: str
     negative_prompt: str | None = None
+    images: tuple[MediaFile, ...] = ()  # condition images, in the row's order
+    videos: tuple[MediaFile, ...] = ()  # condition videos
+    metadata: dict = field(default_factory=dict, hash=False)  # the row's other keys
+    source: str | None = field(default=None, compare=False)  # "file:line", for errors about the row
+
+    @property
+    def condition_key(self) -> tuple:
+        """What the row is conditioned on besides its text: rows with equal keys share an encoding."""
+        return tuple(f.path for f in self.images), tuple(f.path for f in self.videos)
 
 
 def _read_utf8(path: Path) -> str:
@@ -67,7 +82,38 @@ def _content_lines(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-def _parse_jsonl(path: Path) -> list[PromptItem]:
+# the row keys that name condition files, by kind: Flow-Factory's singular and plural spellings
+MEDIA_KEYS = {"images": ("image", "images"), "videos": ("video", "videos")}
+
+
+def _media(path: Path, number: int, row: dict, kind: str, folder: Path) -> tuple[MediaFile, ...]:
+    """The checked files the row names under ``image`` / ``images`` (or ``video`` / ``videos``)."""
+    given = [k for k in MEDIA_KEYS[kind] if k in row]
+    if len(given) > 1:
+        raise PromptFileError(f"{path}:{number}: both {given[0]!r} and {given[1]!r}; give one of them")
+    if not given:
+        return ()
+    key, value = given[0], row[given[0]]
+    names = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
+        raise PromptFileError(f"{path}:{number}: {key!r} must be a path or a list of paths, got {value!r}")
+    check = check_image if kind == "images" else check_video
+    files = []
+    for name in names:
+        file = Path(name).expanduser()
+        file = file if file.is_absolute() else folder / file
+        try:
+            files.append(check(file))
+        except MediaError as e:
+            raise PromptFileError(f"{path}:{number}: {key} {name!r} ({file}) {e}") from None
+    return tuple(files)
+
+
+def _parse_jsonl(path: Path, image_dir: Path | None = None, video_dir: Path | None = None,
+                 limit: int | None = None) -> list[PromptItem]:
+    """The rows of a jsonl file; only the first ``limit`` rows' condition files are opened."""
+    image_dir = path.parent / "images" if image_dir is None else image_dir
+    video_dir = path.parent / "videos" if video_dir is None else video_dir
     items = []
     for number, line in _content_lines(path):
         try:
@@ -87,16 +133,25 @@ def _parse_jsonl(path: Path) -> list[PromptItem]:
         if negative is not None and not isinstance(negative, str):
             raise PromptFileError(f"{path}:{number}: 'negative_prompt' must be a string or null, "
                              f"got {type(negative).__name__}")
-        items.append(PromptItem(prompt.strip(), negative))
+        if limit is not None and len(items) >= limit:
+            continue  # past max_size: the line is checked, its files are not opened
+        images = _media(path, number, row, "images", image_dir)
+        videos = _media(path, number, row, "videos", video_dir)
+        known = {"prompt", "negative_prompt", *MEDIA_KEYS["images"], *MEDIA_KEYS["videos"]}
+        metadata = {k: v for k, v in row.items() if k not in known}
+        items.append(PromptItem(prompt.strip(), negative, images, videos, metadata, f"{path}:{number}"))
     return items
 
 
 def _parse_txt(path: Path) -> list[PromptItem]:
-    return [PromptItem(text) for _, text in _content_lines(path)]
+    return [PromptItem(text, source=f"{path}:{number}") for number, text in _content_lines(path)]
 
 
-def load_prompts(dataset_dir: str | Path, split: str = "train", max_size: int | None = None) -> list[PromptItem]:
-    """The prompts of ``split`` in ``dataset_dir``, in file order; the first ``max_size`` if given."""
+def load_prompts(dataset_dir: str | Path, split: str = "train", max_size: int | None = None,
+                 image_dir: str | Path | None = None, video_dir: str | Path | None = None) -> list[PromptItem]:
+    """The prompts of ``split`` in ``dataset_dir``, in file order; the first ``max_size`` if given.
+    Condition paths are relative to ``image_dir`` / ``video_dir`` (None: ``dataset_dir/images``,
+    ``dataset_dir/videos``); every file a row names is checked here."""
     if max_size is not None and max_size < 1:
         raise ValueError(f"max_size must be a positive number of prompts or None, got {max_size}")
     directory = Path(dataset_dir).expanduser()
@@ -105,7 +160,11 @@ def load_prompts(dataset_dir: str | Path, split: str = "train", max_size: int | 
     if path is None:
         raise MissingPromptFile(f"no {split} prompts in {directory}: looked for "
                                 f"{' and '.join(p.name for p in candidates)}")
-    items = _parse_jsonl(path) if path.suffix == ".jsonl" else _parse_txt(path)
+    if path.suffix == ".jsonl":
+        folders = [None if d is None else Path(d).expanduser() for d in (image_dir, video_dir)]
+        items = _parse_jsonl(path, *folders, limit=max_size)
+    else:
+        items = _parse_txt(path)
     if not items:
         raise PromptFileError(f"{path}: no prompts in the file")
     return items[:max_size] if max_size is not None else items

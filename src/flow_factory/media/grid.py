@@ -1,44 +1,91 @@
-"""A sample grid a person would rather look at than read: each image with its prompt and rewards."""
+"""A sample grid a person would rather look at than read: each sample with its prompt and rewards,
+beside the condition images or videos it was generated from; a grid of videos is an animation."""
 
 from __future__ import annotations
 
+import io
 import math
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
 CAPTION_LINES = 4
+VIDEO_FPS = 16  # frames per second of written videos: Wan's, as diffusers' examples export it
 
 
 def _to_pil(image: torch.Tensor) -> Image.Image:
-    """(3, H, W) in [0, 1], or a video (F, 3, H, W) shown by its middle frame."""
-    if image.ndim == 4:
-        image = image[image.shape[0] // 2]
+    """(3, H, W) in [0, 1]."""
     array = (image.clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8)
     return Image.fromarray(array)
 
 
-def sample_grid(images: torch.Tensor, captions: list[str], tile: int = 256, columns: int | None = None) -> Image.Image:
-    """Tile images (each scaled to ``tile`` px wide) with a few wrapped caption lines below."""
+def _frame(media: torch.Tensor, t: int) -> torch.Tensor:
+    """Frame ``t`` of a video (F, 3, H, W), its last one past its end; an image (3, H, W) is every frame."""
+    return media[min(t, media.shape[0] - 1)] if media.ndim == 4 else media
+
+
+def _fit(image: torch.Tensor, tile: int) -> Image.Image:
+    """Scaled to fit a ``tile`` x ``tile`` box, its aspect ratio kept (nearest: tiny images stay sharp)."""
+    pil = _to_pil(image)
+    scale = tile / max(pil.size)
+    return pil.resize((max(1, round(pil.width * scale)), max(1, round(pil.height * scale))), Image.NEAREST)
+
+
+def sample_grid(media: torch.Tensor, captions: list[str], tile: int = 256, columns: int | None = None,
+                conditions: list[list[torch.Tensor]] | None = None) -> Image.Image | list[Image.Image]:
+    """Tile the samples (each fit into ``tile`` px) with a few wrapped caption lines below.
+
+    ``media``: images (N, 3, H, W) give one image; videos (N, F, 3, H, W) one grid per frame, an
+    animation (``save_grid`` writes it as a GIF). ``conditions``: per sample, the condition images
+    (3, H, W) or videos (F, 3, H, W) it was generated from, shown left of it."""
     n = len(captions)
-    columns = columns or min(n, 4)
+    conditions = conditions or [[] for _ in range(n)]
+    per_cell = 1 + max((len(c) for c in conditions), default=0)
+    columns = columns or min(n, max(1, 4 // per_cell))
     rows = math.ceil(n / columns)
+    frames = max([media.shape[1] if media.ndim == 5 else 1]
+                 + [c.shape[0] for cs in conditions for c in cs if c.ndim == 4])
     font = ImageFont.load_default()
-    line_h = 12
-    chars = max(16, tile // 6)
-    cell_h = tile + CAPTION_LINES * line_h + 6
-    grid = Image.new("RGB", (columns * tile, rows * cell_h), "white")
-    draw = ImageDraw.Draw(grid)
-    for i in range(n):
-        img = _to_pil(images[i]).resize((tile, tile), Image.NEAREST)
-        x, y = (i % columns) * tile, (i // columns) * cell_h
-        grid.paste(img, (x, y))
-        lines = textwrap.wrap(captions[i], chars)[:CAPTION_LINES]
-        for j, line in enumerate(lines):
-            draw.text((x + 3, y + tile + 3 + j * line_h), line, fill="black", font=font)
-    return grid
+    line_h, chars = 12, max(16, per_cell * tile // 6)
+    cell_w, cell_h = per_cell * tile, tile + CAPTION_LINES * line_h + 6
+    grids = []
+    for t in range(frames):
+        grid = Image.new("RGB", (columns * cell_w, rows * cell_h), "white")
+        draw = ImageDraw.Draw(grid)
+        for i in range(n):
+            x, y = (i % columns) * cell_w, (i // columns) * cell_h
+            for j, shown in enumerate([*conditions[i], media[i]]):
+                pil = _fit(_frame(shown, t), tile)
+                # the sample itself always sits in the cell's last tile, its conditions before it
+                left = x + (per_cell - 1 - len(conditions[i]) + j) * tile
+                grid.paste(pil, (left + (tile - pil.width) // 2, y + (tile - pil.height) // 2))
+            for k, line in enumerate(textwrap.wrap(captions[i], chars)[:CAPTION_LINES]):
+                draw.text((x + 3, y + tile + 3 + k * line_h), line, fill="black", font=font)
+        grids.append(grid)
+    return grids if media.ndim == 5 or len(grids) > 1 else grids[0]
+
+
+def gif_bytes(frames: list[Image.Image], fps: int = VIDEO_FPS) -> bytes:
+    """An animated GIF of ``frames``, looping."""
+    out = io.BytesIO()
+    frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+    return out.getvalue()
+
+
+def save_grid(grid: Image.Image | list[Image.Image], path: str | Path) -> Path:
+    """A grid as ``path`` with .png, or an animation (a list of frames) with .gif; returns the path written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(grid, list):
+        path = path.with_suffix(".gif")
+        path.write_bytes(gif_bytes(grid))
+    else:
+        path = path.with_suffix(".png")
+        grid.save(path)
+    return path
 
 
 def caption(prompt: str, rewards: dict[str, float]) -> str:

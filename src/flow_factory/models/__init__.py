@@ -1,8 +1,9 @@
 """Model adapters: one short file per model family, all behind ``FlowAdapter``."""
 
-from .base import Conditioning, FlowAdapter, cat_cond, index_cond
+from .base import ConditionMedia, Conditioning, FlowAdapter, cat_cond, index_cond
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
+from .flux_kontext import FluxKontextAdapter
 from .hunyuan_video15 import HunyuanVideo15Adapter
 from .lora import (
     apply_lora, block_linear_names, load_lora_state, lora_disabled, lora_state_dict, lora_target_names, save_lora,
@@ -15,8 +16,9 @@ from .wan import WanT2VAdapter
 from .z_image import ZImageAdapter
 
 __all__ = [
-    "ADAPTERS", "Conditioning", "FlowAdapter", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter", "HunyuanVideo15Adapter",
-    "LTX2Adapter", "QwenImageAdapter", "SD3Adapter", "WanT2VAdapter", "ZImageAdapter",
+    "ADAPTERS", "ConditionMedia", "Conditioning", "FlowAdapter", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter",
+    "FluxKontextAdapter", "HunyuanVideo15Adapter", "LTX2Adapter", "QwenImageAdapter", "SD3Adapter", "WanT2VAdapter",
+    "ZImageAdapter",
     "apply_lora", "block_linear_names", "cat_cond", "get_adapter_class", "index_cond", "load_adapter", "load_lora_state",
     "lora_disabled", "lora_state_dict", "lora_target_names", "save_lora",
 ]

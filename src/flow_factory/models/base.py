@@ -9,12 +9,19 @@ packs tokens (FLUX) packs inside ``velocity``.
 
 Conditioning is a dict of batch-first tensors, so it can be sliced per sample
 (``index_cond``), cached, and moved between devices.
+
+A conditioned model (editing, image- or video-to-video) also takes condition images or
+videos (``condition_inputs``): ``prepare_conditions`` resizes a batch's files as its pipeline
+does (what the rewards and the sample grids see, ``ConditionMedia``) and ``encode_conditions``
+turns them into conditioning tensors (VAE latents, image-encoder states), once per sample:
+``velocity`` reads them from the conditioning at every step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -101,6 +108,33 @@ def trim_text(embeds: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return embeds[:, :longest], mask[:, :longest]
 
 
+@dataclass
+class ConditionMedia:
+    """A batch's condition files as the model sees them (resized as its pipeline resizes them), in [0, 1]:
+    what the rewards get as ``condition_images`` / ``condition_videos`` and what the sample grids show."""
+
+    images: list[Tensor] | None = None  # per sample, (k, 3, H, W)
+    videos: list[Tensor] | None = None  # per sample, (k, F, 3, H, W)
+
+    def take(self, rows: list[int]) -> "ConditionMedia":
+        """The media of samples ``rows``, in that order."""
+        return ConditionMedia(*(None if v is None else [v[i] for i in rows] for v in (self.images, self.videos)))
+
+    @classmethod
+    def concat(cls, parts: list["ConditionMedia"]) -> "ConditionMedia":
+        """The samples of ``parts`` one after another."""
+        def join(name):
+            values = [getattr(p, name) for p in parts]
+            return None if values[0] is None else [x for v in values for x in v]
+        return cls(join("images"), join("videos"))
+
+    def per_sample(self) -> list[list[Tensor]]:
+        """Each sample's condition images (3, H, W) and videos (F, 3, H, W), one list per sample (sample grids)."""
+        n = len(self.images if self.images is not None else self.videos or [])
+        return [[*(self.images[i] if self.images is not None else []),
+                 *(self.videos[i] if self.videos is not None else [])] for i in range(n)]
+
+
 def index_cond(cond: Conditioning, idx) -> Conditioning:
     return {k: v[idx] for k, v in cond.items()}
 
@@ -137,6 +171,13 @@ class FlowAdapter:
     # a two-expert model's CFG scale for its low-noise expert (train / eval.guidance_scale_2, set by the
     # caller); None = the guidance_scale ``velocity`` is given, as the pipelines do
     guidance_scale_2: float | None = None
+    # what a sample is generated from besides its prompt: () text only, ("images",) condition images (editing,
+    # image-to-video), ("videos",) condition videos (video-to-video); the dataset's rows name the files
+    condition_inputs: ClassVar[tuple[str, ...]] = ()
+    # how many condition images (or videos) one sample takes: (fewest, most)
+    conditions_per_sample: ClassVar[tuple[int, int]] = (1, 1)
+    # train / eval.auto_resize when the config leaves it null: generate at the condition's aspect ratio
+    auto_resize: ClassVar[bool] = False
 
     def __init__(self, pipeline, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.pipeline = pipeline
@@ -328,6 +369,26 @@ class FlowAdapter:
         """The dynamics this model samples and trains with: the configured one, unless part of the latent
         must stay on the ODE (LTX-2's audio: ``dynamics.partial.PartlyStochastic``)."""
         return dynamics
+
+    # --- conditioned models only (condition_inputs) -----------------------------------
+    def prepare_conditions(self, images: list[list] | None, videos: list[list[list]] | None, height: int, width: int,
+                           num_frames: int | None, condition_size: tuple[int, int] | None) -> ConditionMedia:
+        """Each sample's condition images (lists of RGB PIL images) or videos (lists of frame lists), resized
+        as the pipeline resizes them: to ``condition_size`` (height, width) or, when None, to the model's
+        own choice; float32 tensors in [0, 1]. Deterministic and cheap (no network)."""
+        raise NotImplementedError(f"{self.model_type} takes no condition images or videos")
+
+    def condition_encoders(self) -> dict:
+        """The pipeline's networks and processors that ``prepare_conditions`` / ``encode_conditions`` use, by
+        name: what the condition cache's fingerprint covers (prompt_cache.py)."""
+        names = ("vae", "image_encoder", "image_processor", "video_processor", "feature_extractor")
+        return {n: getattr(self.pipeline, n) for n in names if getattr(self.pipeline, n, None) is not None}
+
+    def encode_conditions(self, media: ConditionMedia, height: int, width: int,
+                          num_frames: int | None) -> Conditioning:
+        """Batch-first conditioning tensors of ``prepare_conditions``' media (VAE latents, image-encoder
+        states) for samples of that size, merged into the text conditioning; computed once per sample."""
+        raise NotImplementedError(f"{self.model_type} takes no condition images or videos")
 
     # --- shared -----------------------------------------------------------------
     def cfg_inputs(self, cond: Conditioning, guidance_scale: float, x: Tensor, t: Tensor,

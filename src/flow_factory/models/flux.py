@@ -35,10 +35,10 @@ class FluxAdapter(FlowAdapter):
             return None
         return 2 ** (len(vae["block_out_channels"]) - 1) * 2
 
-    @torch.no_grad()
     def uses_cfg(self, guidance_scale: float) -> bool:
         return False  # FLUX.1-dev's guidance is an embedding: no negative branch
 
+    @torch.no_grad()
     def encode(self, prompts: list[str], negative_prompts: list[str] | None = None,
                guidance_scale: float = 3.5) -> Conditioning:
         # negative prompts have no effect: the guidance is distilled into the embedding
@@ -66,6 +66,7 @@ class FluxAdapter(FlowAdapter):
         n, c, h, w = latents.shape
         packed = pipe._pack_latents(latents.to(self.device, self.dtype), n, c, h, w)
         image_ids = pipe._prepare_latent_image_ids(n, h // 2, w // 2, self.device, self.dtype)
+        tokens, token_ids = self.with_condition_tokens(packed, image_ids, cond)
         embeds = cond["prompt_embeds"].to(self.device, self.dtype)
         text_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
         t = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000
@@ -73,18 +74,23 @@ class FluxAdapter(FlowAdapter):
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((n,), float(guidance_scale), device=self.device, dtype=torch.float32)
         out = self.denoiser(
-            hidden_states=packed,
+            hidden_states=tokens,
             # the pipeline's round trip 1000 sigma / 1000, kept so the result is bit-identical
             timestep=t.to(self.dtype) / 1000,
             guidance=guidance,
             pooled_projections=cond["pooled_prompt_embeds"].to(self.device, self.dtype),
             encoder_hidden_states=embeds,
             txt_ids=text_ids,
-            img_ids=image_ids,
+            img_ids=token_ids,
             return_dict=False,
-        )[0]
+        )[0][:, :packed.shape[1]]  # the prediction for the latents' own tokens
         s = self.pipeline.vae_scale_factor
         return pipe._unpack_latents(out, h * s, w * s, s).float()
+
+    def with_condition_tokens(self, packed: Tensor, ids: Tensor, cond: Conditioning) -> tuple[Tensor, Tensor]:
+        """The transformer's image tokens and their position ids: FLUX.1's latents alone; FLUX.1 Kontext
+        appends its condition image's (flux_kontext.py)."""
+        return packed, ids
 
     def decode(self, latents: Tensor) -> Tensor:
         return decode_image(self.pipeline.vae, latents, self.device)

@@ -9,6 +9,7 @@ from ..class_path import import_class
 from .base import FlowAdapter
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
+from .flux_kontext import FluxKontextAdapter
 from .hunyuan_video15 import HunyuanVideo15Adapter
 from .ltx2 import LTX2Adapter
 from .qwen_image import QwenImageAdapter
@@ -20,7 +21,7 @@ ADAPTERS: dict[str, type[FlowAdapter]] = {cls.model_type: cls for cls in (
     SD3Adapter, FluxAdapter, WanT2VAdapter,
     QwenImageAdapter, ZImageAdapter,
     Flux2Adapter, Flux2KleinAdapter,
-    HunyuanVideo15Adapter, LTX2Adapter,
+    HunyuanVideo15Adapter, LTX2Adapter, FluxKontextAdapter,
 )}
 
 

@@ -54,11 +54,12 @@ class RewardJob:
 
     def add(self, prompts: list[str], images: Tensor | None = None, videos: Tensor | None = None,
             condition_images: list | None = None, condition_videos: list | None = None,
-            audios: Tensor | None = None, audio_sample_rate: int | None = None) -> None:
+            audios: Tensor | None = None, audio_sample_rate: int | None = None,
+            metadata: list[dict] | None = None) -> None:
         """The next ``len(prompts)`` samples of the batch, in batch order."""
         self.raise_failures()
         inputs = RewardInputs(list(prompts), images, videos, condition_images, condition_videos, audios,
-                              audio_sample_rate)
+                              audio_sample_rate, metadata)
         start, self._next = self._next, self._next + len(inputs)
         if self.group_ids is not None and self._next > len(self.group_ids):
             raise ValueError(f"{self._next} samples added for {len(self.group_ids)} group ids")

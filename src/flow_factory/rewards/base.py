@@ -17,11 +17,15 @@ What a subclass receives for each field (only the fields it names are passed):
 | condition_videos   | list (per sample) of Tensor (k, F, 3, H, W) or list of (F, 3, H, W) | list[list[list[PIL.Image]]] |
 | audio              | Tensor (n, C, T) in [-1, 1]        | list[np.ndarray] (C, T) each     |
 | audio_sample_rate  | list[int] (one per sample)         | list[int]                        |
+| metadata           | list[dict]                         | list[dict]                       |
 
-A requested field that the caller did not provide arrives as ``None``. ``audio`` is the
-soundtrack of a model that makes one (LTX-2), decoded only when a reward asks for it; as in
-Flow-Factory, a reward that lists ``audio`` and takes an ``audio_sample_rate`` argument also
-receives the rate without listing it.
+``condition_images`` / ``condition_videos`` are the condition files a conditioned model generated
+from (an edit's source image), resized as the model saw them; a sample's conditions are one tensor
+when their sizes agree. ``audio`` is the soundtrack of a model that makes one (LTX-2), decoded only
+when a reward asks for it; as in Flow-Factory, a reward that lists ``audio`` and takes an
+``audio_sample_rate`` argument also receives the rate without listing it. ``metadata`` is each
+sample's dataset row without its prompt and condition keys (``{}`` for a row with none). A
+requested field that the caller did not provide arrives as ``None``.
 Unlike Flow-Factory, tensor media arrive as one stacked tensor rather than a list
 of per-sample tensors: iterating or indexing it behaves the same, and a model can
 use it as a batch without stacking.
@@ -52,7 +56,7 @@ from ..config.base import DTYPE_NAMES
 from ..hparams import RewardArguments
 
 MEDIA_FIELDS = ("image", "video", "condition_images", "condition_videos", "audio")
-KNOWN_FIELDS = ("prompt", *MEDIA_FIELDS, "audio_sample_rate")
+KNOWN_FIELDS = ("prompt", *MEDIA_FIELDS, "audio_sample_rate", "metadata")
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
@@ -192,10 +196,15 @@ class RewardInputs:
     condition_videos: list | None = None  # per sample
     audio: Tensor | list | None = None  # waveforms (B, C, T) in [-1, 1], or numpy (C, T) each
     audio_sample_rate: int | None = None  # of ``audio``
+    metadata: list[dict] | None = None  # per sample: the dataset row's other keys; None = {} for every sample
     _pil_cache: dict[str, list] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         n = len(self.prompt)
+        if self.metadata is None:
+            self.metadata = [{} for _ in range(n)]
+        elif len(self.metadata) != n:
+            raise ValueError(f"{len(self.metadata)} metadata for {n} prompts; need one per prompt")
         if isinstance(self.image, Tensor) and (self.image.ndim != 4 or self.image.shape[1] != 3):
             raise ValueError(f"images must be (B, 3, H, W), got shape {tuple(self.image.shape)}")
         if isinstance(self.video, Tensor) and (self.video.ndim != 5 or self.video.shape[2] != 3):
@@ -216,7 +225,7 @@ class RewardInputs:
         """Samples ``index``, in that order."""
         idx = list(index)
         sub = RewardInputs([self.prompt[i] for i in idx], *(_take(getattr(self, name), idx) for name in MEDIA_FIELDS),
-                           audio_sample_rate=self.audio_sample_rate)
+                           audio_sample_rate=self.audio_sample_rate, metadata=[self.metadata[i] for i in idx])
         # PIL conversion is done once per batch, not once per chunk or per reward
         sub._pil_cache = {k: [v[i] for i in idx] for k, v in self._pil_cache.items()}
         return sub
@@ -234,7 +243,7 @@ class RewardInputs:
         if len(rates) > 1:
             raise ValueError(f"audio of several sample rates {sorted(rates)} cannot be scored together")
         return cls([p for part in parts for p in part.prompt], *(join(name) for name in MEDIA_FIELDS),
-                   audio_sample_rate=rates.pop())
+                   audio_sample_rate=rates.pop(), metadata=[m for part in parts for m in part.metadata])
 
     def pil(self, name: str) -> list | None:
         """Field ``name`` as PIL images (audio: numpy arrays); tensors are converted once and kept."""
@@ -345,8 +354,8 @@ class BaseRewardModel:
             names.append("audio_sample_rate")
         kwargs = {}
         for name in names:
-            if name == "prompt":
-                kwargs[name] = inputs.prompt
+            if name in ("prompt", "metadata"):
+                kwargs[name] = getattr(inputs, name)
             elif name == "audio_sample_rate":  # one per sample, as Flow-Factory gives it
                 kwargs[name] = None if inputs.audio is None else [inputs.audio_sample_rate] * len(inputs)
             else:

@@ -115,6 +115,7 @@ class RewardSet:
         condition_videos: list | None = None,
         audios: Tensor | None = None,
         audio_sample_rate: int | None = None,
+        metadata: list[dict] | None = None,
     ) -> dict[str, Tensor]:
         """Raw scores ``{name: float32 (B,)}`` on the CPU.
 
@@ -126,7 +127,7 @@ class RewardSet:
         """
         self._check_groups(group_ids)
         inputs = RewardInputs(list(prompts), images, videos, condition_images, condition_videos, audios,
-                              audio_sample_rate)
+                              audio_sample_rate, metadata)
         scored = score_each_once(self.models.values(), inputs, group_ids)
         return {name: scored[id(model)].clone() for name, model in self.models.items()}
 

@@ -6,7 +6,9 @@ tokenizers, same VAE layout and scheduler) at a few hundred kilobytes, so tests
 code paths without downloading weights. Every build is seeded: the same call gives
 the same weights, byte for byte, without touching the caller's global RNG.
 
-Sizes that matter to callers: images 64x64 (latents 16x8x8); Wan videos of
+Sizes that matter to callers: images 64x64 (latents 16x8x8; FLUX.1 Kontext's condition
+images any size in multiples of 16, the pipeline called with ``max_area`` = height x width and
+``_auto_resize=False`` to keep them); Wan videos of
 ``1 + 4k`` frames at multiples of 16 pixels (e.g. 5 frames at 32x32 -> latents
 16x2x4x4). The Qwen tokenizers (Qwen-Image, Z-Image) have no merges: every byte is a
 token, so a prompt with its chat template is a few hundred tokens.
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 
 TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15",
-                    "ltx2_t2av")
+                    "ltx2_t2av", "flux1-kontext")
 # other tiny checkpoints, and the model_type that loads each
 TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v", "flux2-klein-base": "flux2-klein"}
 
@@ -150,8 +152,10 @@ def _build_sd3():
     )
 
 
-def _build_flux():
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+def _build_flux(pipeline: str = "FluxPipeline"):
+    """FLUX.1, or FLUX.1 Kontext (``FluxKontextPipeline``: the same components)."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel, T5Config
 
     t5_tokenizer = tiny_t5_tokenizer()
@@ -171,7 +175,7 @@ def _build_flux():
         use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
         base_shift=0.5, max_shift=1.15,
     )
-    return FluxPipeline(
+    return getattr(diffusers, pipeline)(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(),
         text_encoder_2=text_encoder_2, tokenizer_2=t5_tokenizer, transformer=transformer,
     )
@@ -497,7 +501,8 @@ _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, 
              "hunyuanvideo15": _build_hunyuan_video15,
              "ltx2_t2av": _build_ltx2,
              "flux2-klein-base": lambda: _build_flux2_klein(is_distilled=False),
-             "wan2.2-a14b": lambda: _build_wan("wan2.2-a14b"), "wan2.2-ti2v-5b": lambda: _build_wan("wan2.2-ti2v-5b")}
+             "wan2.2-a14b": lambda: _build_wan("wan2.2-a14b"), "wan2.2-ti2v-5b": lambda: _build_wan("wan2.2-ti2v-5b"),
+             "flux1-kontext": lambda: _build_flux("FluxKontextPipeline")}
 
 
 def tiny_pipeline(model_type: str):

@@ -1,8 +1,10 @@
-"""Metrics and images to TensorBoard (default), wandb or swanlab through accelerate's trackers."""
+"""Metrics, images and videos to TensorBoard (default), wandb or swanlab through accelerate's trackers."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -39,11 +41,26 @@ def flat_hparams(config: dict, prefix: str = "") -> dict:
     return flat
 
 
-def log_image(accelerator, backend: str | None, key: str, image: Image.Image, step: int) -> None:
+def log_media(accelerator, backend: str | None, key: str, grid: Image.Image | list[Image.Image], step: int,
+              path: Path) -> None:
+    """A sample grid to the tracker: an image, or a video for a list of frames (``path``: the grid as
+    ``media.save_grid`` wrote it, a GIF for a video; wandb and swanlab log videos from their file)."""
     if backend is None:
         return
     tracker = accelerator.get_tracker(backend, unwrap=False)
-    if backend == "tensorboard":
-        tracker.log_images({key: np.asarray(image)[None]}, step=step, dataformats="NHWC")
+    if not isinstance(grid, list):
+        if backend == "tensorboard":
+            tracker.log_images({key: np.asarray(grid)[None]}, step=step, dataformats="NHWC")
+        else:
+            tracker.log_images({key: [grid]}, step=step)
+    elif backend == "tensorboard":
+        # TensorBoard shows an animated GIF in its images tab: what SummaryWriter.add_video writes, without
+        # the moviepy it needs to encode one
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        image = Summary.Image(height=grid[0].height, width=grid[0].width, colorspace=3,
+                              encoded_image_string=path.read_bytes())
+        tracker.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=key, image=image)]), step)
     else:
-        tracker.log_images({key: [image]}, step=step)
+        video = importlib.import_module(backend).Video  # wandb.Video / swanlab.Video read a GIF file as it is
+        tracker.log({key: video(str(path))}, step=step)

@@ -23,18 +23,19 @@ from ..checkpoint import (CheckpointError, check_fits, checkpoint_dir, find_chec
                           read_state, save_checkpoint, write_atomic)
 from ..config import ConfigError
 from ..config.train import COUPLED_TRAINER_TYPES
-from ..data import EpochSampler, MissingPromptFile, load_prompts
+from ..data import EpochSampler, MissingPromptFile
 from ..dynamics import make_dynamics
 from ..dynamics.window import choose_sde_steps
 from ..guards import NonFiniteError, NonFiniteGuard, all_finite, check_pipeline_finite, nonfinite_rewards
-from ..media import caption, plot_curves, sample_grid
-from ..models import load_adapter
+from ..media import caption, plot_curves, sample_grid, save_grid
+from ..models import get_adapter_class, load_adapter
 from ..models.lora import apply_lora, component_targets
 from ..models.preflight import check_before_loading, check_experts, check_reward_inputs
-from ..prompt_cache import PromptCache
+from ..prompt_cache import ConditionCache, PromptCache
 from ..rewards import RewardSet
 from ..rewards.base import parse_dtype
-from ..sampling import Rollouts, SamplingSettings, collect_rollouts, sample_prompts
+from ..sampling import (Rollouts, SamplingSettings, collect_rollouts, condition_size, load_split, sample_prompts,
+                        split_size)
 from ..seeding import generator
 from ..timer import PhaseTimer
 from .ema import EMA_FILE, WeightCopy, ema_decay_at, load_ema
@@ -42,7 +43,7 @@ from .interrupt import StopFlag, TrainingInterrupted
 from .optimize import optimize_epoch
 from .policy import AdapterPolicy
 from .run_folder import RunFolder, RunFolderError
-from .tracking import check_backend, flat_hparams, log_image
+from .tracking import check_backend, flat_hparams, log_media
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,12 @@ class Trainer:
                 raise CheckpointError(f"model.resume_path: {self.resume_from} has {resumed['epoch']} epochs done "
                                       f"and train.max_epochs is {train.max_epochs}: nothing to train; set "
                                       f"train.max_epochs above {resumed['epoch']}")
-        self.train_prompts = load_prompts(cfg.data.dataset_dir, "train", cfg.data.max_dataset_size)
-        self.test_prompts = self._test_prompts()
+        # the prompts and the condition files they name, checked against what the model takes
+        adapter_cls = get_adapter_class(model.model_type)
+        self.train_prompts = load_split(cfg, "train", adapter_cls)
+        self.test_prompts = self._test_prompts(adapter_cls)
+        self.train_size = split_size(cfg, "train", self.train_prompts, adapter_cls)
+        self.eval_size = split_size(cfg, "eval", self.test_prompts, adapter_cls)
         self.sampler = EpochSampler(len(self.train_prompts), train.unique_sample_num_per_epoch,
                                     train.group_size, self.seed)
         self.run_folder = RunFolder(self.run_dir)
@@ -113,6 +118,8 @@ class Trainer:
         if model.attn_backend is not None:  # the name is checked before loading (models/preflight.py)
             self.adapter.set_attention_backend(model.attn_backend)
         self.prompt_cache = self._cache_prompts() if cfg.data.enable_preprocess else None
+        self.condition_cache = (self._cache_conditions() if cfg.data.enable_preprocess and
+                                self.adapter.condition_inputs else None)
         # as the model samples: LTX-2 keeps its audio on the ODE, whatever the SDE (models/ltx2.py)
         self.dynamics = self.adapter.sampling_dynamics(make_dynamics(cfg.scheduler.dynamics_type,
                                                                      cfg.scheduler.noise_level))
@@ -170,14 +177,13 @@ class Trainer:
                                    "resumed weights", self.resume_from, name, name)
             logger.info("resuming from %s (%d epochs done)", self.resume_from, self.epoch)
 
-    def _test_prompts(self) -> list:
+    def _test_prompts(self, adapter_cls) -> list:
         """The test split when evaluation is on; a dataset without one trains without evaluation,
         as in Flow-Factory (a broken test file is still an error)."""
-        data = self.cfg.data
         if not self.cfg.eval.eval_freq:
             return []
         try:
-            return load_prompts(data.dataset_dir, "test", data.max_dataset_size)
+            return load_split(self.cfg, "test", adapter_cls)
         except MissingPromptFile as missing:
             logger.warning("%s; evaluation is off for this run (eval.eval_freq: %d)", missing,
                            self.cfg.eval.eval_freq)
@@ -189,14 +195,36 @@ class Trainer:
         cfg, acc = self.cfg, self.accelerator
         items = ([(it.prompt, it.negative_prompt, cfg.train.guidance_scale) for it in self.train_prompts]
                  + [(it.prompt, it.negative_prompt, cfg.eval.guidance_scale) for it in self.test_prompts])
-        local = cfg.data.preprocess_parallelism == "local"  # each machine encodes into its own cache_dir
-        share = ((acc.local_process_index, acc.num_processes // cfg.num_machines, acc.is_local_main_process)
-                 if local else (acc.process_index, acc.num_processes, acc.is_main_process))
         with acc.autocast():  # as the rollout would encode them
             cache = PromptCache.build(self.adapter, items, cfg.data.cache_dir, cfg.data.preprocessing_batch_size,
-                                      force=cfg.data.force_reprocess, share=share, barrier=acc.wait_for_everyone)
+                                      **self._cache_share())
         self.adapter.release_text_encoders(cfg.data.text_encoders_after_preprocess)
         return cache
+
+    def _cache_share(self) -> dict:
+        """Who builds the caches: the processes of each machine into its own cache_dir (local), or all of them
+        into a shared one (global); each encodes its share of what is missing."""
+        cfg, acc = self.cfg, self.accelerator
+        local = cfg.data.preprocess_parallelism == "local"
+        share = ((acc.local_process_index, acc.num_processes // cfg.num_machines, acc.is_local_main_process)
+                 if local else (acc.process_index, acc.num_processes, acc.is_main_process))
+        return dict(force=cfg.data.force_reprocess, share=share, barrier=acc.wait_for_everyone)
+
+    def _train_settings(self, **overrides) -> SamplingSettings:
+        train = self.cfg.train
+        height, width = self.train_size
+        return SamplingSettings(height, width, train.num_frames, train.num_inference_steps, train.guidance_scale,
+                                train.per_device_batch_size, self.seed, condition_size=condition_size(train),
+                                **overrides)
+
+    def _cache_conditions(self) -> ConditionCache:
+        """A conditioned model's condition files encoded once, for the sizes train and eval prepare them at."""
+        cfg, acc = self.cfg, self.accelerator
+        train, test = self._train_settings().geometry, SamplingSettings.for_eval(cfg.eval, self.eval_size).geometry
+        requests = [(it, train) for it in self.train_prompts] + [(it, test) for it in self.test_prompts]
+        with acc.autocast():  # as the rollout would encode them
+            return ConditionCache.build(self.adapter, requests, cfg.data.cache_dir, cfg.data.preprocessing_batch_size,
+                                        **self._cache_share())
 
     def _from_main(self, fn):
         """``fn()`` on the main process, its result (or its RunFolderError) on every process."""
@@ -239,7 +267,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.train.trainer_type not in COUPLED_TRAINER_TYPES or len(self.adapter.transformers) == 1:
             return
-        height, width = cfg.train.height_width
+        height, width = self.train_size
         sigmas = self.adapter.sigmas(cfg.train.num_inference_steps, height, width, cfg.train.num_frames)
         experts = self.adapter.experts_at(sigmas[:-1])
         frozen = {s: experts[s] for s in cfg.sde_step_candidates if experts[s] not in cfg.model.target_components}
@@ -263,16 +291,15 @@ class Trainer:
         indices, group_ids = self.sampler.draw(epoch)
         share = self._local_share(len(indices))
         sample_ids = list(range(len(indices)))[share]
-        height, width = train.height_width
         sde_steps = None
         if self.dynamics.stochastic:
             sde_steps = choose_sde_steps(train.num_inference_steps, cfg.sde_step_candidates,
                                          cfg.scheduler.num_sde_steps, generator("window", cfg.scheduler.seed, epoch))
-        settings = SamplingSettings(height, width, train.num_frames, train.num_inference_steps, train.guidance_scale,
-                                    train.per_device_batch_size, self.seed, sde_steps, train.same_latent,
-                                    record_means=self.algorithm.records_step_means,
-                                    storage_dtype=self.latent_storage_dtype, offload=train.offload_samples_to_cpu,
-                                    keep_states=tuple(self.algorithm.kept_states(train.num_inference_steps, sde_steps)))
+        settings = self._train_settings(sde_steps=sde_steps, same_latent=train.same_latent,
+                                        record_means=self.algorithm.records_step_means,
+                                        storage_dtype=self.latent_storage_dtype, offload=train.offload_samples_to_cpu,
+                                        keep_states=tuple(self.algorithm.kept_states(train.num_inference_steps,
+                                                                                     sde_steps)))
         if self.rollout_weights is not None:
             self.rollout_weights.copy_from_params()  # NFT / AWM's old policy: the weights sampled with
         # off_policy: the rollout samples with the EMA weights while the current policy trains
@@ -283,7 +310,8 @@ class Trainer:
             rollouts = collect_rollouts(
                 self.adapter, self.dynamics, [self.train_prompts[i] for i in indices[share]], group_ids[share],
                 sample_ids, settings, epoch=epoch, reward_set=self.rewards, timer=self.timer,
-                autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache)
+                autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache,
+                condition_cache=self.condition_cache)
         return rollouts
 
     def compute_advantages(self, rollouts: Rollouts, epoch: int) -> torch.Tensor | None:
@@ -339,9 +367,10 @@ class Trainer:
         share = self._local_share(len(items))
         self.adapter.guidance_scale_2 = ev.guidance_scale_2
         try:  # what ff-eval samples for the same config: its numbers agree with these
-            rollouts = sample_prompts(self.adapter, items[share], SamplingSettings.for_eval(ev),
+            rollouts = sample_prompts(self.adapter, items[share], SamplingSettings.for_eval(ev, self.eval_size),
                                       sample_ids=list(range(len(items)))[share], reward_set=self.eval_rewards,
-                                      autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache)
+                                      autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache,
+                                      condition_cache=self.condition_cache)
         finally:
             self.adapter.guidance_scale_2 = self.cfg.train.guidance_scale_2
         scores = rollouts.rewards
@@ -351,11 +380,11 @@ class Trainer:
             shown = min(16, len(rollouts.prompts))
             captions = [caption(rollouts.prompts[i], {k: v[i].item() for k, v in scores.items()})
                         for i in range(shown)]
-            grid = sample_grid(rollouts.media[:shown], captions)
-            path = self.run_dir / "samples" / f"eval_epoch_{epoch:04d}.png"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            grid.save(path)
-            log_image(self.accelerator, self.backend, "eval/samples", grid, epoch)
+            conditions = rollouts.conditions.per_sample()[:shown] if rollouts.conditions else None
+            grid = sample_grid(rollouts.media[:shown], captions, conditions=conditions)
+            # a PNG, or for a video model an animated GIF
+            path = save_grid(grid, self.run_dir / "samples" / f"eval_epoch_{epoch:04d}")
+            log_media(self.accelerator, self.backend, "eval/samples", grid, epoch, path)
             self.accelerator.log(means, step=epoch)
         return means
 

@@ -1,0 +1,92 @@
+"""Condition images and videos that a dataset's rows name: checked when the prompts load,
+read when a batch is sampled.
+
+Every file is opened once when the prompt file is read, before any model loads, so a missing,
+unreadable or wrong-kind file stops the run with its path and the jsonl line that names it.
+Images are read with Pillow. So are videos: as animated GIF, WebP or PNG (Pillow has no
+decoder for mp4 and the like; ``ffmpeg -i clip.mp4 clip.gif`` converts one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, ImageSequence
+
+# containers Pillow cannot decode: named in the error, with the conversion that helps
+VIDEO_SUFFIXES = (".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v", ".mpeg", ".mpg", ".flv", ".wmv")
+
+
+class MediaError(ValueError):
+    """A condition file that cannot serve: the message says why (the caller adds file and line)."""
+
+
+@dataclass(frozen=True)
+class MediaFile:
+    """A checked condition file: an image (``frames`` 1) or a video."""
+
+    path: Path
+    size: tuple[int, int]  # (width, height), as Pillow gives it
+    frames: int
+
+    @property
+    def aspect_ratio(self) -> float:
+        """Height over width."""
+        return self.size[1] / self.size[0]
+
+
+def _open(path: Path) -> Image.Image:
+    if not path.is_file():
+        raise MediaError("not found" if not path.exists() else "not a file")
+    try:
+        return Image.open(path)
+    except Exception as e:  # noqa: BLE001 - Pillow raises several kinds; the message is what counts
+        if path.suffix.lower() in VIDEO_SUFFIXES:
+            raise MediaError(f"cannot be read: a {path.suffix} video, which Pillow does not decode; "
+                             f"give videos as animated GIF, WebP or PNG (ffmpeg -i {path.name} "
+                             f"{path.stem}.gif)") from None
+        raise MediaError(f"cannot be read as an image or animation ({type(e).__name__}: {e})") from None
+
+
+def check_image(path: Path) -> MediaFile:
+    """A still image Pillow can read, or MediaError."""
+    if path.suffix.lower() in VIDEO_SUFFIXES:
+        raise MediaError(f"is a {path.suffix} video, not an image; list it under 'video'")
+    with _open(path) as im:
+        frames = getattr(im, "n_frames", 1)
+        if frames > 1:
+            raise MediaError(f"has {frames} frames: a video, not an image; list it under 'video'")
+        size = im.size
+        try:
+            im.verify()  # the whole file's structure, without decoding the pixels
+        except Exception as e:  # noqa: BLE001
+            raise MediaError(f"is damaged ({type(e).__name__}: {e})") from None
+    return MediaFile(path, size, 1)
+
+
+def check_video(path: Path) -> MediaFile:
+    """An animation of two or more frames Pillow can read, or MediaError."""
+    with _open(path) as im:
+        frames = getattr(im, "n_frames", 1)
+        if frames < 2:
+            raise MediaError("is a single image, not a video; list it under 'image'")
+        return MediaFile(path, im.size, frames)
+
+
+def read_image(file: MediaFile) -> Image.Image:
+    """The image as RGB."""
+    try:
+        with Image.open(file.path) as im:
+            return im.convert("RGB")
+    except Exception as e:  # noqa: BLE001 - changed or damaged since it was checked
+        raise MediaError(f"{file.path}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def read_video(file: MediaFile) -> list[Image.Image]:
+    """The video's frames as RGB images."""
+    try:
+        with Image.open(file.path) as im:
+            return [frame.convert("RGB") for frame in ImageSequence.Iterator(im)]
+    except Exception as e:  # noqa: BLE001
+        raise MediaError(f"{file.path}: cannot be read ({type(e).__name__}: {e})") from None

@@ -1,0 +1,388 @@
+"""Conditioned models (image editing; image- and video-to-video next): the condition reaches the model, the
+rewards and the grids, and the invariants hold as for text-to-image.
+
+Each adapter's ODE rollout equals its pipeline's output for the same prompts, conditions and noise (invariant
+2); the on-policy ratio is exactly 1 under every SDE (invariant 1); its LoRA reloads in diffusers; a reward sees
+each sample's own condition in both input forms; ``ff-train`` runs grpo and nft from a jsonl dataset that names
+condition files, and its LoRA loads with the pipeline's ``load_lora_weights``.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers_runs import CONDITION_IMAGES, CONDITIONED_MODELS, tiny_run_config, write_config
+from PIL import Image
+
+from flow_factory.algorithms import make_algorithm
+from flow_factory.algorithms.base import TrainBatch
+from flow_factory.config.train import TrainConfig
+from flow_factory.data import load_prompts, read_image
+from flow_factory.dynamics import make_dynamics
+from flow_factory.dynamics.ode import ODE
+from flow_factory.models import (ADAPTERS, FluxKontextAdapter, apply_lora, get_adapter_class, index_cond,
+                                 load_adapter, save_lora)
+from flow_factory.rewards import RewardSet
+from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput, to_uint8_hwc
+from flow_factory.rollout import sample_trajectory
+from flow_factory.sampling import SamplingSettings, collect_rollouts
+from flow_factory.train import main as ff_train
+from flow_factory.trainer.policy import AdapterPolicy
+
+PROMPTS = ["make the sky red", "add a cat"]
+STEPS = 3
+SOURCE_SIZE = (83, 50)  # (width, height) of the condition files: not multiples of 16, so they are resized
+
+# model_type: (fixture, adapter class, (height, width, num_frames), condition size (height, width), guidance)
+CASES = {
+    "flux1-kontext": ("tiny_flux_kontext_path", FluxKontextAdapter, (64, 64, None), (48, 80), 2.5),
+}
+
+
+def _kontext_pipeline(adapter, prompts, conditions, noise, size, guidance, output_type):
+    """FluxKontextPipeline for the same noise. Its __call__ derives the size from max_area and snaps the
+    condition to Kontext's preferred resolutions unless told: max_area of the size asked, _auto_resize off
+    (the condition then keeps its own size, floored to multiples of 16: 83x50 -> 80x48)."""
+    pipe, (height, width, _) = adapter.pipeline, size
+    pack, n = type(pipe)._pack_latents, noise.shape[0]
+    out = pipe(image=[c[0] for c in conditions], prompt=list(prompts), height=height, width=width,
+               max_area=height * width, _auto_resize=False, num_inference_steps=STEPS, guidance_scale=guidance,
+               latents=pack(noise, n, *noise.shape[1:]), output_type=output_type).images
+    if output_type == "latent":
+        return type(pipe)._unpack_latents(out, height, width, pipe.vae_scale_factor)
+    return out
+
+
+PIPELINES = {"flux1-kontext": _kontext_pipeline}
+
+
+def _sources(n: int, seed: int = 0) -> list[list[Image.Image]]:
+    """One random condition image per sample, as a row's file would be read."""
+    rng = np.random.default_rng(seed)
+    return [[Image.fromarray(rng.integers(0, 256, (SOURCE_SIZE[1], SOURCE_SIZE[0], 3), dtype=np.uint8))]
+            for _ in range(n)]
+
+
+def _load(request, model_type):
+    fixture, cls, size, condition_size, guidance = CASES[model_type]
+    adapter = load_adapter(model_type, request.getfixturevalue(fixture))
+    assert type(adapter) is cls and ADAPTERS[model_type] is cls
+    return adapter, size, condition_size, guidance
+
+
+def _conditioning(adapter, prompts, sources, size, condition_size, guidance):
+    """The text conditioning with the conditions' own, as the sampler merges them."""
+    height, width, frames = size
+    media = adapter.prepare_conditions(sources, None, height, width, frames, condition_size)
+    return {**adapter.encode(prompts, None, guidance), **adapter.encode_conditions(media, height, width, frames)}
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_ode_rollout_reproduces_the_pipeline(request, model_type):
+    adapter, size, condition_size, guidance = _load(request, model_type)
+    height, width, frames = size
+    sources = _sources(len(PROMPTS))
+    cond = _conditioning(adapter, PROMPTS, sources, size, condition_size, guidance)
+    noise = adapter.initial_noise(len(PROMPTS), height, width, torch.Generator().manual_seed(0), num_frames=frames)
+    traj = sample_trajectory(adapter, ODE(), cond, noise, adapter.sigmas(STEPS, height, width, frames), guidance)
+
+    expected = PIPELINES[model_type](adapter, PROMPTS, sources, noise.clone(), size, guidance, "latent")
+    assert traj.final.abs().max() > 0.1  # not zeros against zeros
+    torch.testing.assert_close(traj.final, expected.float(), rtol=0, atol=1e-5)
+    images = PIPELINES[model_type](adapter, PROMPTS, sources, noise.clone(), size, guidance, "pt")
+    torch.testing.assert_close(adapter.decode(traj.final), images.float(), rtol=0, atol=1e-4)
+
+    # the condition matters: another source image gives another result
+    other = _conditioning(adapter, PROMPTS, _sources(len(PROMPTS), seed=1), size, condition_size, guidance)
+    assert (sample_trajectory(adapter, ODE(), other, noise, traj.sigmas, guidance).final - traj.final).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_conditions_are_resized_as_the_pipeline_resizes_them(request, model_type):
+    """What the rewards and grids see: the condition at condition_size (default: the size generated), in [0, 1]."""
+    adapter, (height, width, frames), condition_size, _ = _load(request, model_type)
+    sources = _sources(2)
+    media = adapter.prepare_conditions(sources, None, height, width, frames, condition_size)
+    assert [tuple(m.shape) for m in media.images] == [(1, 3, *condition_size)] * 2
+    assert all(0 <= m.min() and m.max() <= 1 for m in media.images)
+    resized = sources[1][0].resize(condition_size[::-1], Image.LANCZOS)
+    assert np.array_equal(to_uint8_hwc(media.images[1][0]), np.asarray(resized))
+    default = adapter.prepare_conditions(sources, None, height, width, frames, None)
+    assert tuple(default.images[0].shape[-2:]) == (height, width)
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_velocity_is_per_sample(request, model_type):
+    adapter, size, condition_size, guidance = _load(request, model_type)
+    height, width, frames = size
+    cond = _conditioning(adapter, PROMPTS, _sources(2), size, condition_size, guidance)
+    x = adapter.initial_noise(2, height, width, torch.Generator().manual_seed(2), num_frames=frames)
+    sigma = torch.tensor([0.9, 0.4])
+    with torch.no_grad():
+        batched = adapter.velocity(x, sigma, cond, guidance)
+        singles = [adapter.velocity(x[i:i + 1], sigma[i], index_cond(cond, [i]), guidance) for i in range(2)]
+    assert batched.shape == x.shape and batched.dtype == torch.float32
+    torch.testing.assert_close(batched, torch.cat(singles), rtol=0, atol=1e-5)
+
+
+def _perturb_lora(transformer, scale, which="lora_B", seed=0):
+    """LoRA B starts at zero: give the ``which`` matrices weight, so the policy differs from the base model."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if which in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+@pytest.mark.parametrize("dynamics_name", ["Flow-SDE", "Dance-SDE", "CPS"])
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_on_policy_ratio_is_one(request, model_type, dynamics_name):
+    adapter, size, condition_size, guidance = _load(request, model_type)
+    height, width, frames = size
+    apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
+    _perturb_lora(adapter.transformer, 0.05)
+    dynamics = make_dynamics(dynamics_name, 0.7)
+    algorithm = make_algorithm("grpo", TrainConfig(kl_type="v-based"), dynamics)
+    policy = AdapterPolicy(adapter, guidance, "lora", keep_reference=False)
+    cond = _conditioning(adapter, PROMPTS, _sources(2), size, condition_size, guidance)
+    noise = adapter.initial_noise(2, height, width, torch.Generator().manual_seed(1), num_frames=frames)
+    traj = sample_trajectory(adapter, dynamics, cond, noise, adapter.sigmas(STEPS, height, width, frames), guidance,
+                             generator=torch.Generator().manual_seed(2))
+    for step in traj.sde_steps:
+        batch = TrainBatch.at_step(traj.latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond, step)
+        _, metrics = algorithm.loss(policy, batch)
+        assert abs(metrics["ratio_min"].item() - 1) < 1e-6 and abs(metrics["ratio_max"].item() - 1) < 1e-6, \
+            (step, metrics)
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_lora_reloads_in_diffusers_and_changes_the_output(request, model_type, tmp_path):
+    adapter, size, condition_size, guidance = _load(request, model_type)
+    height, width, frames = size
+    cond = _conditioning(adapter, PROMPTS[:1], _sources(1), size, condition_size, guidance)
+    x = adapter.initial_noise(1, height, width, torch.Generator().manual_seed(0), num_frames=frames)
+
+    def v(a):
+        with torch.no_grad():
+            return a.velocity(x, torch.tensor(0.6), cond, guidance)
+
+    base = v(adapter)
+    apply_lora(adapter.transformer, rank=4, alpha=2.0, target_modules="default",
+               default_targets=adapter.default_lora_targets)
+    _perturb_lora(adapter.transformer, 0.2, which="lora_")
+    tuned = v(adapter)
+    assert (tuned - base).abs().max() > 1e-3
+    save_lora(adapter.pipeline_class, adapter.transformer, tmp_path / "lora")
+    fresh = adapter.pipeline_class.from_pretrained(request.getfixturevalue(CASES[model_type][0]))
+    fresh.load_lora_weights(tmp_path / "lora")  # plain diffusers
+    torch.testing.assert_close(v(type(adapter)(fresh)), tuned, rtol=0, atol=1e-6)
+
+
+class Recorder(PointwiseRewardModel):
+    """Records what it is given; scores each sample by its row's metadata."""
+
+    required_fields = ("prompt", "image", "condition_images", "metadata")
+    calls: list = []
+
+    def __call__(self, prompt, image=None, condition_images=None, metadata=None):
+        type(self).calls.append((list(prompt), condition_images, metadata))
+        return RewardModelOutput(rewards=[float(m["row"]) for m in metadata])
+
+
+class TensorRecorder(Recorder):
+    use_tensor_inputs = True
+    calls: list = []
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_rewards_see_each_samples_condition_in_both_forms(request, model_type, tmp_path):
+    """Groups of 2 in batches of 3 (a group straddles two batches); each sample's reward gets its own row's
+    condition, resized as the model saw it, and its metadata; only rewards that ask for them get them."""
+    from helpers_runs import write_conditioned_dataset
+
+    adapter, (height, width, frames), condition_size, guidance = _load(request, model_type)
+    items = load_prompts(write_conditioned_dataset(tmp_path / "data"), "train")[:3]
+    items = [it for it in items for _ in range(2)]  # 3 groups of 2
+    rewards = RewardSet({"pil": Recorder(batch_size=4), "tensor": TensorRecorder(batch_size=4)},
+                        {"pil": 1.0, "tensor": 1.0})
+    Recorder.calls.clear(), TensorRecorder.calls.clear()
+    settings = SamplingSettings(height, width, frames, 2, guidance, batch_size=3, seed=0, sde_steps=[],
+                                condition_size=condition_size)
+    rollouts = collect_rollouts(adapter, ODE(), items, torch.arange(3).repeat_interleave(2), list(range(6)),
+                                settings, epoch=0, reward_set=rewards)
+    assert rollouts.rewards["pil"].tolist() == [0, 0, 1, 1, 2, 2]  # each sample's own metadata, in order
+
+    def expected(item):
+        return adapter.prepare_conditions([[read_image(item.images[0])]], None, height, width, frames,
+                                          condition_size).images[0]
+
+    pil = [c for call in Recorder.calls for c in call[1]]  # in calls of at most batch_size 4
+    metadata = [m for call in Recorder.calls for m in call[2]]
+    tensors = [c for call in TensorRecorder.calls for c in call[1]]
+    assert [m["row"] for m in metadata] == [0, 0, 1, 1, 2, 2]
+    for i, item in enumerate(items):
+        assert isinstance(pil[i], list) and len(pil[i]) == 1 and isinstance(pil[i][0], Image.Image)
+        assert pil[i][0].size == condition_size[::-1]
+        assert np.array_equal(np.asarray(pil[i][0]), to_uint8_hwc(expected(item)[0]))
+        assert tensors[i].shape == (1, 3, *condition_size)  # (k, 3, H, W): one condition image
+        torch.testing.assert_close(tensors[i], expected(item), rtol=0, atol=0)
+    assert not torch.equal(tensors[0], tensors[2])  # rows of other files differ
+    assert [len(c) for c in rollouts.conditions.per_sample()] == [1] * 6  # kept for the sample grids
+
+
+# --------------------------------------------------------------------------------- ff-train
+
+
+def _pipeline_latents(model_type, path, lora_dir, source):
+    """The pipeline's own output (``PIPELINES``), with the LoRA loaded by its ``load_lora_weights``."""
+    _, _, size, _, guidance = CASES[model_type]
+    cls = get_adapter_class(model_type)
+    pipe = cls.pipeline_class.from_pretrained(path)
+    if lora_dir is not None:
+        pipe.load_lora_weights(lora_dir)
+    adapter = cls(pipe)
+    noise = adapter.initial_noise(1, size[0], size[1], torch.Generator().manual_seed(0), num_frames=size[2])
+    return PIPELINES[model_type](adapter, ["make it red"], [[source]], noise, size, guidance, "latent")
+
+
+@pytest.mark.parametrize("trainer_type", ["grpo", "nft"])
+@pytest.mark.parametrize("model_type", list(CONDITIONED_MODELS))
+def test_ff_train_runs_from_a_conditioned_dataset(request, tmp_path, model_type, trainer_type):
+    path = request.getfixturevalue(CONDITIONED_MODELS[model_type][0])
+    config = tiny_run_config(tmp_path, model_type, path, trainer_type=trainer_type, max_epochs=2,
+                             condition_image_size=[48, 80])
+    config["eval"]["condition_image_size"] = 64
+    if trainer_type == "nft":
+        config["train"]["num_train_timesteps"] = 1
+        config["scheduler"] = {"dynamics_type": "ODE", "noise_level": 0.0}
+    assert ff_train([str(write_config(tmp_path, config))]) == 0
+
+    run_dir = tmp_path / "saves" / "run"
+    history = json.loads((run_dir / "history.json").read_text())
+    assert [r["epoch"] for r in history["train"]] == [0, 1] and "reward/jpeg/mean" in history["train"][-1]
+    grid = Image.open(run_dir / "samples" / "eval_epoch_0000.png")
+    assert grid.width == 2 * 2 * 256  # 2 test prompts, each beside its condition image
+    lora_dir = run_dir / "checkpoints" / "epoch_2"
+    source = Image.open(tmp_path / "data" / "images" / next(iter(CONDITION_IMAGES))).convert("RGB")
+    base = _pipeline_latents(model_type, path, None, source)
+    tuned = _pipeline_latents(model_type, path, lora_dir, source)
+    assert not torch.allclose(base, tuned, atol=1e-6), "the trained LoRA does not change the output"
+
+
+def test_ff_train_names_a_missing_condition_file_before_the_model_loads(tmp_path, tiny_flux_kontext_path, capsys,
+                                                                        monkeypatch):
+    def refuse(cls, *args, **kwargs):
+        pytest.fail("a pipeline started loading: the error came too late")
+
+    monkeypatch.setattr(FluxKontextAdapter, "from_pretrained", classmethod(refuse))
+    config = tiny_run_config(tmp_path, "flux1-kontext", tiny_flux_kontext_path)
+    (tmp_path / "data" / "images" / "green.png").unlink()
+    assert ff_train([str(write_config(tmp_path, config))]) == 2
+    err = capsys.readouterr().err
+    train = tmp_path / "data" / "train.jsonl"
+    assert f"{train}:2: image 'green.png' ({tmp_path / 'data' / 'images' / 'green.png'}) not found" in err
+
+
+def test_auto_resize_generates_at_the_conditions_aspect_ratio(tmp_path, tiny_flux_kontext_path):
+    """train.auto_resize: the conditions are 83x50, so 64x64 pixels become 48 x 80 (height x width); eval keeps
+    its resolution (auto_resize false) and its condition size."""
+    from flow_factory.config import parse_config
+    from flow_factory.trainer import Trainer
+
+    config = tiny_run_config(tmp_path, "flux1-kontext", tiny_flux_kontext_path, auto_resize=True)
+    config["eval"].update(auto_resize=False, condition_image_size=32)
+    config["log"]["logging_backend"] = "none"  # no trackers: train() starts them, this test does not call it
+    trainer = Trainer(parse_config(config))
+    try:
+        assert (trainer.train_size, trainer.eval_size) == ((48, 80), (64, 64))
+        rollouts = trainer.sample_epoch(0)
+        assert rollouts.media.shape[-2:] == (48, 80) and rollouts.latents.shape[-2:] == (6, 10)
+        assert rollouts.conditions.images[0].shape == (1, 3, 48, 80)  # null condition size: the size generated
+        trainer.evaluate(0)
+        assert Image.open(tmp_path / "saves" / "run" / "samples" / "eval_epoch_0000.png").width == 2 * 2 * 256
+    finally:
+        trainer.close()
+
+
+def test_ff_sample_takes_the_conditions_from_a_jsonl_file(tmp_path, tiny_flux_kontext_path, capsys):
+    from helpers_runs import write_conditioned_dataset
+
+    from flow_factory.sample import main as ff_sample
+
+    data = write_conditioned_dataset(tmp_path / "data")
+    common = ["--model-type", "flux1-kontext", "--resolution", "64", "--steps", "2", "--guidance-scale", "2.5"]
+    assert ff_sample([str(tiny_flux_kontext_path), *common, "--prompt-file", str(data / "test.jsonl"),
+                      "--out", str(tmp_path / "s")]) == 0
+    assert Image.open(tmp_path / "s" / "0001.png").size == (64, 64)
+    assert Image.open(tmp_path / "s" / "grid.png").width == 2 * 2 * 256  # each sample beside its source image
+    assert ff_sample([str(tiny_flux_kontext_path), *common, "--prompts", "make it red", "--out",
+                      str(tmp_path / "x")]) == 2
+    assert ("ff-sample: prompt 'make it red': flux1-kontext takes 1 condition images per prompt ('image' / 'images'), "
+            "the row names 0") in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------- the condition cache
+
+
+def test_the_condition_cache_holds_what_encode_conditions_gives(tmp_path, tiny_flux_kontext_path):
+    """data.enable_preprocess: each row's condition encoded once per geometry; a changed file is a new
+    entry; the folder follows the condition encoders' weights."""
+    import os
+
+    from helpers_runs import write_conditioned_dataset
+
+    from flow_factory.prompt_cache import ConditionCache, condition_fingerprint, condition_media
+
+    adapter = load_adapter("flux1-kontext", tiny_flux_kontext_path)
+    items = load_prompts(write_conditioned_dataset(tmp_path / "data"), "train")[:3]
+    geometries = [(64, 64, None, (48, 80)), (64, 64, None, None)]
+    cache = ConditionCache.build(adapter, [(it, g) for g in geometries for it in items], tmp_path / "cache", 2)
+    assert cache.folder.name == condition_fingerprint(adapter) and cache.folder.name.startswith("conditions-")
+    for geometry in geometries:
+        for batch in (items[:2], items[2:]):  # the batches it was built in: float32 convolutions round by batch
+            fresh = adapter.encode_conditions(condition_media(adapter, batch, geometry), *geometry[:3])
+            cached = cache.lookup(batch, geometry, "cpu")
+            assert cached.keys() == fresh.keys()
+            assert all(torch.equal(cached[k], fresh[k]) for k in fresh)
+    assert cache.lookup([items[2], items[0], items[2]], geometries[0], "cpu")["image_latents"].shape[0] == 3
+    assert cache.lookup(items, (32, 32, None, None), "cpu") is None  # a geometry never encoded
+
+    path = items[1].images[0].path  # the same name, other pixels: another entry
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10 ** 9))
+    assert cache.lookup(items, geometries[0], "cpu") is None
+    with torch.no_grad():
+        next(adapter.pipeline.vae.parameters()).view(-1)[3] += 1e-3
+    assert condition_fingerprint(adapter) != cache.folder.name
+
+
+def test_a_run_with_the_condition_cache_ends_with_the_weights_of_a_run_without(tmp_path, tiny_flux_kontext_path,
+                                                                               monkeypatch):
+    """The same encoder calls give the same run: the cache encodes one row at a time, as the rollouts do
+    (a batch of 2 holds one group); after it is built no condition is encoded, in training or eval."""
+    from flow_factory.config import parse_config
+    from flow_factory.prompt_cache import ConditionCache
+    from flow_factory.trainer import Trainer
+
+    def run(folder, **data):
+        config = tiny_run_config(folder, "flux1-kontext", tiny_flux_kontext_path, max_epochs=1)
+        config["data"].update(data)
+        config["log"]["logging_backend"] = "none"
+        trainer = Trainer(parse_config(config))
+        trainer.train()
+        return trainer, [p.detach().clone() for p in trainer.params]
+
+    _, without = run(tmp_path / "live", enable_preprocess=False)
+    original = ConditionCache.build
+
+    def build_then_forbid_encoding(*args, **kwargs):
+        cache = original(*args, **kwargs)
+        monkeypatch.setattr(FluxKontextAdapter, "encode_conditions",
+                            lambda *a, **k: pytest.fail("a condition was encoded after the cache was built"))
+        return cache
+
+    monkeypatch.setattr(ConditionCache, "build", build_then_forbid_encoding)
+    trainer, cached = run(tmp_path / "cached", preprocessing_batch_size=1)
+    assert trainer.condition_cache is not None and trainer.eval_history  # evaluation read it too
+    for a, b in zip(without, cached):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
