@@ -110,3 +110,16 @@ def test_sampler_errors():
         EpochSampler(3, 4, 2)
     with pytest.raises(ValueError, match="group_size"):
         EpochSampler(3, 2, 0)
+
+
+def test_process_share_lays_samples_out_whole_or_by_global_micro_batch():
+    from flow_factory.data import process_share
+
+    # default: a contiguous share each
+    assert process_share(12, 1, 2).tolist() == [6, 7, 8, 9, 10, 11]
+    # by global micro-batch of 2 x 3: each process's m-th micro-batch is its part of the m-th global one
+    assert process_share(12, 0, 2, 3).tolist() == [0, 1, 2, 6, 7, 8]
+    assert process_share(12, 1, 2, 3).tolist() == [3, 4, 5, 9, 10, 11]
+    assert process_share(12, 0, 1, 3).tolist() == list(range(12))
+    with pytest.raises(ValueError, match="global micro-batches of 2 x 4"):
+        process_share(12, 0, 2, 4)

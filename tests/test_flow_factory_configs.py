@@ -316,6 +316,8 @@ def test_shuffle_samples_false_trains_in_rollout_order(shuffle):
     weight = torch.nn.Parameter(torch.ones(1))
 
     class Recorder:  # an algorithm that records which samples each micro-batch holds
+        lockstep = False  # each process shuffles its own samples (Algorithm's default)
+
         def training_units(self, group_ids, advantages):
             return torch.arange(len(advantages)).unsqueeze(1)
 

@@ -40,6 +40,9 @@ class SamplingSettings:
     storage_dtype: torch.dtype | None = None  # precision of the kept trajectory; None = float32
     offload: bool = False  # keep the trajectory and conditioning in CPU memory until a micro-batch needs them
     keep_states: tuple[int, ...] | None = None  # the trajectory states kept (0 noise .. T final); None = all
+    # the guidance scale the prompts are encoded for, when a loss calls the model at another one than the
+    # rollout (dgpo / crd's kl_cfg: the negative branch of a guided reference); None = guidance_scale
+    conditioning_guidance_scale: float | None = None
 
     @classmethod
     def for_eval(cls, ev) -> "SamplingSettings":
@@ -86,7 +89,8 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
         ids = sample_ids[start:start + s.batch_size]
         groups = group_ids[start:start + s.batch_size]
         with timer.phase("sampling"):
-            cond = _conditioning(adapter, batch, s.guidance_scale, autocast, prompt_cache)
+            encoded_for = s.guidance_scale if s.conditioning_guidance_scale is None else s.conditioning_guidance_scale
+            cond = _conditioning(adapter, batch, encoded_for, autocast, prompt_cache)
             keys = [("noise", s.seed, epoch, "group", int(g)) if s.same_latent else ("noise", s.seed, epoch, i)
                     for g, i in zip(groups.tolist(), ids)]
             noise = per_sample_noise(adapter, keys, s.height, s.width, s.num_frames)
