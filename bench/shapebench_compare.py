@@ -4,6 +4,7 @@ paper's reward curves.
     python bench/shapebench_compare.py                        # 8 algorithms x seeds 0 1 2, 8192 samples each
     python bench/shapebench_compare.py --algorithms nft dgpo --seeds 0 1 2 3
     python bench/shapebench_compare.py --smoke --algorithms grpo-fast --seeds 0    # end to end in minutes
+    python bench/shapebench_compare.py --estimate                 # time one epoch of each, print the estimate
     python bench/shapebench_compare.py --report runs/shapebench_compare/results.json   # table and figure again
 
 Each algorithm trains the committed ShapeBench pipeline (assets/shapebench/sd3) from
@@ -227,10 +228,13 @@ def main(argv=None) -> None:
                    "of the whole and stop")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "shapebench_compare")
-    p.add_argument("--report", type=Path, default=None, help="a results.json to print and plot again, no training")
+    p.add_argument("--report", type=Path, nargs="+", default=None, help="results.json files to print and plot "
+                   "again, without training; several (runs split over sessions) are merged, which is fair for the "
+                   "equal-wall-time columns only when they ran on one machine under the same load")
     args = p.parse_args(argv)
     if args.report is not None:
-        report(json.loads(args.report.read_text()), args.report.parent)
+        parts = [json.loads(path.read_text()) for path in args.report]
+        report({**parts[0], "runs": [r for part in parts for r in part["runs"]]}, args.report[0].parent)
         return
     if args.smoke:
         for key, value in SMOKE.items():

@@ -4,7 +4,7 @@ the clip mask, the gradient sign on one parameter, the micro-batches (a global m
 alike on every process), CFG on the reference (``kl_cfg``) and the fast old-policy EMA
 (``ema_ref``) against hand computations, and the config's defaults and refusals. The toy learning
 test, ff-train runs with exact resume and two real processes live elsewhere (test_toy_learning,
-test_decoupled_train, test_dgpo_processes)."""
+test_decoupled_train, test_groups_across_processes)."""
 
 import math
 
