@@ -1,5 +1,6 @@
-"""ShapeBench, algorithm against algorithm over training seeds: the CPU analogue of the Flow-Factory
-paper's reward curves.
+"""ShapeBench, every algorithm against the others over training seeds.
+
+The CPU analogue of the Flow-Factory paper's reward curves:
 
     python bench/shapebench_compare.py                        # 8 algorithms x seeds 0 1 2, 8192 samples each
     python bench/shapebench_compare.py --algorithms nft dgpo --seeds 0 1 2 3
@@ -27,7 +28,8 @@ It prints, per algorithm, the mean over seeds and its 95 % t-interval (``seed_st
 (the mean over seeds) with its interval as a band; ``--out``/results.json keeps every run's curve,
 so ``--report`` makes the table and figure again without training. Before training, one epoch of
 each algorithm is timed for an estimate of the whole (``--estimate`` stops there); after each run it
-prints the time so far and what is left. One process, fp32; timings move with the machine's load: run it on a quiet machine.
+prints the time so far and what is left. One process, fp32; timings move with the machine's load:
+run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -274,8 +276,9 @@ def main(argv=None) -> None:
               f"{result['curve'][-1]['strict']:.3f}, {result['epoch_s']:.1f} s / epoch; {elapsed / 60:.0f} min so "
               f"far, about {left / 60:.0f} min left", flush=True)
     report(results, out)
-    print(f"took {(time.perf_counter() - start) / 60:.1f} min in all; the runs {(time.perf_counter() - runs_start) / 60:.1f} "
-          f"min (estimated {total / 60:.0f} min)")
+    runs_min = (time.perf_counter() - runs_start) / 60
+    print(f"took {(time.perf_counter() - start) / 60:.1f} min in all; the runs {runs_min:.1f} min (estimated "
+          f"{total / 60:.0f} min)")
 
 
 if __name__ == "__main__":

@@ -89,8 +89,8 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
         ids = sample_ids[start:start + s.batch_size]
         groups = group_ids[start:start + s.batch_size]
         with timer.phase("sampling"):
-            encoded_for = s.guidance_scale if s.conditioning_guidance_scale is None else s.conditioning_guidance_scale
-            cond = _conditioning(adapter, batch, encoded_for, autocast, prompt_cache)
+            encode_at = s.guidance_scale if s.conditioning_guidance_scale is None else s.conditioning_guidance_scale
+            cond = _conditioning(adapter, batch, encode_at, autocast, prompt_cache)
             keys = [("noise", s.seed, epoch, "group", int(g)) if s.same_latent else ("noise", s.seed, epoch, i)
                     for g, i in zip(groups.tolist(), ids)]
             noise = per_sample_noise(adapter, keys, s.height, s.width, s.num_frames)

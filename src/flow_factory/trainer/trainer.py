@@ -182,7 +182,8 @@ class Trainer:
         """Every train and test prompt encoded once (``prompt_cache.py``); then the text encoders
         leave the device (``data.text_encoders_after_preprocess``)."""
         cfg, acc = self.cfg, self.accelerator
-        items = ([(it.prompt, it.negative_prompt, cfg.train.conditioning_guidance_scale) for it in self.train_prompts]
+        train_scale = cfg.train.conditioning_guidance_scale
+        items = ([(it.prompt, it.negative_prompt, train_scale) for it in self.train_prompts]
                  + [(it.prompt, it.negative_prompt, cfg.eval.guidance_scale) for it in self.test_prompts])
         local = cfg.data.preprocess_parallelism == "local"  # each machine encodes into its own cache_dir
         share = ((acc.local_process_index, acc.num_processes // cfg.num_machines, acc.is_local_main_process)
@@ -312,7 +313,7 @@ class Trainer:
             accumulation=self.cfg.gradient_accumulation, max_grad_norm=train.max_grad_norm,
             seed=self.seed, epoch=epoch, guard=self.guard, shuffle=train.shuffle_samples,
             steps_per_call=train.steps_per_call, steps_before=self.global_step,
-            step_snapshots={name: (self.snapshots[name], decay_of) for name, decay_of in self.step_snapshot_decays.items()})
+            step_snapshots={name: (self.snapshots[name], decay) for name, decay in self.step_snapshot_decays.items()})
         self.global_step += steps
         if not all_finite(self.params):  # finite gradients, yet a step overflowed: stop before it spreads
             raise NonFiniteError(f"epoch {epoch}: an optimizer step made trained weights NaN or inf (mean "
