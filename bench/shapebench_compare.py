@@ -1,103 +1,285 @@
-"""ShapeBench, algorithm against algorithm: the CPU analogue of the Flow-Factory paper's reward curves.
+"""ShapeBench, every algorithm against the others over training seeds.
 
-    python bench/shapebench_compare.py [--samples 7680] [--evals 3] [--algorithms grpo grpo-fast nft awm dpo]
+The CPU analogue of the Flow-Factory paper's reward curves:
 
-Each algorithm trains the committed pretrained ShapeBench pipeline from
-examples/shapebench_grpo.yaml (the `make demo` run), changed only where the algorithm
-needs it (the table below), on the same training prompts and the same number of
-rollout samples. The held-out strict accuracy (test.txt, ODE, fixed seeds) is measured
-``--evals`` times along the way; the table gives it
+    python bench/shapebench_compare.py                        # 8 algorithms x seeds 0 1 2, 8192 samples each
+    python bench/shapebench_compare.py --algorithms nft dgpo --seeds 0 1 2 3
+    python bench/shapebench_compare.py --smoke --algorithms grpo-fast --seeds 0    # end to end in minutes
+    python bench/shapebench_compare.py --estimate                 # time one epoch of each, print the estimate
+    python bench/shapebench_compare.py --report runs/shapebench_compare/results.json   # table and figure again
 
-* at equal samples: after the whole sample budget;
-* at equal wall time: at the training time the fastest algorithm needed for the whole
-  budget, interpolated linearly between the evaluations around it (training time only:
-  sampling, rewards and optimisation, not the evaluations);
+Each algorithm trains the committed ShapeBench pipeline (assets/shapebench/sd3) from
+examples/shapebench_grpo.yaml (the `make demo` run), changed only where the algorithm needs it
+(``ALGORITHMS``), on the same training prompts and the same number of rollout samples
+(``--samples``), once per training seed (``--seeds``: the run's seed, so its prompt draws,
+rollout noise and training draws; the held-out noise follows it too). The held-out set is the 256
+prompts of test.txt, each sampled ``--eval-samples / 256`` times with its own noise (ODE, 10 steps,
+cfg 2), measured before training and ``--evals`` times along the way.
 
-and each algorithm's seconds per epoch. Runs go to ``--out``/<algorithm> with their reward
-curves. One process, fp32; figures move with the machine's load, so compare rows of one run.
+It prints, per algorithm, the mean over seeds and its 95 % t-interval (``seed_statistics``):
+
+* held-out strict and partial accuracy at equal samples (after the whole budget);
+* the same at equal wall time: every run's curve read at T, the training time of the quickest
+  run of all (training time only: sampling, rewards and optimisation, not the evaluations),
+  linear between the evaluations around it;
+* seconds per epoch.
+
+``--out``/shapebench_compare.png shows held-out accuracy against samples, one curve per algorithm
+(the mean over seeds) with its interval as a band; ``--out``/results.json keeps every run's curve,
+so ``--report`` makes the table and figure again without training. Before training, one epoch of
+each algorithm is timed for an estimate of the whole (``--estimate`` stops there); after each run it
+prints the time so far and what is left. One process, fp32; timings move with the machine's load:
+run it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import torch  # noqa: E402
+
 from flow_factory.config import load_config  # noqa: E402
 from flow_factory.trainer import Trainer  # noqa: E402
 
+# a sibling module: python puts bench/ on sys.path for the script, pytest's pythonpath for the tests
+from seed_statistics import t_interval, value_at  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "shapebench_grpo.yaml"
+PROMPTS = ROOT / "examples" / "data" / "shapebench_prompts"
+METRICS = {"strict": "eval/reward/shapebench_strict", "partial": "eval/reward/shapebench"}
 
-# What each algorithm changes in the demo config. grpo-fast is the demo itself (one SDE step,
-# the rest ODE: Flow-GRPO-Fast's window, at step 0 since the committed model's background is
-# decided there; the README's table was measured with the first five); grpo noises and trains every
-# step from independent starting noise, as Flow-GRPO does; the decoupled algorithms sample
-# with the ODE and train on the forward process at two timesteps per sample. Only grpo-fast
-# has steps outside a window, so only it keeps the demo's outside_kl_beta.
+# What each algorithm changes in the demo config. grpo-fast is the demo itself (one SDE step, at step 0,
+# where the committed model decides its background, and the rest ODE: Flow-GRPO-Fast's window);
+# grpo-guard is the same window with GRPO-Guard's re-normalised ratio; grpo noises and trains every step
+# from independent starting noise, as Flow-GRPO does. The decoupled algorithms sample with the ODE and
+# train on the forward process at two timesteps per sample; only the windowed ones have untrained steps,
+# so only they keep the demo's outside_kl_beta. crd's KL teacher stays at the rollouts' cfg 2
+# (kl_cfg 1), dgpo takes dpo_beta 10 (Flow-Factory's PickScore example).
 ODE_ROLLOUTS = ["scheduler.dynamics_type=ODE", "scheduler.noise_level=0", "scheduler.sde_steps=null",
                 "scheduler.num_sde_steps=null", "train.same_latent=false",  # same start + ODE: identical samples
                 "train.outside_kl_beta=0"]
+DECOUPLED = [*ODE_ROLLOUTS, "train.num_train_timesteps=2", "train.learning_rate=1e-4"]
 ALGORITHMS: dict[str, list[str]] = {
     "grpo": ["scheduler.sde_steps=null", "scheduler.num_sde_steps=null", "train.same_latent=false",
              "train.outside_kl_beta=0"],
     "grpo-fast": [],
-    "nft": ["train.trainer_type=nft", *ODE_ROLLOUTS,
-            "train.num_train_timesteps=2", "train.learning_rate=1e-4", "train.ema_decay=0.9"],
-    "awm": ["train.trainer_type=awm", *ODE_ROLLOUTS,
-            "train.num_train_timesteps=2", "train.learning_rate=1e-4", "train.ema_decay=0.9"],
-    "dpo": ["train.trainer_type=dpo", *ODE_ROLLOUTS,
-            "train.num_train_timesteps=2", "train.learning_rate=1e-4"],
+    "grpo-guard": ["train.trainer_type=grpo-guard"],
+    "nft": ["train.trainer_type=nft", *DECOUPLED, "train.ema_decay=0.9"],
+    "awm": ["train.trainer_type=awm", *DECOUPLED, "train.ema_decay=0.9"],
+    "dpo": ["train.trainer_type=dpo", *DECOUPLED],
+    "dgpo": ["train.trainer_type=dgpo", *DECOUPLED, "train.dpo_beta=10"],
+    "crd": ["train.trainer_type=crd", *DECOUPLED, "train.kl_cfg=1"],
 }
+SMOKE = {"samples": 256, "eval_samples": 64, "evals": 1}  # 2 epochs, 64 held-out samples: minutes
 
 
-def run(name: str, samples: int, evals: int, out: Path) -> dict:
-    probe = load_config(CONFIG, ALGORITHMS[name])
-    per_epoch = probe.train.unique_sample_num_per_epoch * probe.train.group_size
-    epochs = max(1, samples // per_epoch)
+def write_dataset(folder: Path, eval_samples: int) -> Path:
+    """The demo's prompts, with test.txt's 256 lines repeated to ``eval_samples`` (each repeat is a
+    sample of its own: eval seeds noise by position)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.txt").write_text((PROMPTS / "train.txt").read_text())
+    held_out = (PROMPTS / "test.txt").read_text().splitlines()
+    repeats = -(-eval_samples // len(held_out))
+    (folder / "test.txt").write_text("\n".join((held_out * repeats)[:eval_samples]) + "\n")
+    return folder
+
+
+def trainer_for(name: str, seed: int, epochs: int, eval_freq: int, out: Path, save_dir: Path) -> Trainer:
     overrides = ALGORITHMS[name] + [
-        f"train.max_epochs={epochs}", f"eval.eval_freq={max(1, epochs // evals)}",
-        f"log.save_dir={out}", f"log.run_name={name}", "log.save_freq=0"]
-    trainer = Trainer(load_config(CONFIG, overrides))
+        f"seed={seed}", f"scheduler.seed={seed}", f"train.max_epochs={epochs}", f"eval.eval_freq={eval_freq}",
+        f"data.dataset_dir={out / 'data'}", f"data.cache_dir={out / 'prompt_cache'}", f"log.save_dir={save_dir}",
+        f"log.run_name={name}_seed{seed}", "log.save_freq=0", "log.logging_backend=none", "log.overwrite=true"]
+    return Trainer(load_config(CONFIG, overrides))
+
+
+def run(name: str, seed: int, epochs: int, evals: int, out: Path) -> dict:
+    """One training run: its held-out curve against samples and training seconds."""
+    trainer = trainer_for(name, seed, epochs, max(1, epochs // evals), out, out / "runs")
+    per_epoch = trainer.cfg.samples_per_epoch
     trainer.train()
-    # training seconds spent before each evaluation (an eval at epoch e follows e epochs)
-    spent = [0.0]
+    spent = [0.0]  # training seconds before each epoch (an eval at epoch e follows e epochs)
     for record in trainer.history:
         spent.append(spent[-1] + record["time/epoch"])
-    curve = [(spent[e["epoch"]], e["eval/reward/shapebench_strict"], e["eval/reward/shapebench"])
-             for e in trainer.eval_history]
-    return {"name": name, "epochs": epochs, "samples": epochs * per_epoch, "train_s": spent[-1], "curve": curve}
+    curve = [{"epoch": e["epoch"], "samples": e["epoch"] * per_epoch, "train_s": spent[e["epoch"]],
+              **{k: e[key] for k, key in METRICS.items()}} for e in trainer.eval_history]
+    del trainer
+    gc.collect()
+    return {"algorithm": name, "seed": seed, "epochs": epochs, "epoch_s": spent[-1] / epochs, "curve": curve}
 
 
-def strict_at(curve: list[tuple[float, float, float]], seconds: float) -> float:
-    """The held-out strict accuracy at ``seconds`` of training, linear between evaluations."""
-    for (t0, s0, _), (t1, s1, _) in zip(curve, curve[1:]):
-        if t0 <= seconds <= t1:
-            return s0 + (s1 - s0) * (seconds - t0) / max(t1 - t0, 1e-9)
-    return curve[-1][1]
+def calibrate(name: str, out: Path) -> dict:
+    """One epoch of ``name``, without evaluation: its seconds, and the part of them spent sampling."""
+    start = time.perf_counter()
+    trainer = trainer_for(name, 0, 1, 0, out, out / "calibration")
+    trainer.train()
+    record = trainer.history[0]
+    evaluated = ("time/sampling", "time/decode", "time/reward")  # what an evaluation also does, per sample
+    timing = {"epoch_s": record["time/epoch"], "sampling_s": sum(record.get(k, 0.0) for k in evaluated),
+              "start_s": time.perf_counter() - start - record["time/epoch"],
+              "samples_per_epoch": trainer.cfg.samples_per_epoch}
+    del trainer
+    gc.collect()
+    return timing
+
+
+def run_seconds(timing: dict, epochs: int, evals: int, eval_samples: int) -> float:
+    """The estimated wall time of one run: its epochs, its evaluations (ODE sampling at the rollouts'
+    cost per sample) and its start."""
+    eval_freq = max(1, epochs // evals)
+    num_evals = len(set(range(0, epochs, eval_freq)) | {epochs})
+    eval_s = timing["sampling_s"] * eval_samples / timing["samples_per_epoch"]
+    return epochs * timing["epoch_s"] + num_evals * eval_s + timing["start_s"]
+
+
+def summarize(runs: list[dict]) -> tuple[float, dict[str, dict]]:
+    """Per algorithm: t-intervals over its seeds of strict / partial accuracy at equal samples (the last
+    evaluation) and at equal wall time T (the shortest run's training time), and of seconds per epoch."""
+    budget = min(r["curve"][-1]["train_s"] for r in runs)
+    rows = {}
+    for name in dict.fromkeys(r["algorithm"] for r in runs):
+        mine = [r for r in runs if r["algorithm"] == name]
+        row = {"seeds": [r["seed"] for r in mine], "samples": mine[0]["curve"][-1]["samples"],
+               "before": t_interval([r["curve"][0]["strict"] for r in mine]),
+               "epoch_s": t_interval([r["epoch_s"] for r in mine])}
+        for metric in METRICS:
+            row[f"{metric}_samples"] = t_interval([r["curve"][-1][metric] for r in mine])
+            row[f"{metric}_time"] = t_interval([value_at([p["train_s"] for p in r["curve"]],
+                                                         [p[metric] for p in r["curve"]], budget) for r in mine])
+        rows[name] = row
+    return budget, rows
+
+
+def print_table(budget: float, rows: dict[str, dict]) -> None:
+    samples = {row["samples"] for row in rows.values()}
+    print(f"\nShapeBench held-out accuracy ({CONFIG.name} on assets/shapebench/sd3; {', '.join(map(str, samples))} "
+          f"samples each; mean over seeds [95 % t-interval]; equal wall time = {budget:.0f} s of training)")
+    head = ["algorithm", "seeds", "before (strict)", "strict, equal samples", "partial, equal samples",
+            "strict, equal time", "partial, equal time", "s / epoch"]
+    print(" | ".join(head))
+    for name, row in rows.items():
+        cells = [name, " ".join(map(str, row["seeds"])), str(row["before"]), str(row["strict_samples"]),
+                 str(row["partial_samples"]), str(row["strict_time"]), str(row["partial_time"]), str(row["epoch_s"])]
+        print(" | ".join(cells))
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """Held-out strict and partial accuracy against samples: a curve per algorithm (the mean over its
+    seeds) and its 95 % t-interval as a band (none with one seed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.8), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    for ax, metric in zip(axes, METRICS):
+        for name in dict.fromkeys(r["algorithm"] for r in runs):
+            mine = [r for r in runs if r["algorithm"] == name]
+            xs = [p["samples"] for p in mine[0]["curve"]]
+            if any([p["samples"] for p in r["curve"]] != xs for r in mine):
+                raise ValueError(f"{name}: its seeds were evaluated at different sample counts")
+            intervals = [t_interval([r["curve"][i][metric] for r in mine]) for i in range(len(xs))]
+            (line,) = ax.plot(xs, [iv.mean for iv in intervals], marker="o", markersize=3,
+                              label=f"{name} ({len(mine)} seed{'s' if len(mine) > 1 else ''})")
+            if len(mine) > 1:
+                ax.fill_between(xs, [iv.low for iv in intervals], [iv.high for iv in intervals],
+                                color=line.get_color(), alpha=0.15, linewidth=0)
+        ax.set_title(f"held-out {metric} accuracy")
+        ax.set_xlabel("rollout samples")
+        ax.set_ylabel(f"{metric} accuracy")
+        ax.grid(alpha=0.3)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize="small")
+    fig.savefig(path)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def report(results: dict, out: Path) -> None:
+    budget, rows = summarize(results["runs"])
+    print_table(budget, rows)
+    plot(results["runs"], out / "shapebench_compare.png")
+    print(f"\nfigure: {out / 'shapebench_compare.png'}; every run's curve: {out / 'results.json'}")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--samples", type=int, default=7680, help="rollout samples per algorithm")
-    p.add_argument("--evals", type=int, default=3, help="held-out evaluations after the first")
     p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="training seeds (at least 3 for an "
+                   "interval worth reading)")
+    p.add_argument("--samples", type=int, default=8192, help="rollout samples per run (the demo's 64 epochs)")
+    p.add_argument("--eval-samples", type=int, default=512, help="held-out samples per evaluation (test.txt's 256 "
+                   "prompts, repeated)")
+    p.add_argument("--evals", type=int, default=4, help="held-out evaluations after the one before training")
+    p.add_argument("--smoke", action="store_true", help=f"a tiny budget that shows the pipeline works: {SMOKE}")
+    p.add_argument("--estimate", action="store_true", help="time one epoch of each algorithm, print the estimate "
+                   "of the whole and stop")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "shapebench_compare")
+    p.add_argument("--report", type=Path, nargs="+", default=None, help="results.json files to print and plot "
+                   "again, without training; several (runs split over sessions) are merged, which is fair for the "
+                   "equal-wall-time columns only when they ran on one machine under the same load")
     args = p.parse_args(argv)
-    results = [run(name, args.samples, args.evals, args.out) for name in args.algorithms]
-    budget = min(r["train_s"] for r in results)
-    print(f"\nShapeBench held-out strict accuracy ({CONFIG.name}, {args.samples} samples each; "
-          f"equal wall time = {budget:.0f} s of training)")
-    print(f"{'algorithm':10s} {'samples':>8s} {'before':>7s} {'equal samples':>14s} {'equal time':>11s} "
-          f"{'partial':>8s} {'s/epoch':>8s} {'train s':>8s}")
-    for r in results:
-        first, last = r["curve"][0], r["curve"][-1]
-        print(f"{r['name']:10s} {r['samples']:8d} {first[1]:7.3f} {last[1]:14.3f} "
-              f"{strict_at(r['curve'], budget):11.3f} {last[2]:8.3f} {r['train_s'] / r['epochs']:8.2f} "
-              f"{r['train_s']:8.0f}")
+    if args.report is not None:
+        parts = [json.loads(path.read_text()) for path in args.report]
+        report({**parts[0], "runs": [r for part in parts for r in part["runs"]]}, args.report[0].parent)
+        return
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = args.out.resolve()
+    write_dataset(out / "data", args.eval_samples)
+    per_epoch = load_config(CONFIG).samples_per_epoch
+    epochs = max(1, args.samples // per_epoch)
+    start = time.perf_counter()
+    print(f"{len(args.algorithms)} algorithms x {len(args.seeds)} seeds, {epochs} epochs of {per_epoch} samples, "
+          f"{args.evals + 1} evaluations of {args.eval_samples} held-out samples, {torch.get_num_threads()} torch "
+          f"threads; timing one epoch of each algorithm for an estimate ...", flush=True)
+    timings = {name: calibrate(name, out) for name in args.algorithms}
+    estimates = {name: run_seconds(t, epochs, args.evals, args.eval_samples) for name, t in timings.items()}
+    total = len(args.seeds) * sum(estimates.values())
+    print("seconds per epoch: " + ", ".join(f"{n} {t['epoch_s']:.1f}" for n, t in timings.items()))
+    print(f"estimate: {total / 3600:.1f} h ({total / 60:.0f} min) for the {len(args.seeds) * len(estimates)} runs, "
+          f"after {(time.perf_counter() - start) / 60:.0f} min of timing", flush=True)
+    if args.estimate:
+        return
+
+    results = {"commit": commit(), "date": time.strftime("%Y-%m-%d"), "samples": epochs * per_epoch,
+               "eval_samples": args.eval_samples, "threads": torch.get_num_threads(), "runs": []}
+    planned = [(seed, name) for seed in args.seeds for name in args.algorithms]  # a seed of every algorithm first
+    done_estimate, runs_start = 0.0, time.perf_counter()
+    for i, (seed, name) in enumerate(planned, 1):
+        result = run(name, seed, epochs, args.evals, out)
+        results["runs"].append(result)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        done_estimate += estimates[name]
+        elapsed = time.perf_counter() - start
+        # the estimates of the runs left, scaled by how the finished runs compared with theirs
+        left = sum(estimates[n] for _, n in planned[i:]) * (time.perf_counter() - runs_start) / done_estimate
+        print(f"[{i}/{len(planned)}] {name} seed {seed}: strict {result['curve'][0]['strict']:.3f} -> "
+              f"{result['curve'][-1]['strict']:.3f}, {result['epoch_s']:.1f} s / epoch; {elapsed / 60:.0f} min so "
+              f"far, about {left / 60:.0f} min left", flush=True)
+    report(results, out)
+    runs_min = (time.perf_counter() - runs_start) / 60
+    print(f"took {(time.perf_counter() - start) / 60:.1f} min in all; the runs {runs_min:.1f} min (estimated "
+          f"{total / 60:.0f} min)")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

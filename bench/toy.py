@@ -90,7 +90,8 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
     for p in params:
         p.requires_grad_(True)
     rollout_weights = WeightCopy(params)
-    snapshots = {name: WeightCopy(params) for name in algorithm.weight_snapshots}  # CRD's old / sampling models
+    # CRD's old / sampling models (moved per epoch), DGPO's fast old-policy EMA (per optimizer step)
+    snapshots = {name: WeightCopy(params) for name in {**algorithm.weight_snapshots, **algorithm.step_snapshots}}
     policy = AdapterPolicy(adapter, 1.0, "full", keep_reference=algorithm.needs_reference,
                            sampling_weights=rollout_weights, snapshots=snapshots)
     optimizer = torch.optim.SGD(params, lr=lr) if sgd else torch.optim.Adam(params, lr=lr)
@@ -104,7 +105,7 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
         gen = torch.Generator().manual_seed(seed * 100003 + epoch)
         noise = torch.randn(n, 2, generator=gen)
         rollout_weights.copy_from_params()
-        sampling = algorithm.rollout_snapshot
+        sampling = algorithm.sampling_snapshot(steps)
         with snapshots[sampling].applied() if sampling else contextlib.nullcontext():
             traj = sample_trajectory(adapter, dyn, cond, noise, sigmas, 1.0, generator=gen,
                                      record_means=algorithm.records_step_means,
@@ -119,8 +120,8 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
         _, done = optimize_epoch(algorithm, policy, rollouts, advantages, accelerator=acc, optimizer=optimizer,
                                  params=params, denoiser=adapter.transformer, batch_size=n, num_inner_epochs=1,
                                  accumulation=accumulation, max_grad_norm=max_grad_norm, seed=seed, epoch=epoch,
-                                 steps_per_call=cfg.steps_per_call,
-                                 guard=NonFiniteGuard(0))
+                                 steps_per_call=cfg.steps_per_call, guard=NonFiniteGuard(0), steps_before=steps,
+                                 step_snapshots={k: (snapshots[k], d) for k, d in algorithm.step_snapshots.items()})
         steps += done
         for name, decay_of in algorithm.weight_snapshots.items():
             snapshots[name].update(decay_of(steps))

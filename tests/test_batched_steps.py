@@ -2,7 +2,7 @@
 through the transformer in one call, with the loss and the gradients of one call per step.
 
 Checked on the tiny SD3 pipeline with a perturbed LoRA (so the policy, its reference, the
-rollout's weights and CRD's snapshots all differ), for every algorithm: the per-step batches
+rollout's weights, CRD's snapshots and DGPO's fast EMA all differ), for every algorithm: the per-step batches
 and their merge give the same summed loss and the same gradient, to float32 rounding (a
 batch of 4 steps is one matrix product instead of 4, summed in another order; a gradient
 entry sums thousands of terms, some cancelling, so it is compared to 1e-4 of the largest
@@ -62,11 +62,11 @@ def _setup(tiny_sd3_path, case):
         torch.manual_seed(0)  # the LoRA's initial weights: the same case on every run
         apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
     params = [p for p in adapter.transformer.parameters() if p.requires_grad]
-    # the rollout's weights and CRD's snapshots: each a different point near the starting LoRA
+    # the rollout's weights, CRD's snapshots, DGPO's fast EMA: each a different point near the starting LoRA
     _perturb(adapter.transformer, 1)
     sampling = WeightCopy(params)
     snapshots = {}
-    for i, snap in enumerate(algorithm.weight_snapshots):
+    for i, snap in enumerate({**algorithm.weight_snapshots, **algorithm.step_snapshots}):
         _perturb(adapter.transformer, 10 + i)
         snapshots[snap] = WeightCopy(params)
     _perturb(adapter.transformer, 2)

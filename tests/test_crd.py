@@ -76,8 +76,9 @@ class OneParameter:
         assert name == CRD.OLD
         return 0.8 * self.target
 
-    def reference_velocity(self, x_t, sigma, cond):
-        return 0.5 * self.target
+    def reference_velocity(self, x_t, sigma, cond, guidance_scale=None):
+        # the reference's conditional branch is 0.5 u, its unconditional one 0.2 u: CFG at g gives 0.2 + g 0.3
+        return (0.5 if guidance_scale is None else 0.2 + guidance_scale * 0.3) * self.target
 
 
 def cfg(**kw):
@@ -104,10 +105,12 @@ def test_the_better_samples_implicit_reward_goes_up(loss_type):
         assert torch.sign(policy.w.grad) == sign, (advantage, policy.w.grad)
 
 
-def test_the_whole_loss_with_the_reward_adaptive_kl():
-    """c L / beta + kl_beta mean((m + q (1 - m)) |v - v_ref|^2), computed here from the formulas."""
+@pytest.mark.parametrize("kl_cfg,w_ref", [(1.0, 0.5), (3.0, 0.2 + 3.0 * 0.3)])
+def test_the_whole_loss_with_the_reward_adaptive_kl(kl_cfg, w_ref):
+    """c L / beta + kl_beta mean((m + q (1 - m)) |v - v_ref|^2), computed here from the formulas; with
+    kl_cfg 3 the KL's reference is the frozen model with CFG at 3."""
     c, beta, kl_beta = 5.0, 2.0, 0.1
-    algo = CRD(cfg(crd_beta=beta, kl_beta=kl_beta, adaptive_logp=False, adv_clip_range=c), ODE())
+    algo = CRD(cfg(crd_beta=beta, kl_beta=kl_beta, adaptive_logp=False, adv_clip_range=c, kl_cfg=kl_cfg), ODE())
     adv = torch.tensor([2.5, -5.0])
     batch = first_batch(algo, adv)
     policy = OneParameter(0.6, batch.target)
@@ -117,7 +120,7 @@ def test_the_whole_loss_with_the_reward_adaptive_kl():
     q = torch.tensor([2.5 / 5 / 2 + 0.5, 0.0])  # 0.75, 0 (clipped at -c)
     rc, qc = r - r.mean(), q - q.mean()
     policy_loss = c * ((beta * rc - qc) ** 2).mean() / beta
-    kl = torch.stack([((0.6 - 0.5) * u[0]).pow(2).mean(), ((0.8 - 0.5) * u[1]).pow(2).mean()])
+    kl = torch.stack([((0.6 - w_ref) * u[0]).pow(2).mean(), ((0.8 - w_ref) * u[1]).pow(2).mean()])
     m = 1e-4 / kl_beta
     expected = policy_loss + kl_beta * ((m + q * (1 - m)) * kl).mean()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
@@ -152,7 +155,7 @@ def test_flow_factory_defaults():
     assert (train.crd_beta, train.crd_loss_type, train.use_old_for_loss, train.adaptive_logp, train.weight_temp) == (
         1.0, "mse", True, True, -1.0)
     assert (train.old_model_decay, train.sampling_model_decay) == ("0-0.25-0.005-0.999", "75-0.0-0.0075-0.999")
-    assert (train.kl_beta, train.reward_adaptive_kl, train.kl_cfg) == (0.1, True, 1.0)
+    assert (train.kl_beta, train.reward_adaptive_kl, train.kl_cfg) == (0.1, True, 4.5)
     assert (train.timestep_range, train.time_shift, train.time_sampling_strategy) == (0.99, 3.0, "discrete")
     assert train.global_std and train.advantage_aggregation == "gdpo"
     assert cfg.trained_steps_per_sample == 9  # 10 steps x 0.99
@@ -160,7 +163,6 @@ def test_flow_factory_defaults():
 
 
 @pytest.mark.parametrize("train,message", [
-    ({"kl_cfg": 4.5}, "CFG on the frozen reference"),
     ({"old_model_decay": "0-0.25-0.005"}, "start_step-start_value-slope-end_value"),
     ({"sampling_model_decay": "0-1.5-0-1"}, r"values in \[0, 1\]"),
     ({"off_policy": True}, "its own sampling model"),

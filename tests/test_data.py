@@ -238,3 +238,16 @@ def test_auto_resize_takes_the_conditions_aspect_ratio_at_the_area_of_resolution
             f"one size, but tall.png is 50x83 (width x height) where wide.png ({path}:1) is 83x50; set "
             "train.auto_resize: false")):
         generated_size(load_prompts(tmp_path), (64, 64), True, 16, "train.auto_resize")
+
+
+def test_process_share_lays_samples_out_whole_or_by_global_micro_batch():
+    from flow_factory.data import process_share
+
+    # default: a contiguous share each
+    assert process_share(12, 1, 2).tolist() == [6, 7, 8, 9, 10, 11]
+    # by global micro-batch of 2 x 3: each process's m-th micro-batch is its part of the m-th global one
+    assert process_share(12, 0, 2, 3).tolist() == [0, 1, 2, 6, 7, 8]
+    assert process_share(12, 1, 2, 3).tolist() == [3, 4, 5, 9, 10, 11]
+    assert process_share(12, 0, 1, 3).tolist() == list(range(12))
+    with pytest.raises(ValueError, match="global micro-batches of 2 x 4"):
+        process_share(12, 0, 2, 4)

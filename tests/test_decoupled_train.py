@@ -1,6 +1,6 @@
 """`ff-train` end to end for nft, awm and dpo on tiny SD3, FLUX and Wan, each with ODE and
 with CPS rollouts (and one DPM-Solver++2M run; dgpo and crd with ODE), exact resume with the EMA
-(and crd's old and sampling models),
+(and crd's old and sampling models, dgpo's fast old-policy EMA sampled with and a guided reference),
 off-policy sampling with the EMA weights, and crd sampling with its sampling model."""
 
 import json
@@ -47,7 +47,10 @@ def test_ff_train_decoupled(request, tmp_path, trainer_type, model_type, dynamic
     ("nft", {"ema_decay": 0.5, "off_policy": True, "ema_decay_schedule": "piecewise_linear", "ramp_rate": 0.3}),
     ("awm", {"ema_decay": 0.7, "ema_kl_beta": 0.1}),
     ("dpo", {}),
-    ("dgpo", {"kl_beta": 0.1, "clip_kl": True, "ema_decay": 0.5}),
+    # the fast old-policy EMA as the preference reference and, from the first step on, the rollouts' weights;
+    # rollouts without CFG, the frozen reference with CFG at 3 (the prompts encoded with their negative branch)
+    ("dgpo", {"kl_beta": 0.1, "clip_kl": True, "ema_decay": 0.5, "use_ema_ref": True, "switch_ema_ref": 0,
+              "ema_ref_ramp_rate": 0.2, "guidance_scale": 1.0, "kl_cfg": 3.0}),
     ("crd", {"old_model_decay": "0-0.3-0.1-0.9", "sampling_model_decay": "1-0.0-0.2-0.9", "ema_decay": 0.5}),
 ])
 def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_sd3_path, trainer_type, extra):
@@ -69,6 +72,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_sd3_path, trainer_ty
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
     saved = ["ema.pt"] if extra.get("ema_decay") else []
     saved += ["crd_old.pt", "crd_sampling.pt"] if trainer_type == "crd" else []
+    saved += ["ema_ref.pt"] if trainer_type == "dgpo" else []
     for name in saved:
         ema_a, ema_b = (torch.load(d / name, weights_only=True)["weights"] for d in (straight, resumed))
         for x, y in zip(ema_a, ema_b):

@@ -336,6 +336,8 @@ def test_shuffle_samples_false_trains_in_rollout_order(shuffle):
     weight = torch.nn.Parameter(torch.ones(1))
 
     class Recorder:  # an algorithm that records which samples each micro-batch holds
+        lockstep = False  # each process shuffles its own samples (Algorithm's default)
+
         def training_units(self, group_ids, advantages):
             return torch.arange(len(advantages)).unsqueeze(1)
 
@@ -401,3 +403,36 @@ def test_every_reward_guide_block_loads_as_it_reads(block):
         assert cfg.train.advantage_aggregation == "gdpo"
     if block == "eval_rewards":
         assert [r.name for r in cfg.eval_rewards] == ["hps"]
+
+
+# The train / scheduler blocks of Flow-Factory's DGPO and CRD examples (X-GenGroup/Flow-Factory,
+# examples/dgpo/lora/sd3_5/nocfg.yaml and examples/crd/lora/sd3_5/default.yaml), with their geometry.
+DGPO_NOCFG = {"trainer_type": "dgpo", "advantage_aggregation": "sum", "dpo_beta": 10, "use_shared_noise": True,
+              "clip_dsm": True, "clip_kl": False, "switch_ema_ref": 200, "kl_cfg": 1.0, "use_ema_ref": False,
+              "off_policy": False, "ema_decay": 0.9, "ema_decay_schedule": "constant", "ema_update_interval": 8,
+              "ema_device": "cuda", "ema_ref_max_decay": 0.3, "ema_ref_ramp_rate": 0.001, "ema_ref_device": "cuda",
+              "num_train_timesteps": 4, "time_sampling_strategy": "discrete", "time_shift": 3.0,
+              "timestep_range": 0.6, "kl_type": "v-based", "kl_beta": 0.001, "ref_param_device": "cuda",
+              "clip_range": 5.0e-2, "adv_clip_range": 5.0, "resolution": 512, "num_inference_steps": 10,
+              "guidance_scale": 1.0, "per_device_batch_size": 12, "group_size": 24, "global_std": True,
+              "unique_sample_num_per_epoch": 24, "gradient_step_per_epoch": 1, "num_inner_epochs": 1}
+CRD_DEFAULT = {"trainer_type": "crd", "advantage_aggregation": "sum", "crd_beta": 1.0, "crd_loss_type": "mse",
+               "use_old_for_loss": True, "adaptive_logp": True, "weight_temp": -1.0,
+               "old_model_decay": "0-0.25-0.005-0.999", "sampling_model_decay": "75-0.0-0.0075-0.999",
+               "num_train_timesteps": 20, "time_sampling_strategy": "discrete", "time_shift": 3.0,
+               "timestep_range": 0.99, "kl_type": "v-based", "kl_beta": 0.1, "kl_cfg": 4.5,
+               "reward_adaptive_kl": True, "ref_param_device": "cuda", "adv_clip_range": 5.0, "resolution": 512,
+               "num_inference_steps": 10, "guidance_scale": 1.0, "per_device_batch_size": 8, "group_size": 24,
+               "global_std": True, "unique_sample_num_per_epoch": 48, "gradient_step_per_epoch": 2,
+               "gradient_accumulation_steps": "auto"}
+
+
+def test_the_dgpo_and_crd_examples_load_with_their_meaning():
+    dgpo = parse_config({**run(train=DGPO_NOCFG, scheduler={"dynamics_type": "ODE"}), "num_processes": 4})
+    # 4 processes x 12 samples: every global micro-batch holds 2 groups of 24, each spread over 2 processes
+    assert (dgpo.batches_per_epoch, dgpo.micro_steps_per_epoch, dgpo.gradient_accumulation) == (12, 48, 48)
+    assert dgpo.train.ema_ref_device == "cuda" and dgpo.train.conditioning_guidance_scale == 1.0
+    crd = parse_config({**run(train=CRD_DEFAULT, scheduler={"dynamics_type": "ODE"}), "num_processes": 8})
+    # rollouts without CFG, the KL's teacher with CFG at 4.5: the prompts carry their negative branch
+    assert (crd.train.guidance_scale, crd.train.kl_cfg, crd.train.conditioning_guidance_scale) == (1.0, 4.5, 4.5)
+    assert crd.gradient_steps_per_epoch == 2

@@ -51,6 +51,9 @@ class SamplingSettings:
     def geometry(self) -> tuple:
         """What a conditioned model's conditions are prepared for (the condition cache's key)."""
         return self.height, self.width, self.num_frames, self.condition_size
+    # the guidance scale the prompts are encoded for, when a loss calls the model at another one than the
+    # rollout (dgpo / crd's kl_cfg: the negative branch of a guided reference); None = guidance_scale
+    conditioning_guidance_scale: float | None = None
 
     @classmethod
     def for_eval(cls, ev, size: tuple[int, int] | None = None) -> "SamplingSettings":
@@ -129,7 +132,8 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
         groups = group_ids[start:start + s.batch_size]
         conditions = None
         with timer.phase("sampling"):
-            cond = _conditioning(adapter, batch, s.guidance_scale, autocast, prompt_cache)
+            encode_at = s.guidance_scale if s.conditioning_guidance_scale is None else s.conditioning_guidance_scale
+            cond = _conditioning(adapter, batch, encode_at, autocast, prompt_cache)
             if adapter.condition_inputs:
                 conditions, condition_cond = _conditions(adapter, batch, s, autocast, condition_cache)
                 cond = {**cond, **condition_cond}

@@ -8,7 +8,7 @@ from .awm import AWM, AWM_WEIGHTINGS, awm_log_prob
 from .base import Algorithm, Policy, TrainBatch
 from .crd import CRD, crd_policy_loss, decay_at, implicit_reward
 from .decoupled import DecoupledAlgorithm, NoisedBatch
-from .dgpo import DGPO, dgpo_loss, dsm_clip_mask, group_members
+from .dgpo import DGPO, dgpo_loss, dsm_clip_mask, ema_ref_decay, group_preferences
 from .dpo import DPO, best_and_worst, dpo_loss
 from .grpo import GRPO, clipped_policy_loss, clipped_surrogate
 from .grpo_guard import GRPOGuard, normalized_log_ratio
@@ -28,6 +28,6 @@ __all__ = [
     "ALGORITHMS", "AWM", "AWM_WEIGHTINGS", "Algorithm", "CRD", "DGPO", "DPO", "DecoupledAlgorithm", "GRPO", "GRPOGuard",
     "KL_TYPES", "NFT", "NFT_WEIGHTINGS", "NoisedBatch", "Policy", "TrainBatch", "awm_log_prob",
     "best_and_worst", "clipped_policy_loss", "clipped_surrogate", "crd_policy_loss", "decay_at", "dgpo_loss", "dpo_loss", "dsm_clip_mask",
-    "group_members", "implicit_reward", "make_algorithm", "nft_loss",
+    "ema_ref_decay", "group_preferences", "implicit_reward", "make_algorithm", "nft_loss",
     "normalized_log_ratio", "optimality_probability", "v_based_kl", "x_based_kl",
 ]

@@ -38,7 +38,8 @@ from ..models.base import Conditioning, cat_cond, index_cond
 class Policy(Protocol):
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor: ...
 
-    def reference_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor: ...
+    def reference_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning,
+                           guidance_scale: float | None = None) -> Tensor: ...
 
 
 class RolloutsLike(Protocol):
@@ -141,6 +142,11 @@ class Algorithm:
     always_uses_reference: ClassVar[bool] = False
     # the name of a weight snapshot (``weight_snapshots``) the rollout samples with, else None
     rollout_snapshot: ClassVar[str | None] = None
+    # every process trains its share of the same global micro-batch at the same time, and the loss
+    # sums over all of them (DGPO: a group's members may sit on several processes): the trainer lays
+    # an epoch's samples out by global micro-batch (``data.process_share``), and the shuffle and the
+    # training draws are the same on every process
+    lockstep: ClassVar[bool] = False
 
     def __init__(self, train_cfg, dynamics: Dynamics):
         self.cfg = train_cfg
@@ -159,6 +165,17 @@ class Algorithm:
         ``w <- d w + (1 - d) theta``; the loss reads one through ``policy.snapshot_velocity(name, ...)``,
         checkpoints carry them. Default: none."""
         return {}
+
+    @property
+    def step_snapshots(self) -> dict:
+        """Like ``weight_snapshots``, but moved after every optimizer step, with ``decay(k)`` for the
+        k-th step (0-based) of the run (DGPO's fast old-policy EMA). Default: none."""
+        return {}
+
+    def sampling_snapshot(self, optimizer_steps: int) -> str | None:
+        """The weight snapshot the rollout samples with after ``optimizer_steps`` optimizer steps, else
+        None (the current weights, or the EMA with ``off_policy``). Default: ``rollout_snapshot``."""
+        return self.rollout_snapshot
 
     # --- how an epoch's rollouts become micro-batches --------------------------------
     def kept_states(self, num_steps: int, sde_steps: list[int] | None) -> list[int]:

@@ -20,7 +20,9 @@ weights ``p`` over the batch (all processes), centering subtracts ``sum p q`` fr
 ``p = softmax(q / T)`` and ``softmax(-q / T)`` (T = ``weight_temp``), or for T = 0 uniform
 over the samples with q above (below) 1/2, all samples when none are. The policy loss is
 ``c L / crd_beta``. KL (v-based, ``kl_beta``): ``mean((v - v_ref)^2)`` per sample, with
-``reward_adaptive_kl`` weighted by ``m + q (1 - m)``, ``m = 1e-4 / kl_beta``.
+``reward_adaptive_kl`` weighted by ``m + q (1 - m)``, ``m = 1e-4 / kl_beta``; ``v_ref`` is the
+frozen reference with CFG at ``kl_cfg`` when that is above 1 (a guided teacher), else at the
+policy's own guidance.
 
 Two copies of the trained weights (``weight_snapshots``), updated by the trainer after
 each epoch as ``w <- d w + (1 - d) theta`` with d a schedule of the optimizer steps so far
@@ -38,8 +40,9 @@ from torch import Tensor
 
 from ..config.train import parse_decay
 from ..dynamics.base import mean_over_sample
+from .across_processes import gather
 from .base import mean_over_parts
-from .decoupled import DecoupledAlgorithm, NoisedBatch
+from .decoupled import DecoupledAlgorithm, NoisedBatch, reference_guidance
 from .kl import v_based_kl
 from .nft import optimality_probability
 
@@ -98,15 +101,6 @@ def crd_policy_loss(r: Tensor, q: Tensor, r_all: Tensor, q_all: Tensor, beta: fl
     return total / len(directions)
 
 
-def gather(t: Tensor) -> Tensor:
-    """``t`` (detached) of every process, concatenated in rank order."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return t.detach()
-    parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(parts, t.detach().contiguous())
-    return torch.cat(parts)
-
-
 class CRD(DecoupledAlgorithm):
     name = "crd"
     OLD, SAMPLING = "crd_old", "crd_sampling"
@@ -141,7 +135,7 @@ class CRD(DecoupledAlgorithm):
                        (v.detach().float() - v_old.float()) ** 2).mean(), **self.advantage_metrics(batch.advantages)}
         if cfg.kl_beta > 0:
             with torch.no_grad():
-                v_ref = policy.reference_velocity(x_t, batch.sigma, batch.cond)
+                v_ref = policy.reference_velocity(x_t, batch.sigma, batch.cond, **reference_guidance(cfg))
             kl = v_based_kl(v, v_ref)
             if cfg.reward_adaptive_kl:
                 m = 1e-4 / cfg.kl_beta

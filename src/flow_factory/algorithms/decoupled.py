@@ -44,6 +44,12 @@ class NoisedBatch:
         return self.noise - self.x0
 
 
+def reference_guidance(cfg) -> dict:
+    """``policy.reference_velocity``'s keyword for ``kl_cfg`` (dgpo, crd): above 1 the frozen reference
+    is called with CFG at that scale (Flow-Factory's guided teacher), otherwise at the policy's own."""
+    return {"guidance_scale": cfg.kl_cfg} if cfg.kl_cfg > 1 else {}
+
+
 class DecoupledAlgorithm(Algorithm):
     coupled = False
     # the shared noise of a pair (DPO) is drawn once per unit and repeated over its k samples

@@ -1,8 +1,9 @@
 """Direct Group Preference Optimization (DGPO; Y. Luo et al., arXiv:2510.08425).
 
 A group-level DPO on the forward process. Per sample, the flow-matching error
-``e = mean((v - (eps - x0))^2)`` of the policy and ``e_ref`` of the frozen reference at
-the same ``x_t``; per group g of size G (advantages ``A`` clipped to ``adv_clip_range``)
+``e = mean((v - (eps - x0))^2)`` of the policy and ``e_ref`` of the preference reference at
+the same ``x_t`` (the frozen starting weights; with ``use_ema_ref`` the fast old-policy EMA
+below); per group g of size G (advantages ``A`` clipped to ``adv_clip_range``)
 
     s_g = dpo_beta / G * sum_{i in g} A_i (e_i - e_ref_i)          (no gradient)
     L   = mean_i  sigmoid(s_g(i)) A_i e_i
@@ -12,41 +13,52 @@ whose gradient is that of the group DPO loss ``-log sigmoid(-s_g)`` up to the fa
 likelihood up), those with a negative one up, and a group whose preference the policy
 already expresses more than the reference (``s_g`` very negative) weighs little.
 
-``clip_dsm`` (PPO-style): with the sampling policy's error ``e_old`` at the same
-``x_t``, ``ratio = exp(e_old - e)``; a sample with ``A > 0`` and ``ratio > 1 + clip_range``,
-or ``A <= 0`` and ``ratio < 1 - clip_range``, contributes no gradient. ``clip_kl``
-applies the same mask to the optional v-based KL ``kl_beta * mean((v - v_ref)^2)``.
-The old policy here is the one the rollout sampled with (the weights at rollout time,
-or the EMA with ``off_policy``), as Flow-Factory's first DGPO trainer did; its newer one
-keeps a separate fast EMA (``ema_ref``) that this version does not have.
+A group may be spread over micro-batches of several processes, as Flow-Factory's group-distributed
+sampler spreads it: one micro-batch of every process together (``num_processes x
+per_device_batch_size`` samples, laid out by ``data.process_share``) holds whole groups, every
+process trains its share at the same time (``lockstep``), and ``s_g`` adds up each process's
+part of the group before the sigmoid. The timesteps are drawn alike on every process, shared
+noise per group from its group id, independent noise for the whole global micro-batch of which
+each process takes its rows: N processes train on what one process with N times the batch would.
 
-``use_shared_noise``: the samples of a group get the same noise (drawn per training
-timestep). A training unit is a whole group, so every micro-batch holds complete groups
-(``per_device_batch_size`` a multiple of ``group_size``).
+``clip_dsm`` (PPO-style): with the old policy's error ``e_old`` at the same ``x_t``,
+``ratio = exp(e_old - e)``; a sample with ``A > 0`` and ``ratio > 1 + clip_range``, or
+``A <= 0`` and ``ratio < 1 - clip_range``, contributes no gradient. ``clip_kl`` applies the
+same mask to the optional v-based KL ``kl_beta * mean((v - v_ref)^2)``. The old policy is
+``ema_ref``, a fast EMA of the trained weights moved after the k-th optimizer step (0-based) as
+``w <- d w + (1 - d) theta`` with ``d = min(ema_ref_max_decay, ema_ref_ramp_rate k)`` (the DGPO
+authors' schedule, as Flow-Factory keeps it). It exists when ``clip_dsm``, ``clip_kl`` or
+``use_ema_ref`` reads it, and once more than ``switch_ema_ref`` optimizer steps are done the
+rollout samples with it.
+
+``kl_cfg`` > 1: the frozen reference (the preference's and the KL's) is called with CFG at that
+scale, a guided teacher for a policy trained at ``guidance_scale``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator
 
 import torch
 from torch import Tensor
 
 from ..dynamics.base import mean_over_sample
+from ..models.base import index_cond
+from ..seeding import generator as seeded
+from .across_processes import gather, rank_and_world, sum_over_processes
 from .base import mean_over_parts
-from .decoupled import DecoupledAlgorithm, NoisedBatch
+from .decoupled import DecoupledAlgorithm, NoisedBatch, reference_guidance
 from .kl import v_based_kl
+from .timesteps import draw_training_sigmas
+
+EMA_REF = "ema_ref"
 
 
-def group_members(group_ids: Tensor) -> Tensor:
-    """(G, k) sample indices: the members of each group, groups in order of first appearance."""
-    ids = group_ids.cpu()
-    rows = [torch.nonzero(ids == g).flatten() for g in dict.fromkeys(ids.tolist())]
-    sizes = {len(r) for r in rows}
-    if len(sizes) != 1:
-        raise ValueError(f"dgpo needs every group on a process to be whole and of one size, got sizes {sorted(sizes)}")
-    return torch.stack(rows)
+def ema_ref_decay(max_decay: float, ramp_rate: float, step: int) -> float:
+    """The fast old-policy EMA's decay after optimizer step ``step`` (0-based)."""
+    return min(max_decay, ramp_rate * step)
 
 
 def dsm_clip_mask(err: Tensor, err_old: Tensor, advantages: Tensor, clip_range: float) -> Tensor:
@@ -56,69 +68,110 @@ def dsm_clip_mask(err: Tensor, err_old: Tensor, advantages: Tensor, clip_range: 
     return torch.where(advantages > 0, ratio > 1 + clip_range, ratio < 1 - clip_range)
 
 
-def dgpo_loss(err: Tensor, err_ref: Tensor, advantages: Tensor, group: Tensor, group_size: int,
-              beta: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """``err`` (B,) the policy's flow-matching errors (with grad), ``err_ref`` the reference's,
-    ``group`` (B,) long group index in [0, n_groups). Returns the mean loss and metrics."""
-    adv = advantages.float()
-    per_sample = adv * beta * (err.detach().float() - err_ref.detach().float()) / group_size
-    sums = torch.zeros(int(group.max()) + 1, dtype=per_sample.dtype, device=per_sample.device)
-    sums.scatter_add_(0, group, per_sample)
-    weight = torch.sigmoid(sums)[group].detach()
-    loss = (weight * adv * err.float()).mean()
-    metrics = {"group_weight": weight.mean(), "group_margin": sums.mean(),
-               "implicit_accuracy": (sums < 0).float().mean()}
-    return loss, metrics
+def group_preferences(err: Tensor, err_ref: Tensor, advantages: Tensor, group: Tensor, group_size: int,
+                      beta: float, num_groups: int) -> Tensor:
+    """(num_groups,) these samples' share of each group's ``s_g`` (no gradient); ``group`` (B,) long in
+    [0, num_groups). The shares of a group's parts add up to its ``s_g``."""
+    per_sample = advantages.float() * beta * (err.detach().float() - err_ref.detach().float()) / group_size
+    return torch.zeros(num_groups, dtype=per_sample.dtype, device=per_sample.device).scatter_add_(
+        0, group, per_sample)
+
+
+def dgpo_loss(err: Tensor, advantages: Tensor, group: Tensor, preferences: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """The mean loss over these samples and metrics: ``err`` (B,) the policy's flow-matching errors
+    (with grad), ``preferences`` every group's whole ``s_g`` (``group_preferences`` summed over its parts)."""
+    margin = preferences.detach()[group]
+    weight = torch.sigmoid(margin)
+    loss = (weight * advantages.float() * err.float()).mean()
+    return loss, {"group_weight": weight.mean(), "group_margin": margin.mean(),
+                  "implicit_accuracy": (margin < 0).float().mean()}
 
 
 @dataclass
 class GroupBatch(NoisedBatch):
-    group: Tensor | None = None  # (B,) long: each sample's group within the micro-batch
+    group: Tensor | None = None  # (B,) long: each sample's group id in the epoch
     group_size: int = 1
 
 
 class DGPO(DecoupledAlgorithm):
     name = "dgpo"
-    always_uses_reference = True
+    lockstep = True
 
     def __init__(self, train_cfg, dynamics):
         super().__init__(train_cfg, dynamics)
-        self.noise_shared_within_unit = train_cfg.use_shared_noise
-        self.clips = train_cfg.clip_dsm or (train_cfg.clip_kl and train_cfg.kl_beta > 0)
-        self.uses_sampling_policy = self.clips
+        cfg = train_cfg
+        self.clips = cfg.clip_dsm or (cfg.clip_kl and cfg.kl_beta > 0)
+        self.keeps_ema_ref = cfg.clip_dsm or cfg.clip_kl or cfg.use_ema_ref
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.cfg.kl_beta > 0 or not self.cfg.use_ema_ref
+
+    @property
+    def step_snapshots(self) -> dict:
+        cfg = self.cfg
+        return {EMA_REF: partial(ema_ref_decay, cfg.ema_ref_max_decay, cfg.ema_ref_ramp_rate)} if self.keeps_ema_ref \
+            else {}
+
+    def sampling_snapshot(self, optimizer_steps: int) -> str | None:
+        switch = self.cfg.switch_ema_ref
+        return EMA_REF if self.keeps_ema_ref and switch is not None and optimizer_steps > switch else None
 
     def training_units(self, group_ids: Tensor, advantages: Tensor) -> Tensor:
-        return group_members(group_ids)
+        """(M, per_device_batch_size): this process's share of each global micro-batch, in the order it
+        sampled them (the layout ``data.process_share`` gives a lockstep algorithm)."""
+        n, b = len(group_ids), self.cfg.per_device_batch_size
+        if n % b:
+            raise ValueError(f"dgpo: {n} samples on this process do not split into micro-batches of "
+                             f"train.per_device_batch_size {b}")
+        return torch.arange(n).view(-1, b)
 
     def units_per_chunk(self, batch_size: int) -> int:
-        return max(1, batch_size // self.cfg.group_size)
+        return 1  # a unit is already a whole micro-batch
 
     def micro_batches(self, rollouts, advantages: Tensor, units: Tensor,
                       generator: torch.Generator) -> Iterator[GroupBatch]:
-        b, k = units.shape
-        group = torch.arange(b).repeat(k)  # samples come column by column: member j of every group
-        for batch in super().micro_batches(rollouts, advantages, units, generator):
-            yield GroupBatch(**vars(batch), group=group.to(batch.x0.device), group_size=k)
+        idx = units.reshape(-1)
+        n = len(idx)
+        x0 = rollouts.latents_at(idx, len(rollouts.sigmas) - 1).float()
+        cond = index_cond(rollouts.cond, idx)
+        group = rollouts.group_ids[idx].cpu()
+        rank, world = rank_and_world()
+        sigmas = draw_training_sigmas(self.cfg.time_sampling_strategy, self.num_timesteps, rollouts.sigmas.cpu(),
+                                      self.cfg.timestep_range, self.cfg.time_shift, generator)
+        for sigma in sigmas:
+            if self.cfg.use_shared_noise:  # a group's noise from its id: the same on every process
+                key = int(torch.randint(1 << 62, (1,), generator=generator))
+                noise_of = {g: torch.randn(x0.shape[1:], generator=seeded("dgpo noise", key, g))
+                            for g in dict.fromkeys(group.tolist())}
+                noise = torch.stack([noise_of[g] for g in group.tolist()])
+            else:  # the global micro-batch's noise, of which this process takes its rows
+                noise = torch.randn((world * n, *x0.shape[1:]), generator=generator)[rank * n:(rank + 1) * n]
+            yield GroupBatch(x0=x0, noise=noise.to(x0.device), sigma=sigma.expand(n).to(x0.device),
+                             advantages=advantages[idx], cond=cond, group=group.to(x0.device),
+                             group_size=self.cfg.group_size)
 
     def loss(self, policy, batch: GroupBatch) -> tuple[Tensor, dict[str, Tensor]]:
         cfg = self.cfg
         x_t, target = batch.x_t, batch.target
         adv = batch.advantages.float().clamp(-cfg.adv_clip_range, cfg.adv_clip_range)
+
+        def error(v: Tensor) -> Tensor:
+            return mean_over_sample((v.float() - target.float()) ** 2)
+
         v = policy.velocity(x_t, batch.sigma, batch.cond)
-        err = mean_over_sample((v.float() - target.float()) ** 2)
+        err = error(v)
         with torch.no_grad():
-            v_ref = policy.reference_velocity(x_t, batch.sigma, batch.cond)
-            err_ref = mean_over_sample((v_ref.float() - target.float()) ** 2)
-        clip = None
-        if self.clips:
-            with torch.no_grad():
-                v_old = policy.sampling_velocity(x_t, batch.sigma, batch.cond)
-                err_old = mean_over_sample((v_old.float() - target.float()) ** 2)
-            clip = dsm_clip_mask(err, err_old, adv, cfg.clip_range)
+            v_ref = (policy.reference_velocity(x_t, batch.sigma, batch.cond, **reference_guidance(cfg))
+                     if self.needs_reference else None)
+            err_old = (error(policy.snapshot_velocity(EMA_REF, x_t, batch.sigma, batch.cond))
+                       if self.clips or cfg.use_ema_ref else None)
+        err_pref = err_old if cfg.use_ema_ref else error(v_ref)
+        clip = dsm_clip_mask(err, err_old, adv, cfg.clip_range) if self.clips else None
         dsm = torch.where(clip, err.detach(), err) if clip is not None and cfg.clip_dsm else err
-        # a group's margin sums its members at one timestep: one part at a time
-        loss, metrics = mean_over_parts(batch, lambda rows: dgpo_loss(
-            dsm[rows], err_ref[rows], adv[rows], batch.group[rows], batch.group_size, cfg.dpo_beta))
+        # a group's preference sums its members at one timestep, on every process: one part at a time
+        loss, metrics = mean_over_parts(batch, lambda rows: self._group_loss(
+            dsm[rows], err_pref[rows], adv[rows], batch.group[rows], batch.group_size))
         metrics.update(policy_loss=loss.detach(), dsm_loss=err.detach().mean(),
                        **self.advantage_metrics(batch.advantages))
         if clip is not None:
@@ -130,3 +183,13 @@ class DGPO(DecoupledAlgorithm):
             loss = loss + cfg.kl_beta * kl.mean()
             metrics["kl"] = kl.detach().mean()
         return loss, metrics
+
+    def _group_loss(self, err: Tensor, err_pref: Tensor, adv: Tensor, group: Tensor, group_size: int):
+        """``dgpo_loss`` with each group's preference summed over every process's part of it."""
+        rank, _ = rank_and_world()
+        n = len(group)
+        # one numbering of the global micro-batch's groups, the same on every process
+        ids, dense = torch.unique(gather(group), return_inverse=True)
+        local = dense[rank * n:(rank + 1) * n]
+        shares = group_preferences(err, err_pref, adv, local, group_size, self.cfg.dpo_beta, len(ids))
+        return dgpo_loss(err, adv, local, sum_over_processes(shares))

@@ -62,10 +62,7 @@ MOVED = {
     "train.num_noise_steps": "scheduler.num_sde_steps", "train.eval_args": "eval",
 }
 
-_EMA_REF = ("Flow-Factory's fast old-policy EMA of dgpo (ema_ref) is not in this version: dgpo's clip_dsm / clip_kl "
-            "compare with the weights the rollout sampled with (the EMA with off_policy); remove the key")
 NOT_HERE = {
-    "train.ema_ref_max_decay": _EMA_REF, "train.ema_ref_ramp_rate": _EMA_REF, "train.ema_ref_device": _EMA_REF,
     "train.warmup_steps": "the EMA schedules here take flat_steps / ramp_rate (piecewise_linear, warmup_cosine); "
                           "use train.flat_steps for a warm-up",
     "train.kl_weight": "Flow-Factory has no such key either (it drops unknown keys silently); remove it",
@@ -231,8 +228,9 @@ def without_effect(cfg) -> list[str]:
                      "give workers")
     if data.sampler_type != "auto" or data.sampler_subgroup_size is not None:
         notes.append(f"data.sampler_type: {data.sampler_type} places samples on processes; here each process takes "
-                     "a contiguous share of the epoch's group-ordered samples (advantages are computed over the "
-                     "gathered batch, so the placement changes which process computes a sample, not its advantage)")
+                     "a contiguous share of the epoch's group-ordered samples, dgpo its share of each global "
+                     "micro-batch (advantages are computed over the gathered batch, so the placement changes which "
+                     "process computes a sample, not its advantage)")
     if ("time_shift" in train.model_fields_set and train.time_shift != 1
             and train.trainer_type in ("nft", "awm", "dpo", "dgpo", "crd") and train.time_sampling_strategy.startswith("discrete")):
         notes.append(f"train.time_shift: {train.time_shift:g} shifts continuous sigmas; time_sampling_strategy "

@@ -16,6 +16,7 @@ checks and the training loop cannot disagree:
 
 from __future__ import annotations
 
+import math
 import secrets
 from datetime import datetime
 from typing import Literal
@@ -231,6 +232,13 @@ class Config(Section):
             out.append(f"train.ema_kl_beta: the KL to the EMA policy is awm's; {name} does not use it")
         elif train.ema_kl_beta > 0 and train.ema_decay == 0:
             out.append("train.ema_kl_beta > 0 needs an EMA policy; set train.ema_decay > 0")
+        together = self.num_processes * train.per_device_batch_size
+        if name == "dgpo" and together % train.group_size:
+            smallest = train.group_size // math.gcd(self.num_processes, train.group_size)
+            out.append(f"train.per_device_batch_size: dgpo sums each group's preference over its members, so the "
+                       f"micro-batch of all processes together (num_processes x per_device_batch_size = "
+                       f"{self.num_processes} x {train.per_device_batch_size} = {together}) must hold whole groups, "
+                       f"but group_size is {train.group_size}; use a multiple of {smallest}")
         if name == "dpo" and train.unique_sample_num_per_epoch % self.num_processes:
             out.append(f"train.unique_sample_num_per_epoch: dpo pairs the best and worst sample of each group on "
                        f"one process, so the {train.unique_sample_num_per_epoch} groups must split evenly over "

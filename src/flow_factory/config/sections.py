@@ -136,7 +136,8 @@ class DataConfig(Section):
         None, "processes per tile of sampler_type subgroup_tile (Flow-Factory compatibility: see sampler_type)")
     sampler_type: Literal[SAMPLER_TYPES] = setting(
         "auto", "how a group's samples are spread over processes (Flow-Factory compatibility: here each process "
-        "takes a contiguous share of the epoch's group-ordered samples; advantages use the gathered batch)")
+        "takes a contiguous share of the epoch's group-ordered samples, dgpo its share of each global micro-batch; "
+        "advantages use the gathered batch)")
 
 
 class ModelConfig(Section):

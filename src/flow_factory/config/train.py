@@ -40,12 +40,13 @@ def resolve_num_train_timesteps(train) -> int:
 TRAINER_DEFAULTS = {
     "dpo": {"time_sampling_strategy": "logit_normal", "timestep_range": 0.99, "num_train_timesteps": 1},
     "dgpo": {"timestep_range": 0.6},
-    "crd": {"timestep_range": 0.99, "kl_beta": 0.1},
+    "crd": {"timestep_range": 0.99, "kl_beta": 0.1, "kl_cfg": 4.5},
 }
 TIME_SHIFT = {"dpo": 1.0}
 # keys only some algorithms read: set to another value under any other trainer, they are an error
 TRAINER_KEYS = {
-    "dgpo": ("dpo_beta", "use_shared_noise", "clip_dsm", "clip_kl", "kl_cfg", "switch_ema_ref", "use_ema_ref"),
+    "dgpo": ("dpo_beta", "use_shared_noise", "clip_dsm", "clip_kl", "kl_cfg", "switch_ema_ref", "use_ema_ref",
+             "ema_ref_max_decay", "ema_ref_ramp_rate", "ema_ref_device"),
     "crd": ("crd_beta", "crd_loss_type", "use_old_for_loss", "adaptive_logp", "weight_temp", "old_model_decay",
             "sampling_model_decay", "reward_adaptive_kl", "kl_cfg"),
 }
@@ -62,7 +63,7 @@ def fill_trainer_defaults(train) -> None:
 
 def trainer_problems(train) -> list[str]:
     """Keys of another algorithm given other values than their defaults (a resolved config writes
-    every default), and what dgpo / crd cannot do in this version."""
+    every default), and what crd cannot do in this version."""
     out, named = [], set(TRAINER_KEYS.get(train.trainer_type, ()))
     for owner, keys in TRAINER_KEYS.items():
         if owner == train.trainer_type:
@@ -71,33 +72,9 @@ def trainer_problems(train) -> list[str]:
         named.update(keys)
         if given:
             out.append(f"train: {', '.join(given)} are {owner}'s; {train.trainer_type} does not use them")
-    if train.trainer_type == "dgpo":
-        out += _dgpo_problems(train)
     if train.trainer_type == "crd" and train.off_policy:
         out.append("train.off_policy: crd samples with its own sampling model (sampling_model_decay), not the EMA; "
                    "use false")
-    return out
-
-
-def _dgpo_problems(train) -> list[str]:
-    out = []
-    if train.per_device_batch_size % train.group_size:
-        out.append(f"train.per_device_batch_size: dgpo weighs each group by its members' summed preference, "
-                   f"so a micro-batch holds whole groups; {train.per_device_batch_size} is not a multiple of "
-                   f"group_size {train.group_size} (Flow-Factory splits a group over processes and all-reduces; "
-                   "not in this version)")
-    if train.use_ema_ref:
-        out.append("train.use_ema_ref: true takes Flow-Factory's fast old-policy EMA (ema_ref) as the reference; "
-                   "that EMA is not in this version; use false (the frozen starting weights)")
-    if train.switch_ema_ref is not None:
-        total = train.max_epochs * train.num_inner_epochs * train.gradient_step_per_epoch
-        if train.gradient_accumulation_steps == "auto" and train.switch_ema_ref < total:
-            out.append(f"train.switch_ema_ref: {train.switch_ema_ref}: Flow-Factory samples with its fast "
-                       f"old-policy EMA after that many optimizer steps, and this run takes {total}; that EMA "
-                       "is not in this version; use null (sample with the current weights, or the EMA with "
-                       f"off_policy) or a value >= {total}")
-        elif train.gradient_accumulation_steps != "auto":
-            out.append("train.switch_ema_ref: Flow-Factory's fast old-policy EMA is not in this version; use null")
     return out
 
 
@@ -204,7 +181,7 @@ class TrainConfig(Section):
     dpo_beta: float = setting(100.0, "dgpo: temperature of the group preference on the flow-matching errors", gt=0)
     use_shared_noise: bool = setting(True, "dgpo: the samples of a group are noised with the same noise")
     clip_dsm: bool = setting(True, "dgpo: PPO-style clipping of each sample's flow-matching error against the "
-                             "rollout's weights (clip_range)")
+                             "fast old-policy EMA's (clip_range)")
     clip_kl: bool = setting(False, "dgpo: the clip_dsm mask also stops the KL penalty's gradient")
     crd_beta: float = setting(1.0, "crd: scale of the implicit reward matched to the centered external one", gt=0)
     crd_loss_type: Literal["mse", "bce"] = setting("mse", "crd: squared error (mse) or binary cross-entropy (bce) "
@@ -221,13 +198,20 @@ class TrainConfig(Section):
         "75-0.0-0.0075-0.999", "crd: decay of the model the rollout samples with, same format as old_model_decay")
     reward_adaptive_kl: bool = setting(True, "crd: each sample's KL is weighted by 1e-4 / kl_beta + q (1 - "
                                        "1e-4 / kl_beta), q its advantage mapped onto [0, 1]")
-    kl_cfg: float = setting(1.0, "dgpo, crd: CFG scale of the frozen reference's velocity; values <= 1 mean none, the only "
-                            "ones here (CFG on the reference is not in this version)")
+    kl_cfg: float = setting(
+        1.0, "dgpo, crd: CFG scale of the frozen reference's velocity (dgpo: its preference reference and KL; crd: "
+        "its KL teacher); values <= 1 = the policy's own guidance_scale (crd: 4.5 when omitted)", ge=0)
+    use_ema_ref: bool = setting(False, "dgpo: the group preference compares with the fast old-policy EMA (ema_ref) "
+                                "instead of the frozen starting weights")
     switch_ema_ref: NonNegativeInt | None = setting(
-        None, "dgpo: Flow-Factory samples with a fast old-policy EMA after this many optimizer steps; that EMA is not "
-        "in this version, so a value is accepted only when the run never reaches it; null = never")
-    use_ema_ref: bool = setting(False, "dgpo: the fast old-policy EMA as the preference reference; only false here "
-                                "(that EMA is not in this version)")
+        200, "dgpo: after this many optimizer steps the rollouts sample with the fast old-policy EMA (when clip_dsm, "
+        "clip_kl or use_ema_ref keeps one); null = never")
+    ema_ref_max_decay: float = setting(0.3, "dgpo: the fast old-policy EMA moves after optimizer step k (0-based) "
+                                       "with decay min(ema_ref_max_decay, ema_ref_ramp_rate k)", ge=0, le=1)
+    ema_ref_ramp_rate: float = setting(0.001, "dgpo: the fast old-policy EMA's decay grows by this per optimizer "
+                                       "step, up to ema_ref_max_decay", ge=0)
+    ema_ref_device: Literal["cpu", "cuda", "same"] = setting(
+        "same", "dgpo: where the fast old-policy EMA's weights live: cpu, cuda, or same (as the model)")
     num_train_timesteps: PositiveInt | None = setting(
         None, "training timesteps per micro-batch (decoupled); null = num_inference_steps x the timestep_range span "
         "(dpo: 1 when omitted)")
@@ -295,20 +279,12 @@ class TrainConfig(Section):
             raise problem(str(err)) from None
         return str(value)
 
-    @field_validator("kl_cfg")
-    @classmethod
-    def _kl_cfg(cls, value):
-        if value > 1:
-            raise problem(f"{show(value)}: CFG on the frozen reference (an unconditional reference pass) is not in "
-                          "this version; values <= 1 (no CFG) only")
-        return value
-
     @field_validator("num_train_timesteps", mode="before")
     @classmethod
     def _zero_is_derived(cls, value):
         return None if value == 0 and not isinstance(value, bool) else value  # Flow-Factory: 0 = derive it
 
-    @field_validator("ref_param_device", "ema_device", mode="before")
+    @field_validator("ref_param_device", "ema_device", "ema_ref_device", mode="before")
     @classmethod
     def _device_spelling(cls, value):
         return canonical_choice(value, {"same_as_model": "same", "same": "same", "cpu": "cpu", "cuda": "cuda",
@@ -369,3 +345,11 @@ class TrainConfig(Section):
     @property
     def betas(self) -> tuple[float, float]:
         return (self.adam_beta1, self.adam_beta2)
+
+    @property
+    def conditioning_guidance_scale(self) -> float:
+        """The guidance scale training prompts are encoded for: a reference called with CFG at ``kl_cfg``
+        (dgpo, crd) needs the negative branch even when the rollouts sample without it."""
+        if self.trainer_type in ("dgpo", "crd") and self.kl_cfg > 1:
+            return max(self.guidance_scale, self.kl_cfg)
+        return self.guidance_scale

@@ -2,7 +2,8 @@
 prompt draw."""
 
 from .media import MediaError, MediaFile, read_image, read_video
-from .prompts import EpochDraw, EpochSampler, MissingPromptFile, PromptFileError, PromptItem, load_prompts
+from .prompts import (EpochDraw, EpochSampler, MissingPromptFile, PromptFileError, PromptItem, load_prompts,
+                      process_share)
 
 __all__ = ["EpochDraw", "EpochSampler", "MediaError", "MediaFile", "MissingPromptFile", "PromptFileError",
-           "PromptItem", "load_prompts", "read_image", "read_video"]
+           "PromptItem", "load_prompts", "process_share", "read_image", "read_video"]

@@ -14,7 +14,11 @@ step, so every step sees the same gradient either way.
 
 Gradients sync across processes through the DDP wrapper ``denoiser``; a multi-expert model
 is not wrapped (``FlowAdapter.wrap_transformer``), so with ``denoiser=None`` this loop
-averages them itself before the optimizer step.
+averages them itself before the optimizer step. A lockstep algorithm (DGPO) shuffles and draws
+alike on every process, so the processes train the parts of one global micro-batch together.
+
+``step_snapshots`` (name -> (``WeightCopy``, ``decay(k)``)) move after every optimizer step k of
+the run (``steps_before`` + the steps of this epoch so far), as ``w <- d w + (1 - d) theta``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                    params: list, denoiser, batch_size: int, num_inner_epochs: int, accumulation: int,
                    max_grad_norm: float, seed: int, epoch: int,
                    guard: NonFiniteGuard, shuffle: bool = True,
-                   steps_per_call: int | str = 1) -> tuple[dict[str, float], int]:
+                   steps_per_call: int | str = 1, step_snapshots: dict | None = None,
+                   steps_before: int = 0) -> tuple[dict[str, float], int]:
     """Returns the epoch's mean (``_min`` / ``_max``: extreme) metrics and the optimizer steps taken.
 
     Metrics that are NaN or inf are left out of the means; ``skipped_updates`` counts the
@@ -45,14 +50,15 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     micro, steps, skipped = 0, 0, 0
+    rank = 0 if algorithm.lockstep else acc.process_index  # which process's draws this one makes
     for inner in range(num_inner_epochs):
-        order = (torch.randperm(len(units), generator=generator("shuffle", seed, epoch, inner, acc.process_index))
+        order = (torch.randperm(len(units), generator=generator("shuffle", seed, epoch, inner, rank))
                  if shuffle else torch.arange(len(units)))
         for b, start in enumerate(range(0, len(units), batch_size)):
             chosen = units[order[start:start + batch_size]]
             # training noise / timesteps of the decoupled algorithms: seeded per micro-batch, so a
             # resumed run draws the same ones
-            draws = generator("train", seed, epoch, inner, acc.process_index, b)
+            draws = generator("train", seed, epoch, inner, rank, b)
             for batch in _merged(algorithm.micro_batches(rollouts, advantages, chosen, draws), steps_per_call,
                                  lambda: accumulation - micro % accumulation):
                 batch = on_device(batch, acc.device)
@@ -72,6 +78,9 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                     metrics["grad_norm"] = grad_norm = acc.clip_grad_norm_(params, max_grad_norm)
                     if torch.isfinite(grad_norm):
                         optimizer.step()
+                        for name, (snapshot, decay_of) in (step_snapshots or {}).items():
+                            metrics[f"{name}_decay"] = decay = decay_of(steps_before + steps)
+                            snapshot.update(decay)
                         steps += 1
                         guard.passed()
                     else:

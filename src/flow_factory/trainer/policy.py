@@ -32,7 +32,7 @@ class AdapterPolicy:
         self.reference = None
         self.sampling_weights = sampling_weights  # WeightCopy of the weights the rollout used
         self.ema = ema  # WeightCopy of the EMA weights, when train.ema_decay > 0
-        self.snapshots = snapshots or {}  # name -> WeightCopy: the algorithm's weight_snapshots
+        self.snapshots = snapshots or {}  # name -> WeightCopy: the algorithm's weight / step snapshots
         if keep_reference and finetune_type == "full":
             # a frozen copy of the starting weights, in the load dtype (the trained ones are kept
             # float32); "cpu" keeps accelerator memory free
@@ -44,9 +44,13 @@ class AdapterPolicy:
         return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
 
     @torch.no_grad()
-    def reference_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
+    def reference_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning,
+                           guidance_scale: float | None = None) -> Tensor:
+        """The reference's velocity at ``guidance_scale`` (None: the policy's; DGPO's / CRD's ``kl_cfg``
+        gives a guided teacher, whose negative branch ``cond`` must hold)."""
         with self._reference_weights():
-            return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
+            return self.adapter.velocity(latents, sigma, cond,
+                                         self.guidance_scale if guidance_scale is None else guidance_scale)
 
     @torch.no_grad()
     def sampling_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
@@ -60,7 +64,7 @@ class AdapterPolicy:
     def snapshot_velocity(self, name: str, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
         if name not in self.snapshots:
             raise RuntimeError(f"snapshot_velocity: no weight snapshot {name!r}; the algorithm's weight_snapshots "
-                               f"name {sorted(self.snapshots)}")
+                               f"and step_snapshots name {sorted(self.snapshots)}")
         with self.snapshots[name].applied():
             return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
 

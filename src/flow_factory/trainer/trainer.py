@@ -23,7 +23,7 @@ from ..checkpoint import (CheckpointError, check_fits, checkpoint_dir, find_chec
                           read_state, save_checkpoint, write_atomic)
 from ..config import ConfigError
 from ..config.train import COUPLED_TRAINER_TYPES
-from ..data import EpochSampler, MissingPromptFile
+from ..data import EpochSampler, MissingPromptFile, process_share
 from ..dynamics import make_dynamics
 from ..dynamics.window import choose_sde_steps
 from ..guards import NonFiniteError, NonFiniteGuard, all_finite, check_pipeline_finite, nonfinite_rewards
@@ -132,9 +132,13 @@ class Trainer:
         self.ema = WeightCopy(self.params, ema_device) if train.ema_decay > 0 else None
         self.rollout_weights = (WeightCopy(self.params, ema_device)
                                 if self.algorithm.uses_sampling_policy and not train.off_policy else None)
-        # the algorithm's own named copies of the weights (CRD's old and sampling models)
+        # the algorithm's own named copies of the weights: moved after each epoch (CRD's old and sampling
+        # models) or after each optimizer step (DGPO's fast old-policy EMA, on ema_ref_device)
         self.snapshot_decays = self.algorithm.weight_snapshots
+        self.step_snapshot_decays = self.algorithm.step_snapshots
         self.snapshots = {name: WeightCopy(self.params, ema_device) for name in self.snapshot_decays}
+        ema_ref_device = None if train.ema_ref_device == "same" else train.ema_ref_device
+        self.snapshots.update({name: WeightCopy(self.params, ema_ref_device) for name in self.step_snapshot_decays})
         # the reference is the starting weights: taken before any resume
         self.policy = AdapterPolicy(self.adapter, train.guidance_scale, model.finetune_type,
                                     keep_reference=self.algorithm.needs_reference,
@@ -158,7 +162,7 @@ class Trainer:
             load_checkpoint(self.start_weights, self.adapter, model.finetune_type, components=model.target_components)
             logger.info("starting from the weights of %s (model.resume_type: %s)", self.start_weights,
                         model.resume_type)
-            for snapshot in self.snapshots.values():  # CRD's old and sampling models start from them too
+            for snapshot in self.snapshots.values():  # CRD's and DGPO's copies start from them too
                 snapshot.copy_from_params()
         if self.resume_from is not None:
             if not load_checkpoint(self.resume_from, self.adapter, model.finetune_type, self.optimizer,
@@ -193,7 +197,8 @@ class Trainer:
         """Every train and test prompt encoded once (``prompt_cache.py``); then the text encoders
         leave the device (``data.text_encoders_after_preprocess``)."""
         cfg, acc = self.cfg, self.accelerator
-        items = ([(it.prompt, it.negative_prompt, cfg.train.guidance_scale) for it in self.train_prompts]
+        train_scale = cfg.train.conditioning_guidance_scale
+        items = ([(it.prompt, it.negative_prompt, train_scale) for it in self.train_prompts]
                  + [(it.prompt, it.negative_prompt, cfg.eval.guidance_scale) for it in self.test_prompts])
         with acc.autocast():  # as the rollout would encode them
             cache = PromptCache.build(self.adapter, items, cfg.data.cache_dir, cfg.data.preprocessing_batch_size,
@@ -287,10 +292,12 @@ class Trainer:
         return slice(start, start + per_rank)
 
     def sample_epoch(self, epoch: int) -> Rollouts:
-        cfg, train = self.cfg, self.cfg.train
+        cfg, train, acc = self.cfg, self.cfg.train, self.accelerator
         indices, group_ids = self.sampler.draw(epoch)
-        share = self._local_share(len(indices))
-        sample_ids = list(range(len(indices)))[share]
+        # a lockstep algorithm (DGPO) takes its part of every global micro-batch, which holds whole groups
+        share = process_share(len(indices), acc.process_index, acc.num_processes,
+                              train.per_device_batch_size if self.algorithm.lockstep else None)
+        sample_ids = share.tolist()
         sde_steps = None
         if self.dynamics.stochastic:
             sde_steps = choose_sde_steps(train.num_inference_steps, cfg.sde_step_candidates,
@@ -298,14 +305,16 @@ class Trainer:
         settings = self._train_settings(sde_steps=sde_steps, same_latent=train.same_latent,
                                         record_means=self.algorithm.records_step_means,
                                         storage_dtype=self.latent_storage_dtype, offload=train.offload_samples_to_cpu,
+                                        conditioning_guidance_scale=train.conditioning_guidance_scale,
                                         keep_states=tuple(self.algorithm.kept_states(train.num_inference_steps,
                                                                                      sde_steps)))
         if self.rollout_weights is not None:
             self.rollout_weights.copy_from_params()  # NFT / AWM's old policy: the weights sampled with
         # off_policy: the rollout samples with the EMA weights while the current policy trains
         sampling_weights = self.ema.applied() if train.off_policy else nullcontext()
-        if self.algorithm.rollout_snapshot is not None:  # CRD: its sampling model
-            sampling_weights = self.snapshots[self.algorithm.rollout_snapshot].applied()
+        snapshot = self.algorithm.sampling_snapshot(self.global_step)
+        if snapshot is not None:  # CRD's sampling model; DGPO's fast EMA after switch_ema_ref steps
+            sampling_weights = self.snapshots[snapshot].applied()
         with sampling_weights:
             rollouts = collect_rollouts(
                 self.adapter, self.dynamics, [self.train_prompts[i] for i in indices[share]], group_ids[share],
@@ -340,7 +349,8 @@ class Trainer:
             batch_size=train.per_device_batch_size, num_inner_epochs=train.num_inner_epochs,
             accumulation=self.cfg.gradient_accumulation, max_grad_norm=train.max_grad_norm,
             seed=self.seed, epoch=epoch, guard=self.guard, shuffle=train.shuffle_samples,
-            steps_per_call=train.steps_per_call)
+            steps_per_call=train.steps_per_call, steps_before=self.global_step,
+            step_snapshots={name: (self.snapshots[name], decay) for name, decay in self.step_snapshot_decays.items()})
         self.global_step += steps
         if not all_finite(self.params):  # finite gradients, yet a step overflowed: stop before it spreads
             raise NonFiniteError(f"epoch {epoch}: an optimizer step made trained weights NaN or inf (mean "
