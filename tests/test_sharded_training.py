@@ -86,3 +86,36 @@ def test_fsdp_on_two_processes_shards_saves_whole_and_resumes(tmp_path, tiny_sd3
               model={"resume_path": str(_checkpoint(fsdp, 1))})
     for key, value in _lora(fsdp).items():
         assert torch.allclose(_lora(resumed)[key], value, rtol=0, atol=1e-6), key
+
+
+def _transformer(folder, epoch=EPOCHS) -> dict:
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel.from_pretrained(_checkpoint(folder, epoch) / "transformer").state_dict()
+
+
+def test_fsdp_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path, tiny_sd3_path):
+    """Full fine-tuning with the KL to the starting weights: under FSDP the reference is a copy of each
+    process's shards, swapped in for the reference's forward. The second epoch's KL gradient depends on
+    it, so a reference that did not reach the forward would show as a different update."""
+    from diffusers import SD3Transformer2DModel
+
+    full = {"finetune_type": "full"}
+    # lr / eps = 0.1: full weights move a little. A KL this strong dominates the second epoch's update: a
+    # reference left out of the forward (the current weights instead) made the runs differ by ~1x the movement
+    step = {"learning_rate": 1e7, "kl_beta": 1000.0, "kl_type": "v-based"}
+    one = tmp_path / "p1"
+    _ff_train(one, tiny_sd3_path, 1, model=full, **step)
+    fsdp = tmp_path / "fsdp"
+    state = _ff_train(fsdp, tiny_sd3_path, 2, config_file="fsdp2", model=full, **step)
+    assert state["sharding"]["backend"] == "fsdp" and all(
+        0 < n < sum(state["sharding"]["trained_values_per_process"])
+        for n in state["sharding"]["trained_values_per_process"])
+
+    start = SD3Transformer2DModel.from_pretrained(tiny_sd3_path, subfolder="transformer").state_dict()
+    a, b = _transformer(one), _transformer(fsdp)  # the consolidated checkpoint loads with from_pretrained
+    assert a.keys() == b.keys() == start.keys()
+    moved = max(float((a[k] - start[k]).abs().max()) for k in a)
+    difference = max(float((b[k] - a[k]).abs().max()) for k in a)
+    assert moved > 1e-4, f"training did not move the weights ({moved:.2e})"
+    assert difference <= TOLERANCE * moved, f"FSDP differs by {difference / moved:.2e} of the movement"
