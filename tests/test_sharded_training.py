@@ -4,7 +4,7 @@ accelerate never shards on CPU, so there the trainer shards with torch's own ``f
 (``flow_factory/sharding.py``); everything after that (the optimizer over the shards, the
 gathered checkpoint, the EMA of the shards, resuming into shards) is the code a GPU run runs.
 The run's checkpoint records how many trained values each process held: sharded means each held
-part, and together all. DeepSpeed cannot run on CPU here (it is not installed, and its CPU
+part, and together all. A 2-machine launch is simulated over loopback too. DeepSpeed cannot run on CPU here (it is not installed, and its CPU
 backend needs Intel's extension); what it is handed is checked in ``test_launch_configs.py``."""
 
 import json
@@ -13,14 +13,17 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 from helpers_runs import tiny_run_config, write_config
 from safetensors.torch import load_file
 from test_train_cli import EPOCHS, LINEAR_STEP, TESTS_DIR, TOLERANCE, _difference_over_movement, _free_port
 
 
-def _ff_train(folder, model_path, processes: int, config_file=None, model=None, **train) -> dict:
-    """``ff-train`` in its own processes, as the invariant-4 test runs it; returns the run's last trainer state."""
+def _ff_train(folder, model_path, processes: int, config_file=None, model=None, machines: int = 1,
+              **train) -> dict:
+    """``ff-train`` in its own processes, as the invariant-4 test runs it; returns the run's last trainer state.
+    ``machines`` > 1: one ``ff-train`` per machine rank, all on this machine over loopback."""
     config = tiny_run_config(folder, "sd3-5", model_path, max_epochs=EPOCHS, group_size=4, ema_decay=0.5,
                              **{**LINEAR_STEP, **train})
     config["eval"]["eval_freq"] = 0
@@ -28,13 +31,23 @@ def _ff_train(folder, model_path, processes: int, config_file=None, model=None, 
     config["model"].update(model or {})
     if config_file:
         config["config_file"] = config_file
+    (folder / "tmp").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "TMPDIR": str(folder), "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR),
-                                                                             os.environ.get("PYTHONPATH")]))}
+           "TMPDIR": str(folder / "tmp"), "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR),
+                                                                                      os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "flow_factory.train", str(write_config(folder, config)),
                "--num_processes", str(processes), "--main_process_port", str(_free_port())]
-    result = subprocess.run(command, env=env, timeout=300, capture_output=True, text=True)
-    assert result.returncode == 0, f"{processes} process(es): exit {result.returncode}\n{result.stderr[-4000:]}"
+    if machines > 1:  # each machine encodes the prompts into its own cache (data.preprocess_parallelism: local)
+        command += ["--num_machines", str(machines), "--main_process_ip", "127.0.0.1"]
+        runs = [subprocess.Popen(command + ["--machine_rank", str(rank), f"data.cache_dir={folder}/cache_{rank}"],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for rank in range(machines)]
+        results = [(run.communicate(timeout=300), run.returncode) for run in runs]
+    else:
+        result = subprocess.run(command, env=env, timeout=300, capture_output=True, text=True)
+        results = [((result.stdout, result.stderr), result.returncode)]
+    for (_, err), code in results:
+        assert code == 0, f"{processes} process(es): exit {code}\n{err[-4000:]}"
     return json.loads((_checkpoint(folder, config["train"]["max_epochs"]) / "trainer_state.json").read_text())
 
 
@@ -46,10 +59,17 @@ def _lora(folder, epoch=EPOCHS) -> dict:
     return load_file(_checkpoint(folder, epoch) / "pytorch_lora_weights.safetensors")
 
 
-def test_fsdp_on_two_processes_shards_saves_whole_and_resumes(tmp_path, tiny_sd3_path):
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_sd3_path):
+    """The LoRA run on one process that the multi-process LoRA runs are compared with."""
+    folder = tmp_path_factory.mktemp("one_process")
+    _ff_train(folder, tiny_sd3_path, 1)
+    return folder
+
+
+def test_fsdp_on_two_processes_shards_saves_whole_and_resumes(tmp_path, tiny_sd3_path, one_process):
     """DESIGN invariant 4 under FSDP2, and a consolidated, loadable, exactly resumable checkpoint."""
-    one = tmp_path / "p1"
-    _ff_train(one, tiny_sd3_path, 1)
+    one = one_process
     fsdp = tmp_path / "fsdp"
     state = _ff_train(fsdp, tiny_sd3_path, 2, config_file="fsdp2")
 
@@ -119,3 +139,15 @@ def test_fsdp_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_
     difference = max(float((b[k] - a[k]).abs().max()) for k in a)
     assert moved > 1e-4, f"training did not move the weights ({moved:.2e})"
     assert difference <= TOLERANCE * moved, f"FSDP differs by {difference / moved:.2e} of the movement"
+
+
+def test_two_machines_simulated_over_loopback_make_the_same_update_as_one_process(tmp_path, tiny_sd3_path,
+                                                                                 one_process):
+    """A 2-node launch with the shipped multi_node template, 2 machine ranks x 1 process on this machine:
+    both ranks joined one run (the checkpoint saw 2 processes) and the update is one process's."""
+    nodes = tmp_path / "nodes"
+    state = _ff_train(nodes, tiny_sd3_path, 2, config_file="multi_node", machines=2)
+    total = sum(v.numel() for v in _lora(nodes).values())
+    assert state["sharding"] == {"backend": "ddp", "processes": 2, "trained_values_per_process": [total, total]}
+    relative, moved = _difference_over_movement(_lora(one_process), _lora(nodes))
+    assert moved > 1e-4 and relative <= TOLERANCE, (relative, moved)
