@@ -21,12 +21,12 @@ from test_train_cli import EPOCHS, LINEAR_STEP, TESTS_DIR, TOLERANCE, _differenc
 
 
 def _ff_train(folder, model_path, processes: int, config_file=None, model=None, machines: int = 1,
-              **train) -> dict:
+              eval_freq: int = 0, **train) -> dict:
     """``ff-train`` in its own processes, as the invariant-4 test runs it; returns the run's last trainer state.
     ``machines`` > 1: one ``ff-train`` per machine rank, all on this machine over loopback."""
     config = tiny_run_config(folder, "sd3-5", model_path, max_epochs=EPOCHS, group_size=4, ema_decay=0.5,
                              **{**LINEAR_STEP, **train})
-    config["eval"]["eval_freq"] = 0
+    config["eval"]["eval_freq"] = eval_freq  # eval samples with its own seeds: the weights do not depend on it
     config["rewards"] = [{"name": "brightness", "reward_model": "test_train_cli.MeanBrightness"}]
     config["model"].update(model or {})
     if config_file:
@@ -71,7 +71,9 @@ def test_fsdp_on_two_processes_shards_saves_whole_and_resumes(tmp_path, tiny_sd3
     """DESIGN invariant 4 under FSDP2, and a consolidated, loadable, exactly resumable checkpoint."""
     one = one_process
     fsdp = tmp_path / "fsdp"
-    state = _ff_train(fsdp, tiny_sd3_path, 2, config_file="fsdp2")
+    state = _ff_train(fsdp, tiny_sd3_path, 2, config_file="fsdp2", eval_freq=1)
+    evaluated = json.loads((fsdp / "saves" / "run" / "history.json").read_text())["eval"]
+    assert [e["epoch"] for e in evaluated] == list(range(EPOCHS + 1))  # eval samples through the shards too
 
     # really sharded: each process held part of the trained values, the two together all of them
     held = state["sharding"]

@@ -15,7 +15,7 @@ step, so every step sees the same gradient either way.
 Gradients sync across processes through the DDP wrapper ``denoiser``; a multi-expert model
 is not wrapped (``FlowAdapter.wrap_transformer``), so with ``denoiser=None`` this loop
 averages them itself before the optimizer step. FSDP2 reduce-scatters every backward into the
-sharded gradients (no ``no_sync`` there). DeepSpeed's engine accumulates, clips and steps
+sharded gradients. DeepSpeed's engine accumulates, clips and steps
 inside ``backward`` at the end of an accumulation; the optimizer's own step is then a no-op.
 """
 
@@ -44,6 +44,9 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
     optimizer steps skipped for a non-finite gradient."""
     acc = accelerator
     deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+    # DDP skips the all-reduce of micro-steps that do not step. FSDP2 reduce-scatters every backward
+    # instead (deferring would keep whole gradients on every process); DeepSpeed knows its boundary itself
+    defer_sync = isinstance(denoiser, torch.nn.parallel.DistributedDataParallel)
     units = algorithm.training_units(rollouts.group_ids, advantages)
     batch_size = algorithm.units_per_chunk(batch_size)
     sums: dict[str, float] = {}
@@ -63,7 +66,7 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                 parts = batch.parts
                 # gradients sync across processes only on the micro-step that steps the optimizer
                 syncs = (micro + parts) % accumulation == 0
-                with nullcontext() if syncs or denoiser is None else acc.no_sync(denoiser), acc.autocast():
+                with nullcontext() if syncs or not defer_sync else acc.no_sync(denoiser), acc.autocast():
                     loss, metrics = algorithm.loss(policy, batch)
                     # no gradient when only a frozen expert denoised the batch (Wan2.2 training one expert)
                     if loss.requires_grad and deepspeed:
