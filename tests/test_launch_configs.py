@@ -125,3 +125,10 @@ def test_a_shipped_multi_node_template_still_needs_machine_zeros_address(tmp_pat
     own = tmp_path / "cluster.yaml"
     own.write_text(yaml.safe_dump({"distributed_type": "MULTI_GPU", "main_process_ip": "10.0.0.1"}))
     parse_config(_config(tmp_path, config_file=str(own), num_machines=2, num_processes=2))
+
+
+def test_an_fsdp1_file_is_refused_before_anything_loads(tmp_path):
+    own = tmp_path / "fsdp1.yaml"
+    own.write_text(yaml.safe_dump({"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": 1}}))
+    with pytest.raises(ConfigError, match="asks for FSDP version 1; ff-train shards with FSDP2 only"):
+        parse_config(_config(tmp_path, config_file=str(own)))

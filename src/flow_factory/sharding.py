@@ -25,9 +25,6 @@ import os
 import torch
 from torch import nn
 
-BACKENDS = ("ddp", "fsdp", "deepspeed")
-
-
 def backend_of(accelerator) -> str:
     """``ddp`` (one process too), ``fsdp`` or ``deepspeed``: what the launch config asked for."""
     from accelerate.utils import DistributedType

@@ -55,9 +55,11 @@ def shipped_name(value: str) -> str | None:
 
 
 def resolve(value: str) -> Path:
-    """The file ``config_file: value`` launches with: an existing file of the user's first, then a shipped one."""
+    """The file ``config_file: value`` launches with: an existing file of the user's first, then a shipped one.
+    An FSDP config must ask for FSDP2, the version ff-train shards with."""
     given = Path(value).expanduser()
     if given.is_file():
+        _check_fsdp_version(given)
         return given.resolve()
     name = shipped_name(value)
     if name is not None:
@@ -66,3 +68,17 @@ def resolve(value: str) -> Path:
         f"{value!r} is neither a file nor a shipped accelerate config; shipped: "
         f"{', '.join(sorted(SHIPPED))} (also {', '.join(f'{a} = {n}' for a, n in sorted(ALIASES.items()))}, "
         f"and Flow-Factory's {' / '.join(UPSTREAM_FOLDERS)}/<name>.yaml paths), or give the path of your own file")
+
+
+def _check_fsdp_version(path: Path) -> None:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) if path.suffix in (".yaml", ".yml") else None
+    except yaml.YAMLError as err:
+        raise LaunchConfigError(f"{path} is not valid YAML ({err})") from None
+    if isinstance(data, dict) and data.get("distributed_type") == "FSDP":
+        version = (data.get("fsdp_config") or {}).get("fsdp_version", 1)
+        if str(version) != "2":
+            raise LaunchConfigError(f"{path} asks for FSDP version {version}; ff-train shards with FSDP2 only: set "
+                                    "fsdp_config.fsdp_version: 2, or use the shipped fsdp2")
