@@ -57,7 +57,7 @@ def save_checkpoint(out_dir: Path, adapter, finetune_type: str, optimizer, state
     """Write the checkpoint atomically to ``out_dir``; ``extra``: file name -> object for ``torch.save``;
     ``components``: the trained networks (``model.target_components``); ``optimizer``: the optimizer or
     its state dict. ``weights``: component -> its full state dict, gathered from a sharded model whose
-    own parameters are shards (``trainer/sharding.py``)."""
+    own parameters are shards (``sharding.py``)."""
     out_dir = Path(out_dir)
     trained = {name: adapter.transformers[name] for name in components}
     if weights is None:
@@ -262,7 +262,7 @@ def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=Non
     if not (path / OPTIMIZER_FILE).exists():
         return False
     saved = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-    if sharded:  # saved gathered, keyed by parameter name (trainer/sharding.py)
+    if sharded:  # saved gathered, keyed by parameter name (sharding.py)
         (module,) = (adapter.transformers[name] for name in components)
         load_full_optimizer_state(module, getattr(optimizer, "optimizer", optimizer), saved)
     else:
