@@ -37,7 +37,9 @@ from pathlib import Path
 import torch
 
 from .guards import check_pipeline_finite, nonfinite_tensors
-from .models.lora import LORA_WEIGHT_NAME, load_lora_into, load_lora_state, lora_weight_name, save_lora
+from .models.lora import (LORA_WEIGHT_NAME, load_lora_into, load_lora_state, lora_module_state, lora_weight_name,
+                          save_lora)
+from .sharding import is_sharded, load_full_optimizer_state, load_full_state_dict
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -51,12 +53,18 @@ class CheckpointError(ValueError):
 
 # ------------------------------------------------------------------ writing
 def save_checkpoint(out_dir: Path, adapter, finetune_type: str, optimizer, state: dict,
-                    extra: dict | None = None, components: list[str] = ("transformer",)) -> Path:
+                    extra: dict | None = None, components: list[str] = ("transformer",),
+                    weights: dict | None = None) -> Path:
     """Write the checkpoint atomically to ``out_dir``; ``extra``: file name -> object for ``torch.save``;
-    ``components``: the trained networks (``model.target_components``)."""
+    ``components``: the trained networks (``model.target_components``); ``optimizer``: the optimizer or
+    its state dict. ``weights``: component -> its full state dict, gathered from a sharded model whose
+    own parameters are shards (``sharding.py``)."""
     out_dir = Path(out_dir)
     trained = {name: adapter.transformers[name] for name in components}
-    params = [p for module in trained.values() for p in module.parameters() if p.requires_grad]
+    if weights is None:
+        params = [p for module in trained.values() for p in module.parameters() if p.requires_grad]
+    else:
+        params = [t for full in weights.values() for t in full.values() if t.is_floating_point()]
     bad = sum(int(not torch.isfinite(p).all()) for p in params)
     if bad:  # the optimisation loop skips non-finite steps; reaching here is a bug, never a checkpoint
         raise FloatingPointError(f"refusing to save {out_dir}: {bad} trained tensors hold NaN or inf")
@@ -64,12 +72,15 @@ def save_checkpoint(out_dir: Path, adapter, finetune_type: str, optimizer, state
     shutil.rmtree(tmp, ignore_errors=True)  # left by a process killed during an earlier save
     tmp.mkdir(parents=True)
     for name, module in trained.items():
+        full = None if weights is None else weights[name]
         if finetune_type == "lora":
-            save_lora(type(adapter.pipeline), module, tmp, lora_weight_name(name))
-        else:
+            save_lora(type(adapter.pipeline), module, tmp, lora_weight_name(name), state_dict=full)
+        elif full is None:
             module.save_pretrained(tmp / name)
+        else:
+            _plain_copy(module, full).save_pretrained(tmp / name)
     if optimizer is not None:  # None: the weights only (log.save_model_only)
-        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        torch.save(optimizer if isinstance(optimizer, dict) else optimizer.state_dict(), tmp / OPTIMIZER_FILE)
     for name, obj in (extra or {}).items():
         torch.save(obj, tmp / name)
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -78,6 +89,15 @@ def save_checkpoint(out_dir: Path, adapter, finetune_type: str, optimizer, state
     write_atomic(tmp / STATE_FILE, json.dumps(state, indent=2))
     _publish(tmp, out_dir)
     return out_dir
+
+
+def _plain_copy(module, state: dict):
+    """A model of ``module``'s class and config holding the full tensors ``state``: what ``save_pretrained``
+    writes for a sharded model (built on the meta device, so no second set of weights is allocated)."""
+    with torch.device("meta"):
+        copy = type(module).from_config(module.config)
+    copy.load_state_dict(state, assign=True)
+    return copy
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -216,14 +236,25 @@ def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=Non
     found and ``check_fits`` accepted; False when an optimizer was given and the checkpoint holds no state
     for it. Raises ``CheckpointError`` for weights holding NaN or inf."""
     path = Path(path)
+    sharded = False
     for name in components:
         module = adapter.transformers[name]
-        if finetune_type == "lora":
+        if is_sharded(module):  # every process reads the full tensors and keeps its shard
+            sharded = True
+            if finetune_type == "lora":
+                state = lora_module_state(module, path, lora_weight_name(name))
+            else:
+                state = type(module).from_pretrained(path / name, dtype=torch.float32).state_dict()
+            bad = [k for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+            if not bad:
+                load_full_state_dict(module, state, strict=finetune_type != "lora")
+        elif finetune_type == "lora":
             load_lora_state(module, path, lora_weight_name(name))
+            bad = nonfinite_tensors(module)
         else:
             source = type(module).from_pretrained(path / name, dtype=torch.float32)
             module.load_state_dict(source.state_dict())
-        bad = nonfinite_tensors(module)
+            bad = nonfinite_tensors(module)
         if bad:
             raise CheckpointError(f"model.resume_path: {path} holds NaN or inf in {len(bad)} tensors of {name} "
                                   f"(e.g. {bad[0]})")
@@ -231,7 +262,12 @@ def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=Non
         return True
     if not (path / OPTIMIZER_FILE).exists():
         return False
-    optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+    saved = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    if sharded:  # saved gathered, keyed by parameter name (sharding.py)
+        (module,) = (adapter.transformers[name] for name in components)
+        load_full_optimizer_state(module, getattr(optimizer, "optimizer", optimizer), saved)
+    else:
+        optimizer.load_state_dict(saved)
     return True
 
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, load_config_for_cli
+from .launch_configs import resolve as resolve_launch_config
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,17 +54,27 @@ def launch_overrides(args: argparse.Namespace, environ) -> list[str]:
     return [f"{key}={value}" for key, value in {**from_env, **given}.items()]
 
 
+LAUNCHED = "FLOW_FACTORY_LAUNCHED"  # set in the relaunched processes: they train instead of launching again
+
+
+def needs_launch(cfg, environ) -> bool:
+    """Through ``accelerate launch`` when several processes run or a launch config is named (FSDP or
+    DeepSpeed on one GPU still needs accelerate's setup), unless this process was launched already."""
+    launched = LAUNCHED in environ or "WORLD_SIZE" in environ
+    return not launched and (cfg.num_processes > 1 or cfg.config_file is not None)
+
+
 def relaunch_command(cfg, argv: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(cfg.num_processes),
            "--num_machines", str(cfg.num_machines), "--machine_rank", str(cfg.machine_rank),
            "--main_process_port", str(cfg.main_process_port)]
     if cfg.main_process_ip:
         cmd += ["--main_process_ip", cfg.main_process_ip]
-    if cfg.config_file:
-        cmd += ["--config_file", cfg.config_file]
+    if cfg.config_file:  # a shipped config by name, or the user's file (checked with the config)
+        cmd += ["--config_file", str(resolve_launch_config(cfg.config_file))]
     else:
-        cmd += ["--multi_gpu", "--dynamo_backend", "no", "--mixed_precision", cfg.mixed_precision]
-    return cmd + ["-m", "flow_factory.train", *argv]
+        cmd += ["--multi_gpu", "--dynamo_backend", "no"]
+    return cmd + ["--mixed_precision", cfg.mixed_precision, "-m", "flow_factory.train", *argv]
 
 
 def main(argv=None) -> int:
@@ -75,9 +86,10 @@ def main(argv=None) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    if cfg.num_processes > 1 and "WORLD_SIZE" not in os.environ:
+    if needs_launch(cfg, os.environ):
         # the resolved run name travels along, so every process agrees on a default one
-        return subprocess.call(relaunch_command(cfg, argv + [f"log.run_name={cfg.log.run_name}"]))
+        return subprocess.call(relaunch_command(cfg, argv + [f"log.run_name={cfg.log.run_name}"]),
+                               env={**os.environ, LAUNCHED: "1"})
 
     # heavy imports only once the config is known to be good
     from .data import PromptFileError

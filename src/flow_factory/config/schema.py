@@ -24,6 +24,9 @@ from typing import Literal
 import yaml
 from pydantic import PositiveInt, ValidationError, field_validator, model_validator
 
+from ..launch_configs import FOLDER as LAUNCH_FOLDER
+from ..launch_configs import LaunchConfigError
+from ..launch_configs import resolve as resolve_launch_config
 from .base import Section, problem, setting, size_problem
 from .compat import read_flow_factory_spellings, without_effect
 from .errors import ConfigError
@@ -45,7 +48,10 @@ def divisors(n: int) -> list[int]:
 
 class Config(Section):
     launcher: Literal["accelerate"] = setting("accelerate", "how processes are started (accelerate)")
-    config_file: str | None = setting(None, "accelerate / deepspeed config file for the launch; null = none")
+    config_file: str | None = setting(
+        None, "accelerate launch config: a shipped one by name (single_gpu, multi_gpu, fsdp2, fsdp2_offload, zero1, "
+              "zero2, zero2_offload, zero3, multi_node; Flow-Factory's config/deepspeed/... and "
+              "config/accelerate_configs/... names too) or a file's path; null = DDP from the flags")
     num_processes: PositiveInt = setting(1, "number of training processes (GPUs), all machines together")
     num_machines: PositiveInt = setting(1, "number of machines (nodes) the processes run on")
     machine_rank: int = setting(0, "this machine's rank, 0 .. num_machines - 1", ge=0)
@@ -96,6 +102,16 @@ class Config(Section):
                 if data.get(name) is None and (name in data or name in ("data", "model")):
                     data[name] = {}
         return data
+
+    @field_validator("config_file")
+    @classmethod
+    def _launch_config_exists(cls, value):
+        if value is not None:
+            try:
+                resolve_launch_config(value)
+            except LaunchConfigError as err:
+                raise problem(str(err)) from None
+        return value
 
     @field_validator("rewards", "eval_rewards", mode="before")
     @classmethod
@@ -200,9 +216,11 @@ class Config(Section):
         if self.num_processes % self.num_machines:
             out.append(f"num_processes: {self.num_processes} processes do not split evenly over num_machines = "
                        f"{self.num_machines} machines")
-        if self.num_machines > 1 and not self.main_process_ip and not self.config_file:
+        # a file of the user's may hold machine 0's address; a shipped one does not
+        own_file = self.config_file is not None and resolve_launch_config(self.config_file).parent != LAUNCH_FOLDER
+        if self.num_machines > 1 and not self.main_process_ip and not own_file:
             out.append("main_process_ip: required with num_machines > 1 (machine 0's address); set it, pass "
-                       "--main_process_ip, export MASTER_ADDR, or give an accelerate config_file")
+                       "--main_process_ip, export MASTER_ADDR, or give your own accelerate config_file that holds it")
         return out
 
     def _size_problems(self) -> list[str]:

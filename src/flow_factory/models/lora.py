@@ -125,27 +125,30 @@ def apply_lora(transformer: nn.Module, rank: int, alpha: float, target_modules="
     return targets
 
 
-def lora_state_dict(transformer: nn.Module) -> dict[str, torch.Tensor]:
-    """The LoRA tensors under diffusers' key names (no adapter name), detached on CPU."""
-    state = get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME)
+def lora_state_dict(transformer: nn.Module, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
+    """The LoRA tensors under diffusers' key names (no adapter name), detached on CPU; of ``state_dict``
+    (the transformer's full state, gathered from a sharded model) when given."""
+    state = get_peft_model_state_dict(transformer, state_dict=state_dict, adapter_name=ADAPTER_NAME)
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 
-def save_lora(pipeline_class, transformer: nn.Module, out_dir, weight_name: str = LORA_WEIGHT_NAME) -> Path:
-    """Write ``out_dir/<weight_name>`` loadable by ``pipe.load_lora_weights(out_dir, weight_name=...)``.
+def save_lora(pipeline_class, transformer: nn.Module, out_dir, weight_name: str = LORA_WEIGHT_NAME,
+              state_dict: dict | None = None) -> Path:
+    """Write ``out_dir/<weight_name>`` loadable by ``pipe.load_lora_weights(out_dir, weight_name=...)``;
+    ``state_dict``: the transformer's full state, when its own parameters are shards.
 
     A pipeline class without diffusers' LoRA loader (``HunyuanVideo15Pipeline``) gets the same file, written by
     the loaders' common base; ``load_lora_into`` reads it with the transformer's own ``load_lora_adapter``."""
     out_dir = Path(out_dir)
     config = transformer.peft_config[ADAPTER_NAME].to_dict()
+    layers = lora_state_dict(transformer, state_dict)
     if hasattr(pipeline_class, "save_lora_weights"):
         pipeline_class.save_lora_weights(
-            out_dir, transformer_lora_layers=lora_state_dict(transformer),
-            transformer_lora_adapter_metadata=config, weight_name=weight_name,
+            out_dir, transformer_lora_layers=layers, transformer_lora_adapter_metadata=config, weight_name=weight_name,
         )
     else:
         LoraBaseMixin.write_lora_layers(
-            state_dict=LoraBaseMixin.pack_weights(lora_state_dict(transformer), "transformer"),
+            state_dict=LoraBaseMixin.pack_weights(layers, "transformer"),
             save_directory=str(out_dir), is_main_process=True, weight_name=weight_name, save_function=None,
             safe_serialization=True, lora_adapter_metadata=LoraBaseMixin.pack_weights(config, "transformer"),
         )
@@ -177,6 +180,23 @@ def load_lora_state(transformer: nn.Module, lora_dir, weight_name: str = LORA_WE
     if result.unexpected_keys or missing:
         raise ValueError(f"LoRA in {path} does not fit this transformer: "
                          f"unexpected {result.unexpected_keys[:5]}, missing {missing[:5]}")
+
+
+def lora_module_state(transformer: nn.Module, lora_dir, weight_name: str = LORA_WEIGHT_NAME) -> dict:
+    """The LoRA tensors saved by ``save_lora``, under the transformer's own parameter names (with the
+    adapter name peft inserts): what ``load_lora_state`` loads, for a sharded transformer's loader."""
+    path = Path(lora_dir) / weight_name
+    if not path.is_file():
+        raise FileNotFoundError(f"no LoRA weights at {path}")
+    _check_same_config(transformer, path)
+    names = {n.replace(f".{ADAPTER_NAME}", ""): n for n, _ in transformer.named_parameters() if "lora_" in n}
+    prefix = "transformer."
+    saved = {k[len(prefix):]: v for k, v in load_file(str(path)).items() if k.startswith(prefix)}
+    unexpected, missing = sorted(set(saved) - set(names)), sorted(set(names) - set(saved))
+    if unexpected or missing:
+        raise ValueError(f"LoRA in {path} does not fit this transformer: unexpected {unexpected[:5]}, "
+                         f"missing {missing[:5]}")
+    return {names[k]: v for k, v in saved.items()}
 
 
 def _check_same_config(transformer: nn.Module, path: Path) -> None:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from ..sharding import gather_full, local, shard_of
+
 EMA_SCHEDULES = ("constant", "power", "linear", "piecewise_linear", "cosine", "warmup_cosine")
 EMA_FILE = "ema.pt"
 
@@ -55,30 +57,42 @@ def ema_decay_at(schedule: str, step: int, decay: float, total_steps: int, flat_
 
 
 class WeightCopy:
-    """A float32 copy of ``params`` on ``device`` that can be blended in or swapped in."""
+    """A float32 copy of ``params`` on ``device`` that can be blended in or swapped in.
 
-    def __init__(self, params: list[torch.nn.Parameter], device: torch.device | str | None = None):
+    Of a sharded parameter (an FSDP2 DTensor) it copies this process's shard; ``state_dict``
+    gathers the full tensors (every process calls it) and ``load_state_dict`` keeps each
+    process's shard of them. ``before_swap`` runs before and after a swap: FSDP frees the
+    gathered weights there, so the next forward gathers the swapped shards."""
+
+    def __init__(self, params: list[torch.nn.Parameter], device: torch.device | str | None = None,
+                 before_swap=None):
         self.params = list(params)
         self.device = torch.device(device) if device is not None else None
+        self.before_swap = before_swap
         self.weights = [self._stored(p) for p in self.params]
 
     def _stored(self, p: torch.Tensor) -> torch.Tensor:
+        p = local(p)
         return p.detach().to(self.device or p.device, dtype=torch.float32, copy=True)
 
     @torch.no_grad()
     def copy_from_params(self) -> None:
         for w, p in zip(self.weights, self.params):
-            w.copy_(p.detach())
+            w.copy_(local(p).detach())
 
     @torch.no_grad()
     def update(self, decay: float) -> None:
         """``w <- decay w + (1 - decay) p``."""
         for w, p in zip(self.weights, self.params):
-            w.mul_(decay).add_(p.detach().to(w.device, torch.float32), alpha=1.0 - decay)
+            w.mul_(decay).add_(local(p).detach().to(w.device, torch.float32), alpha=1.0 - decay)
 
     @contextmanager
     def applied(self):
         """The live parameters hold these weights inside the block (no gradients through them)."""
+        if self.before_swap is not None:
+            with self._copied_in():
+                yield
+            return
         saved = [p.data for p in self.params]
         try:
             for p, w in zip(self.params, self.weights):
@@ -88,17 +102,34 @@ class WeightCopy:
             for p, data in zip(self.params, saved):
                 p.data = data
 
+    @contextmanager
+    def _copied_in(self):
+        # a shard is a view into the storage FSDP gathers from: swap values in place, not .data
+        shards = [local(p).detach() for p in self.params]
+        with torch.no_grad():
+            saved = [s.clone() for s in shards]
+            self.before_swap()
+            for s, w in zip(shards, self.weights):
+                s.copy_(w)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                self.before_swap()
+                for s, old in zip(shards, saved):
+                    s.copy_(old)
+
     def state_dict(self) -> dict:
-        return {"weights": [w.cpu() for w in self.weights]}
+        return {"weights": [gather_full(w, p).cpu() for w, p in zip(self.weights, self.params)]}
 
     def load_state_dict(self, state: dict) -> None:
         weights = state["weights"]
-        if len(weights) != len(self.weights) or any(a.shape != b.shape for a, b in zip(weights, self.weights)):
+        if len(weights) != len(self.weights) or any(a.shape != p.shape for a, p in zip(weights, self.params)):
             raise ValueError(f"EMA state holds {len(weights)} tensors that do not match the "
                              f"{len(self.weights)} trainable parameters; was it saved with another "
                              "finetune_type, lora_rank or target_modules?")
-        for w, saved in zip(self.weights, weights):
-            w.copy_(saved)
+        for w, saved, p in zip(self.weights, weights, self.params):
+            w.copy_(shard_of(saved, p))
 
 
 def load_ema(ema: WeightCopy, checkpoint_dir: Path, file_name: str = EMA_FILE) -> bool:

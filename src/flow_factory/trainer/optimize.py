@@ -14,8 +14,11 @@ step, so every step sees the same gradient either way.
 
 Gradients sync across processes through the DDP wrapper ``denoiser``; a multi-expert model
 is not wrapped (``FlowAdapter.wrap_transformer``), so with ``denoiser=None`` this loop
-averages them itself before the optimizer step. A lockstep algorithm (DGPO) shuffles and draws
-alike on every process, so the processes train the parts of one global micro-batch together.
+averages them itself before the optimizer step. FSDP2 reduce-scatters every backward into the
+sharded gradients. DeepSpeed's engine accumulates, clips and steps
+inside ``backward`` at the end of an accumulation; the optimizer's own step is then a no-op.
+A lockstep algorithm (DGPO) shuffles and draws alike on every process, so the processes train
+the parts of one global micro-batch together.
 
 ``step_snapshots`` (name -> (``WeightCopy``, ``decay(k)``)) move after every optimizer step k of
 the run (``steps_before`` + the steps of this epoch so far), as ``w <- d w + (1 - d) theta``.
@@ -27,6 +30,7 @@ import math
 from contextlib import nullcontext
 
 import torch
+from accelerate.utils import DistributedType
 
 from ..algorithms.base import merge_batches
 from ..guards import NonFiniteGuard
@@ -45,6 +49,10 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
     Metrics that are NaN or inf are left out of the means; ``skipped_updates`` counts the
     optimizer steps skipped for a non-finite gradient."""
     acc = accelerator
+    deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+    # DDP skips the all-reduce of micro-steps that do not step. FSDP2 reduce-scatters every backward
+    # instead (deferring would keep whole gradients on every process); DeepSpeed knows its boundary itself
+    defer_sync = isinstance(denoiser, torch.nn.parallel.DistributedDataParallel)
     units = algorithm.training_units(rollouts.group_ids, advantages)
     batch_size = algorithm.units_per_chunk(batch_size)
     sums: dict[str, float] = {}
@@ -65,18 +73,23 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                 parts = batch.parts
                 # gradients sync across processes only on the micro-step that steps the optimizer
                 syncs = (micro + parts) % accumulation == 0
-                with nullcontext() if syncs or denoiser is None else acc.no_sync(denoiser), acc.autocast():
+                with nullcontext() if syncs or not defer_sync else acc.no_sync(denoiser), acc.autocast():
                     loss, metrics = algorithm.loss(policy, batch)
                     # no gradient when only a frozen expert denoised the batch (Wan2.2 training one expert)
-                    if loss.requires_grad:
+                    if loss.requires_grad and deepspeed:
+                        # DeepSpeed's engine divides by its gradient_accumulation_steps (= accumulation)
+                        # and steps, clipping, when told this micro-step ends the accumulation
+                        acc.gradient_state._set_sync_gradients(syncs)
+                        acc.backward(loss * parts)
+                    elif loss.requires_grad:
                         acc.backward(loss * parts / accumulation)
                 micro += parts
                 metrics["loss"] = loss.detach()
                 if syncs:
                     if denoiser is None and acc.num_processes > 1:
                         average_gradients(params)
-                    metrics["grad_norm"] = grad_norm = acc.clip_grad_norm_(params, max_grad_norm)
-                    if torch.isfinite(grad_norm):
+                    metrics["grad_norm"] = grad_norm = _norm(acc.clip_grad_norm_(params, max_grad_norm))
+                    if deepspeed or torch.isfinite(grad_norm):  # DeepSpeed's engine has stepped already
                         optimizer.step()
                         for name, (snapshot, decay_of) in (step_snapshots or {}).items():
                             metrics[f"{name}_decay"] = decay = decay_of(steps_before + steps)
@@ -101,9 +114,18 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                         weight = 1 if k == "grad_norm" else parts
                         sums[k] = sums.get(k, 0.0) + v * weight
                         counts[k] = counts.get(k, 0) + weight
+    if deepspeed:
+        acc.gradient_state._set_sync_gradients(True)
     out = {f"train/{k}": (v / counts[k] if k in counts else v) for k, v in sums.items()}
     out["train/skipped_updates"] = skipped
     return out, steps
+
+
+def _norm(grad_norm) -> torch.Tensor:
+    """The gradient norm as a plain tensor: a DTensor's full value (FSDP), NaN when DeepSpeed reports none."""
+    if grad_norm is None:
+        return torch.tensor(float("nan"))
+    return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
 
 
 def _merged(batches, steps_per_call: int | str, room):

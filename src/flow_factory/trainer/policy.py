@@ -6,7 +6,9 @@ on-policy ratio is exactly 1 (DESIGN invariant 1).
 The decoupled algorithms also ask for the velocity under the weights the rollout
 sampled with (``sampling_velocity``: the EMA when ``off_policy``, else a copy taken at
 rollout time) and under the EMA (``ema_velocity``): ``trainer/ema.WeightCopy`` objects
-given at construction, swapped into the live parameters for the call.
+given at construction, swapped into the live parameters for the call. The reference of a
+sharded full fine-tune (FSDP) is such a copy too, of this process's shards, given as
+``reference``: a deep copy would hold the whole model on every process.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..models.lora import lora_disabled
 class AdapterPolicy:
     def __init__(self, adapter: FlowAdapter, guidance_scale: float, finetune_type: str,
                  keep_reference: bool, ref_param_device: str = "same", ema=None, sampling_weights=None,
-                 snapshots=None, components: list[str] = ("transformer",)):
+                 snapshots=None, components: list[str] = ("transformer",), reference=None):
         self.adapter = adapter
         self.components = list(components)  # the trained networks (model.target_components)
         self.guidance_scale = guidance_scale
@@ -33,7 +35,9 @@ class AdapterPolicy:
         self.sampling_weights = sampling_weights  # WeightCopy of the weights the rollout used
         self.ema = ema  # WeightCopy of the EMA weights, when train.ema_decay > 0
         self.snapshots = snapshots or {}  # name -> WeightCopy: the algorithm's weight / step snapshots
-        if keep_reference and finetune_type == "full":
+        if keep_reference and finetune_type == "full" and reference is not None:
+            self.reference = reference  # a WeightCopy of a sharded model's starting shards, swapped in
+        elif keep_reference and finetune_type == "full":
             # a frozen copy of the starting weights, in the load dtype (the trained ones are kept
             # float32); "cpu" keeps accelerator memory free
             device = adapter.device if ref_param_device == "same" else torch.device(ref_param_device)
@@ -85,6 +89,10 @@ class AdapterPolicy:
             return
         if self.reference is None:
             raise RuntimeError("reference_velocity needs a reference model: set train.kl_beta > 0")
+        if not isinstance(self.reference, dict):  # the shards' WeightCopy
+            with self.reference.applied():
+                yield
+            return
         stored_on = next(next(iter(self.reference.values())).parameters()).device
         try:
             with self.adapter.swapped_transformers({name: module.to(self.adapter.device)

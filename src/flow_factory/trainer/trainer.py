@@ -37,6 +37,8 @@ from ..rewards.base import parse_dtype
 from ..sampling import (Rollouts, SamplingSettings, collect_rollouts, condition_size, load_split, sample_prompts,
                         split_size)
 from ..seeding import generator
+from ..sharding import (all_finite_everywhere, backend_of, fill_deepspeed_config, full_optimizer_state,
+                        full_state_dict, local, prepare_sharded, reshard_all)
 from ..timer import PhaseTimer
 from .ema import EMA_FILE, WeightCopy, ema_decay_at, load_ema
 from .interrupt import StopFlag, TrainingInterrupted
@@ -126,60 +128,153 @@ class Trainer:
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
         self.params = self._make_trainable()
         self._check_trained_steps()
-        # EMA of the trained weights (train.ema_decay > 0), and for NFT / AWM the weights the
-        # rollout sampled with: the EMA itself when off_policy, else a copy taken at sampling time
-        ema_device = None if train.ema_device == "same" else train.ema_device
-        self.ema = WeightCopy(self.params, ema_device) if train.ema_decay > 0 else None
-        self.rollout_weights = (WeightCopy(self.params, ema_device)
-                                if self.algorithm.uses_sampling_policy and not train.off_policy else None)
-        # the algorithm's own named copies of the weights: moved after each epoch (CRD's old and sampling
-        # models) or after each optimizer step (DGPO's fast old-policy EMA, on ema_ref_device)
-        self.snapshot_decays = self.algorithm.weight_snapshots
-        self.step_snapshot_decays = self.algorithm.step_snapshots
-        self.snapshots = {name: WeightCopy(self.params, ema_device) for name in self.snapshot_decays}
-        ema_ref_device = None if train.ema_ref_device == "same" else train.ema_ref_device
-        self.snapshots.update({name: WeightCopy(self.params, ema_ref_device) for name in self.step_snapshot_decays})
-        # the reference is the starting weights: taken before any resume
-        self.policy = AdapterPolicy(self.adapter, train.guidance_scale, model.finetune_type,
-                                    keep_reference=self.algorithm.needs_reference,
-                                    ref_param_device=train.ref_param_device, ema=self.ema,
-                                    sampling_weights=self.ema if train.off_policy else self.rollout_weights,
-                                    snapshots=self.snapshots, components=model.target_components)
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2),
-            weight_decay=train.adam_weight_decay, eps=train.adam_epsilon)
-        self.optimizer = self.accelerator.prepare(self.optimizer)
-        if model.torch_compile != "none":  # after LoRA (the compiled graph holds its layers), before DDP's wrapper
-            chosen = self.adapter.compile_transformers(model.torch_compile, mode=model.compile_mode)
-            logger.info("torch.compile: %s", ", ".join(f"{k} {v}" for k, v in chosen.items()))
-        # False for a multi-expert model: optimize_epoch then averages the gradients across processes itself
-        self.ddp = self.adapter.wrap_transformer(self.accelerator.prepare)
-
+        self.sharding = backend_of(self.accelerator)  # ddp (one process too), fsdp or deepspeed
         self.epoch, self.global_step = 0, 0
         self.history: list[dict] = []  # one record of training metrics per epoch
         self.eval_history: list[dict] = []  # eval rewards, keyed by epochs completed
+        if self.sharding == "ddp":
+            self._make_weight_copies()  # before the wrapper and torch.compile, as always on this path
+            self.optimizer = self.accelerator.prepare(self._make_optimizer(self.params))
+            self._compile()  # after LoRA (the compiled graph holds its layers), before DDP's wrapper
+            # False for a multi-expert model: optimize_epoch then averages the gradients across processes itself
+            self.ddp = self.adapter.wrap_transformer(self.accelerator.prepare)
+            self._load_weights(resumed)
+        elif self.sharding == "fsdp":
+            self._check_shardable()
+            self._compile()
+            self._prepare_sharded()
+            self._make_weight_copies()  # of the shards: no process holds a full copy
+            self._load_weights(resumed)  # every process keeps its shard of the checkpoint's full tensors
+        else:  # DeepSpeed keeps master copies of the weights inside its engine: they must start from the checkpoint
+            self._check_shardable()
+            self._compile()
+            self._load_weights(resumed, before_prepare=True)
+            self._prepare_sharded()
+            self._make_weight_copies()
+            self._load_copies()
+        # what each process holds of the trained weights (the checkpoint records it): all of them unless sharded
+        held = torch.tensor([sum(local(p).numel() for p in self.params)], device=self.accelerator.device)
+        self.held_per_process = self.accelerator.gather(held).tolist()
+
+    def _load_weights(self, resumed: dict, before_prepare: bool = False) -> None:
+        """The weights of ``model.resume_type``'s start, or of the checkpoint resumed, with the optimizer
+        state and the weight copies (unless ``before_prepare``: DeepSpeed's engine does not exist yet)."""
+        model = self.cfg.model
         if self.start_weights is not None:
             load_checkpoint(self.start_weights, self.adapter, model.finetune_type, components=model.target_components)
             logger.info("starting from the weights of %s (model.resume_type: %s)", self.start_weights,
                         model.resume_type)
-            for snapshot in self.snapshots.values():  # CRD's and DGPO's copies start from them too
-                snapshot.copy_from_params()
-        if self.resume_from is not None:
-            if not load_checkpoint(self.resume_from, self.adapter, model.finetune_type, self.optimizer,
-                                   model.target_components):
-                logger.warning("model.resume_path %s holds no optimizer state (saved with log.save_model_only); "
-                               "the optimizer restarts", self.resume_from)
-            self.epoch, self.global_step = resumed["epoch"], resumed["global_step"]
-            self.history, self.eval_history = resumed.get("history", []), resumed.get("eval_history", [])
-            if self.ema is not None and not load_ema(self.ema, self.resume_from):
-                logger.warning("model.resume_path %s holds no EMA state (ema.pt); the EMA restarts from the "
-                               "resumed weights", self.resume_from)
-            for name, snapshot in self.snapshots.items():
-                if not load_ema(snapshot, self.resume_from, f"{name}.pt"):
+            if not before_prepare:
+                for snapshot in self.snapshots.values():  # CRD's and DGPO's copies start from them too
                     snapshot.copy_from_params()
-                    logger.warning("model.resume_path %s holds no %s weights (%s.pt); they restart from the "
-                                   "resumed weights", self.resume_from, name, name)
-            logger.info("resuming from %s (%d epochs done)", self.resume_from, self.epoch)
+        if self.resume_from is None:
+            return
+        if before_prepare:
+            load_checkpoint(self.resume_from, self.adapter, model.finetune_type, None, model.target_components)
+            logger.warning("model.resume_path %s: DeepSpeed's optimizer state is not checkpointed yet; the "
+                           "optimizer restarts", self.resume_from)
+        elif not load_checkpoint(self.resume_from, self.adapter, model.finetune_type, self.optimizer,
+                                 model.target_components):
+            logger.warning("model.resume_path %s holds no optimizer state (saved with log.save_model_only); "
+                           "the optimizer restarts", self.resume_from)
+        self.epoch, self.global_step = resumed["epoch"], resumed["global_step"]
+        self.history, self.eval_history = resumed.get("history", []), resumed.get("eval_history", [])
+        if not before_prepare:
+            self._load_copies()
+        logger.info("resuming from %s (%d epochs done)", self.resume_from, self.epoch)
+
+    def _load_copies(self) -> None:
+        """The EMA and the algorithm's snapshots of the checkpoint resumed (CRD's start from the start weights)."""
+        if self.resume_from is None:
+            for snapshot in self.snapshots.values() if self.start_weights is not None else ():
+                snapshot.copy_from_params()
+            return
+        if self.ema is not None and not load_ema(self.ema, self.resume_from):
+            logger.warning("model.resume_path %s holds no EMA state (ema.pt); the EMA restarts from the "
+                           "resumed weights", self.resume_from)
+        for name, snapshot in self.snapshots.items():
+            if not load_ema(snapshot, self.resume_from, f"{name}.pt"):
+                snapshot.copy_from_params()
+                logger.warning("model.resume_path %s holds no %s weights (%s.pt); they restart from the "
+                               "resumed weights", self.resume_from, name, name)
+
+    def _make_optimizer(self, params: list) -> torch.optim.Optimizer:
+        train = self.cfg.train
+        return torch.optim.AdamW(params, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2),
+                                 weight_decay=train.adam_weight_decay, eps=train.adam_epsilon)
+
+    def _compile(self) -> None:
+        model = self.cfg.model
+        if model.torch_compile != "none":
+            chosen = self.adapter.compile_transformers(model.torch_compile, mode=model.compile_mode)
+            logger.info("torch.compile: %s", ", ".join(f"{k} {v}" for k, v in chosen.items()))
+
+    def _make_weight_copies(self) -> None:
+        """The EMA, the rollout's weights, the algorithm's snapshots and the policy with its reference."""
+        train, model = self.cfg.train, self.cfg.model
+        # EMA of the trained weights (train.ema_decay > 0), and for NFT / AWM the weights the
+        # rollout sampled with: the EMA itself when off_policy, else a copy taken at sampling time
+        ema_device = None if train.ema_device == "same" else train.ema_device
+        reshard = (lambda: reshard_all(self.trained.values())) if self.sharding == "fsdp" else None
+        copy = lambda device: WeightCopy(self.params, device, before_swap=reshard)  # noqa: E731
+        self.ema = copy(ema_device) if train.ema_decay > 0 else None
+        self.rollout_weights = (copy(ema_device) if self.algorithm.uses_sampling_policy and not train.off_policy
+                                else None)
+        # the algorithm's own named copies of the weights: moved after each epoch (CRD's old and sampling
+        # models) or after each optimizer step (DGPO's fast old-policy EMA, on ema_ref_device)
+        self.snapshot_decays = self.algorithm.weight_snapshots
+        self.step_snapshot_decays = self.algorithm.step_snapshots
+        self.snapshots = {name: copy(ema_device) for name in self.snapshot_decays}
+        ema_ref_device = None if train.ema_ref_device == "same" else train.ema_ref_device
+        self.snapshots.update({name: copy(ema_ref_device) for name in self.step_snapshot_decays})
+        # the reference is the starting weights: taken before any resume; of a sharded model, its shards
+        reference = None
+        if self.algorithm.needs_reference and model.finetune_type == "full" and self.sharding != "ddp":
+            reference = copy(None if train.ref_param_device == "same" else train.ref_param_device)
+        self.policy = AdapterPolicy(self.adapter, train.guidance_scale, model.finetune_type,
+                                    keep_reference=self.algorithm.needs_reference,
+                                    ref_param_device=train.ref_param_device, ema=self.ema,
+                                    sampling_weights=self.ema if train.off_policy else self.rollout_weights,
+                                    snapshots=self.snapshots, components=model.target_components,
+                                    reference=reference)
+
+    def _check_shardable(self) -> None:
+        if len(self.adapter.transformers) > 1:
+            raise ConfigError(f"config_file: {self.cfg.config_file} shards with {self.sharding}, which prepares one "
+                              f"network per run; {self.cfg.model.model_type} has {len(self.adapter.transformers)} "
+                              "experts: train it with DDP (no config_file, or multi_gpu)")
+        if (self.sharding == "deepspeed" and self.algorithm.needs_reference
+                and self.cfg.model.finetune_type == "full"):
+            raise ConfigError(f"config_file: {self.cfg.config_file}: the frozen reference of a full fine-tune "
+                              "(train.kl_beta > 0) is not kept under DeepSpeed yet; use fsdp2, which keeps it "
+                              "sharded, or train.kl_beta: 0")
+        if self.sharding == "deepspeed" and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            train = self.cfg.train
+            copies = [k for k, on in (("train.ema_decay", train.ema_decay > 0),
+                                      ("the rollout weights of nft / awm", self.algorithm.uses_sampling_policy),
+                                      ("crd's weight snapshots", bool(self.algorithm.weight_snapshots)))
+                      if on]
+            if copies:
+                raise ConfigError(f"config_file: DeepSpeed ZeRO-3 partitions the weights inside its engine, where "
+                                  f"ff-train cannot keep copies of them yet ({', '.join(copies)}); use fsdp2, "
+                                  "whose shards it copies, or zero2")
+
+    def _prepare_sharded(self) -> None:
+        """The trained transformer and its optimizer prepared together (``sharding.py``)."""
+        acc = self.accelerator
+        if self.sharding == "deepspeed":
+            fill_deepspeed_config(acc.state.deepspeed_plugin, self.cfg.train.per_device_batch_size,
+                                  self.cfg.gradient_accumulation, self.cfg.train.max_grad_norm, acc.num_processes)
+        prepared = {}
+
+        def wrap(transformer):
+            wrapped, prepared["optimizer"] = prepare_sharded(acc, self.sharding, transformer, self._make_optimizer)
+            return wrapped
+
+        self.ddp = self.adapter.wrap_transformer(wrap)
+        self.optimizer = prepared["optimizer"]
+        # FSDP2 replaced every parameter with its shard (a DTensor): what trains from here on
+        self.params = [p for module in self.trained.values() for p in module.parameters() if p.requires_grad]
 
     def _test_prompts(self, adapter_cls) -> list:
         """The test split when evaluation is on; a dataset without one trains without evaluation,
@@ -352,7 +447,8 @@ class Trainer:
             steps_per_call=train.steps_per_call, steps_before=self.global_step,
             step_snapshots={name: (self.snapshots[name], decay) for name, decay in self.step_snapshot_decays.items()})
         self.global_step += steps
-        if not all_finite(self.params):  # finite gradients, yet a step overflowed: stop before it spreads
+        finite = all_finite_everywhere(self.params) if self.sharding == "fsdp" else all_finite(self.params)
+        if not finite:  # finite gradients, yet a step overflowed: stop before it spreads
             raise NonFiniteError(f"epoch {epoch}: an optimizer step made trained weights NaN or inf (mean "
                                  f"gradient norm {metrics.get('train/grad_norm', float('nan')):.3g}); lower "
                                  "train.learning_rate. The last checkpoint is intact")
@@ -495,7 +591,9 @@ class Trainer:
                    if k.startswith("reward/") and k.endswith("/mean"))
 
     def save(self) -> Path | None:
-        """Checkpoint the weights after ``self.epoch`` epochs (atomic: see checkpoint.py)."""
+        """Checkpoint the weights after ``self.epoch`` epochs (atomic: see checkpoint.py). A sharded model's
+        full tensors are gathered first, by every process; the main process writes."""
+        gathered = self._gather_for_save() if self.sharding != "ddp" else None
         if not self.accelerator.is_main_process:
             return None
         out = checkpoint_dir(self.run_dir, self.epoch)
@@ -503,14 +601,33 @@ class Trainer:
             read_state(out)  # this epoch is already saved (an interrupt right after a save): keep it
         except CheckpointError:
             state = {"epoch": self.epoch, "global_step": self.global_step, "model_type": self.cfg.model.model_type,
-                     "history": self.history, "eval_history": self.eval_history}
-            extra = {EMA_FILE: self.ema.state_dict()} if self.ema is not None else {}
-            extra.update({f"{name}.pt": snapshot.state_dict() for name, snapshot in self.snapshots.items()})
-            optimizer = None if self.cfg.log.save_model_only else self.optimizer
+                     "history": self.history, "eval_history": self.eval_history,
+                     "sharding": {"backend": self.sharding, "processes": self.accelerator.num_processes,
+                                  "trained_values_per_process": self.held_per_process}}
+            if gathered is None:
+                weights = None
+                extra = {EMA_FILE: self.ema.state_dict()} if self.ema is not None else {}
+                extra.update({f"{name}.pt": snapshot.state_dict() for name, snapshot in self.snapshots.items()})
+                optimizer = None if self.cfg.log.save_model_only else self.optimizer
+            else:
+                weights, optimizer, extra = gathered
             save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, optimizer, state, extra,
-                            self.cfg.model.target_components)
+                            self.cfg.model.target_components, weights=weights)
         self._plot_rewards()
         return out
+
+    def _gather_for_save(self) -> tuple[dict, dict | None, dict]:
+        """The full weights, optimizer state and weight copies of a sharded model (FSDP, DeepSpeed): a
+        collective, on every process; the tensors land on the main process."""
+        (name, module), = self.trained.items()  # one trained network: _check_shardable
+        wrapped = self.adapter.denoiser if self.sharding == "deepspeed" else module
+        weights = {name: full_state_dict(wrapped, self.accelerator, self.sharding)}
+        optimizer = None
+        if not self.cfg.log.save_model_only and self.sharding == "fsdp":
+            optimizer = full_optimizer_state(module, getattr(self.optimizer, "optimizer", self.optimizer))
+        extra = {EMA_FILE: self.ema.state_dict()} if self.ema is not None else {}
+        extra.update({f"{n}.pt": snapshot.state_dict() for n, snapshot in self.snapshots.items()})
+        return weights, optimizer, extra
 
     def _plot_rewards(self) -> None:
         series: dict[str, list] = {}

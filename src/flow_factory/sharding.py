@@ -1,0 +1,178 @@
+"""What each accelerate backend needs from the trainer: DDP, FSDP2 or DeepSpeed ZeRO.
+
+DDP (and one process) keeps the trainer's original path: the optimizer and the transformer
+are prepared apart, every process holds every weight. FSDP2 and DeepSpeed take the
+transformer and its optimizer in one ``accelerator.prepare(model, optimizer)`` call, as
+accelerate requires for both (FSDP2 shards the parameters and re-points the optimizer at the
+shards; DeepSpeed builds its engine around both). DeepSpeed also needs the micro-batch size
+before that call, since no dataloader is prepared: ``fill_deepspeed_config``.
+
+accelerate never shards on CPU (an FSDP config runs as plain data parallel there), so on CPU
+an FSDP launch is sharded here with torch's own ``fully_shard``, unit by unit as accelerate
+would (each block of the ``*blocks`` lists, then the root): the same parameters end up as
+DTensor shards, and everything after (saving, resuming, EMA) runs the code a GPU run runs.
+
+After sharding, a parameter is a DTensor whose ``to_local()`` is this process's shard. The
+full tensors a checkpoint holds are gathered with ``torch.distributed.checkpoint``'s full
+state dicts (a collective: every process calls it, the main one writes), and a checkpoint
+is loaded back by handing the full tensors to every process, which keeps its own shard.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+def backend_of(accelerator) -> str:
+    """``ddp`` (one process too), ``fsdp`` or ``deepspeed``: what the launch config asked for."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        return "deepspeed"
+    if kind == DistributedType.FSDP or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        version = accelerator.state.fsdp_plugin.fsdp_version if kind == DistributedType.FSDP else int(
+            os.environ.get("FSDP_VERSION", "1"))
+        if version != 2:
+            from .config import ConfigError
+
+            raise ConfigError(f"config_file: FSDP version {version}; ff-train shards with FSDP2 only: set "
+                              "fsdp_version: 2 in fsdp_config, or use the shipped fsdp2 config")
+        return "fsdp"
+    return "ddp"
+
+
+def fill_deepspeed_config(plugin, micro_batch_size: int, accumulation: int, max_grad_norm: float,
+                          num_processes: int) -> None:
+    """The DeepSpeed config's batch keys from the run's epoch arithmetic, its clipping from
+    ``train.max_grad_norm``: DeepSpeed steps, accumulates and clips inside its engine."""
+    ds = plugin.deepspeed_config
+    ds["train_micro_batch_size_per_gpu"] = micro_batch_size
+    ds["gradient_accumulation_steps"] = accumulation
+    ds["gradient_clipping"] = max_grad_norm
+    ds["train_batch_size"] = micro_batch_size * accumulation * num_processes
+    plugin.gradient_accumulation_steps = accumulation
+
+
+def block_units(transformer: nn.Module) -> list[nn.Module]:
+    """The transformer blocks, each one FSDP unit: the children of its ``*blocks`` ModuleLists."""
+    return [block for name, child in transformer.named_children()
+            if isinstance(child, nn.ModuleList) and name.endswith("blocks") for block in child]
+
+
+def shard_on_cpu(transformer: nn.Module) -> nn.Module:
+    """torch's ``fully_shard`` over the processes' gloo group, as accelerate's FSDP2 plugin does on
+    GPUs: every block a unit, then the root; resharded after forward (full shard)."""
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true"
+    for block in block_units(transformer):
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(transformer, reshard_after_forward=reshard)
+    return transformer
+
+
+def prepare_sharded(accelerator, backend: str, transformer: nn.Module, make_optimizer):
+    """The transformer and its optimizer (``make_optimizer(params)``) prepared for ``backend`` in one call;
+    returns (what the forward calls, the optimizer)."""
+    from accelerate.utils import DistributedType
+
+    if backend == "fsdp" and accelerator.distributed_type != DistributedType.FSDP:  # CPU: accelerate will not
+        shard_on_cpu(transformer)
+        return transformer, make_optimizer(trainable(transformer))
+    return accelerator.prepare(transformer, make_optimizer(trainable(transformer)))
+
+
+def trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+# ------------------------------------------------------------------ shards and full tensors
+def is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a parameter: the shard of a DTensor, the tensor itself otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def gather_full(shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The full tensor of which ``shard`` is this process's part, sharded as parameter ``like`` (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(like, DTensor):
+        return shard
+    spread = DTensor.from_local(shard.to(like.device), like.device_mesh, like.placements, shape=like.shape,
+                                stride=like.stride())
+    return spread.full_tensor()
+
+
+def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``full``, sharded as parameter ``like`` (every process holds ``full``)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def full_state_dict(module: nn.Module, accelerator, backend: str) -> dict[str, torch.Tensor]:
+    """The module's full state dict on CPU, under its usual keys: on the main process; ``{}`` elsewhere.
+    A collective for a sharded module: every process calls it."""
+    if backend == "deepspeed":
+        state = accelerator.get_state_dict(module)  # gathers ZeRO-3's partitions; ZeRO-1/2 hold whole weights
+        return {k: v.cpu() for k, v in state.items()} if accelerator.is_main_process else {}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Full tensors (every process holds them) into a sharded module: each process keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def full_optimizer_state(module: nn.Module, optimizer) -> dict:
+    """The optimizer state of a sharded module, gathered (keyed by parameter name); on the main process."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                cpu_offload=True))
+
+
+def load_full_optimizer_state(module: nn.Module, optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def reshard_all(modules) -> None:
+    """Free the weights FSDP gathered (the root keeps its own after a forward), so the next forward
+    gathers the shards as they are now: after weights were swapped in place."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+
+
+def all_finite_everywhere(params: list) -> bool:
+    """Whether every process's shards of ``params`` are finite (the same answer on every process)."""
+    import torch.distributed as dist
+
+    shards = [local(p) for p in params]
+    ok = torch.tensor(float(all(bool(torch.isfinite(s).all()) for s in shards if s.numel())),
+                      device=shards[0].device if shards else None)
+    if dist.is_initialized() and any(s is not p for s, p in zip(shards, params)):
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok)

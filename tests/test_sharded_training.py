@@ -1,0 +1,155 @@
+"""FSDP2 training on CPU: ``ff-train`` with ``config_file: fsdp2`` over 2 gloo processes.
+
+accelerate never shards on CPU, so there the trainer shards with torch's own ``fully_shard``
+(``flow_factory/sharding.py``); everything after that (the optimizer over the shards, the
+gathered checkpoint, the EMA of the shards, resuming into shards) is the code a GPU run runs.
+The run's checkpoint records how many trained values each process held: sharded means each held
+part, and together all. A 2-machine launch is simulated over loopback too. DeepSpeed cannot run on CPU here (it is not installed, and its CPU
+backend needs Intel's extension); what it is handed is checked in ``test_launch_configs.py``."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers_runs import tiny_run_config, write_config
+from safetensors.torch import load_file
+from test_train_cli import EPOCHS, LINEAR_STEP, TESTS_DIR, TOLERANCE, _difference_over_movement, _free_port
+
+
+def _ff_train(folder, model_path, processes: int, config_file=None, model=None, machines: int = 1,
+              eval_freq: int = 0, **train) -> dict:
+    """``ff-train`` in its own processes, as the invariant-4 test runs it; returns the run's last trainer state.
+    ``machines`` > 1: one ``ff-train`` per machine rank, all on this machine over loopback."""
+    config = tiny_run_config(folder, "sd3-5", model_path, max_epochs=EPOCHS, group_size=4, ema_decay=0.5,
+                             **{**LINEAR_STEP, **train})
+    config["eval"]["eval_freq"] = eval_freq  # eval samples with its own seeds: the weights do not depend on it
+    config["rewards"] = [{"name": "brightness", "reward_model": "test_train_cli.MeanBrightness"}]
+    config["model"].update(model or {})
+    if config_file:
+        config["config_file"] = config_file
+    (folder / "tmp").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "TMPDIR": str(folder / "tmp"), "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR),
+                                                                                      os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "flow_factory.train", str(write_config(folder, config)),
+               "--num_processes", str(processes), "--main_process_port", str(_free_port())]
+    if machines > 1:  # each machine encodes the prompts into its own cache (data.preprocess_parallelism: local)
+        command += ["--num_machines", str(machines), "--main_process_ip", "127.0.0.1"]
+        runs = [subprocess.Popen(command + ["--machine_rank", str(rank), f"data.cache_dir={folder}/cache_{rank}"],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for rank in range(machines)]
+        results = [(run.communicate(timeout=300), run.returncode) for run in runs]
+    else:
+        result = subprocess.run(command, env=env, timeout=300, capture_output=True, text=True)
+        results = [((result.stdout, result.stderr), result.returncode)]
+    for (_, err), code in results:
+        assert code == 0, f"{processes} process(es): exit {code}\n{err[-4000:]}"
+    return json.loads((_checkpoint(folder, config["train"]["max_epochs"]) / "trainer_state.json").read_text())
+
+
+def _checkpoint(folder, epoch):
+    return folder / "saves" / "run" / "checkpoints" / f"epoch_{epoch}"
+
+
+def _lora(folder, epoch=EPOCHS) -> dict:
+    return load_file(_checkpoint(folder, epoch) / "pytorch_lora_weights.safetensors")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_sd3_path):
+    """The LoRA run on one process that the multi-process LoRA runs are compared with."""
+    folder = tmp_path_factory.mktemp("one_process")
+    _ff_train(folder, tiny_sd3_path, 1)
+    return folder
+
+
+def test_fsdp_on_two_processes_shards_saves_whole_and_resumes(tmp_path, tiny_sd3_path, one_process):
+    """DESIGN invariant 4 under FSDP2, and a consolidated, loadable, exactly resumable checkpoint."""
+    one = one_process
+    fsdp = tmp_path / "fsdp"
+    state = _ff_train(fsdp, tiny_sd3_path, 2, config_file="fsdp2", eval_freq=1)
+    evaluated = json.loads((fsdp / "saves" / "run" / "history.json").read_text())["eval"]
+    assert [e["epoch"] for e in evaluated] == list(range(EPOCHS + 1))  # eval samples through the shards too
+
+    # really sharded: each process held part of the trained values, the two together all of them
+    held = state["sharding"]
+    assert held["backend"] == "fsdp" and held["processes"] == 2
+    total = sum(v.numel() for v in _lora(fsdp).values())
+    assert sum(held["trained_values_per_process"]) == total
+    assert all(0 < n < total for n in held["trained_values_per_process"])
+
+    # the same update as one process (the tolerance derived in test_train_cli: a reduce-scatter adds
+    # the same two halves an all-reduce adds)
+    relative, moved = _difference_over_movement(_lora(one), _lora(fsdp))
+    assert moved > 1e-4, f"training did not move the LoRA (largest B entry {moved:.2e})"
+    assert relative <= TOLERANCE, f"1 process and FSDP on 2 differ by {relative:.2e} (allowed {TOLERANCE:.2e})"
+    # the EMA of the shards, gathered, is the EMA one process keeps
+    ema_one, ema_fsdp = (torch.load(_checkpoint(f, EPOCHS) / "ema.pt")["weights"] for f in (one, fsdp))
+    assert [w.shape for w in ema_one] == [w.shape for w in ema_fsdp]
+    assert max(float((a - b).abs().max()) for a, b in zip(ema_one, ema_fsdp)) <= TOLERANCE * moved
+
+    # the consolidated LoRA is a plain diffusers LoRA
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_path)
+    pipe.load_lora_weights(_checkpoint(fsdp, EPOCHS))
+    loaded = {"transformer." + re.sub(r"\.default(_\d+)?", "", n): p.detach()
+              for n, p in pipe.transformer.named_parameters() if "lora_" in n}
+    assert loaded.keys() == _lora(fsdp).keys()
+    assert all(torch.equal(loaded[k], v) for k, v in _lora(fsdp).items())
+
+    # stopped after epoch 1 and resumed on 2 processes: the same weights as the uninterrupted run
+    resumed = tmp_path / "resumed"
+    _ff_train(resumed, tiny_sd3_path, 2, config_file="fsdp2",
+              model={"resume_path": str(_checkpoint(fsdp, 1))})
+    for key, value in _lora(fsdp).items():
+        assert torch.allclose(_lora(resumed)[key], value, rtol=0, atol=1e-6), key
+
+
+def _transformer(folder, epoch=EPOCHS) -> dict:
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel.from_pretrained(_checkpoint(folder, epoch) / "transformer").state_dict()
+
+
+def test_fsdp_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path, tiny_sd3_path):
+    """Full fine-tuning with the KL to the starting weights: under FSDP the reference is a copy of each
+    process's shards, swapped in for the reference's forward. The second epoch's KL gradient depends on
+    it, so a reference that did not reach the forward would show as a different update."""
+    from diffusers import SD3Transformer2DModel
+
+    full = {"finetune_type": "full"}
+    # lr / eps = 0.1: full weights move a little. A KL this strong dominates the second epoch's update: a
+    # reference left out of the forward (the current weights instead) made the runs differ by ~1x the movement
+    step = {"learning_rate": 1e7, "kl_beta": 1000.0, "kl_type": "v-based"}
+    one = tmp_path / "p1"
+    _ff_train(one, tiny_sd3_path, 1, model=full, **step)
+    fsdp = tmp_path / "fsdp"
+    state = _ff_train(fsdp, tiny_sd3_path, 2, config_file="fsdp2", model=full, **step)
+    assert state["sharding"]["backend"] == "fsdp" and all(
+        0 < n < sum(state["sharding"]["trained_values_per_process"])
+        for n in state["sharding"]["trained_values_per_process"])
+
+    start = SD3Transformer2DModel.from_pretrained(tiny_sd3_path, subfolder="transformer").state_dict()
+    a, b = _transformer(one), _transformer(fsdp)  # the consolidated checkpoint loads with from_pretrained
+    assert a.keys() == b.keys() == start.keys()
+    moved = max(float((a[k] - start[k]).abs().max()) for k in a)
+    difference = max(float((b[k] - a[k]).abs().max()) for k in a)
+    assert moved > 1e-4, f"training did not move the weights ({moved:.2e})"
+    assert difference <= TOLERANCE * moved, f"FSDP differs by {difference / moved:.2e} of the movement"
+
+
+def test_two_machines_simulated_over_loopback_make_the_same_update_as_one_process(tmp_path, tiny_sd3_path,
+                                                                                 one_process):
+    """A 2-node launch with the shipped multi_node template, 2 machine ranks x 1 process on this machine:
+    both ranks joined one run (the checkpoint saw 2 processes) and the update is one process's."""
+    nodes = tmp_path / "nodes"
+    state = _ff_train(nodes, tiny_sd3_path, 2, config_file="multi_node", machines=2)
+    total = sum(v.numel() for v in _lora(nodes).values())
+    assert state["sharding"] == {"backend": "ddp", "processes": 2, "trained_values_per_process": [total, total]}
+    relative, moved = _difference_over_movement(_lora(one_process), _lora(nodes))
+    assert moved > 1e-4 and relative <= TOLERANCE, (relative, moved)
