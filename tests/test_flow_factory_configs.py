@@ -101,8 +101,9 @@ def test_the_awm_block():
 
 
 def test_a_key_flow_factory_has_and_we_do_not_says_why():
-    with pytest.raises(ConfigError, match="train.ema_ref_device: not taken here: Flow-Factory's fast old-policy EMA"):
-        parse_config(run(train={"ema_ref_device": "cpu"}))
+    with pytest.raises(ConfigError, match="model.component_load_dtypes: not taken here: the frozen networks take "
+                                          "mixed_precision's dtype"):
+        parse_config(run(model={"component_load_dtypes": {"vae": "float32"}}))
 
 
 def test_kontext_examples_condition_keys_load_with_their_meaning():
