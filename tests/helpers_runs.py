@@ -25,6 +25,7 @@ TINY_MODELS = {
 # conditioned models: (fixture, resolution, num_frames, guidance); their datasets name condition files
 CONDITIONED_MODELS = {
     "flux1-kontext": ("tiny_flux_kontext_path", 64, None, 2.5),
+    "wan2_i2v": ("tiny_wan22_i2v_path", 32, 5, 3.0),  # Wan2.2 I2V's two experts (Wan2.1's CLIP: test_conditioned)
 }
 # the condition images of the conditioned datasets: (width, height), as the files are, and an RGB colour
 CONDITION_IMAGES = {"red.png": ((83, 50), (200, 30, 30)), "green.png": ((83, 50), (30, 200, 30)),

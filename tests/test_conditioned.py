@@ -1,5 +1,5 @@
-"""Conditioned models (image editing; image- and video-to-video next): the condition reaches the model, the
-rewards and the grids, and the invariants hold as for text-to-image.
+"""Conditioned models (image editing, image-to-video): the condition reaches the model, the rewards and the grids,
+and the invariants hold as for text-to-image.
 
 Each adapter's ODE rollout equals its pipeline's output for the same prompts, conditions and noise (invariant
 2); the on-policy ratio is exactly 1 under every SDE (invariant 1); its LoRA reloads in diffusers; a reward sees
@@ -21,8 +21,9 @@ from flow_factory.config.train import TrainConfig
 from flow_factory.data import load_prompts, read_image
 from flow_factory.dynamics import make_dynamics
 from flow_factory.dynamics.ode import ODE
-from flow_factory.models import (ADAPTERS, FluxKontextAdapter, apply_lora, get_adapter_class, index_cond,
-                                 load_adapter, save_lora)
+from flow_factory.models import (ADAPTERS, FluxKontextAdapter, WanI2VAdapter, apply_lora, get_adapter_class,
+                                 index_cond, load_adapter, save_lora)
+from flow_factory.models.base import as_pil
 from flow_factory.rewards import RewardSet
 from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput, to_uint8_hwc
 from flow_factory.rollout import sample_trajectory
@@ -34,13 +35,15 @@ PROMPTS = ["make the sky red", "add a cat"]
 STEPS = 3
 SOURCE_SIZE = (83, 50)  # (width, height) of the condition files: not multiples of 16, so they are resized
 
-# model_type: (fixture, adapter class, (height, width, num_frames), condition size (height, width), guidance)
+# a checkpoint: (fixture, adapter class, (height, width, num_frames), condition size (height, width), guidance)
 CASES = {
     "flux1-kontext": ("tiny_flux_kontext_path", FluxKontextAdapter, (64, 64, None), (48, 80), 2.5),
+    "wan2_i2v": ("tiny_wan_i2v_path", WanI2VAdapter, (32, 32, 5), (48, 80), 3.0),  # Wan2.1: CLIP image states
+    "wan2.2-i2v-a14b": ("tiny_wan22_i2v_path", WanI2VAdapter, (32, 32, 5), (48, 80), 3.0),  # two experts
 }
 
 
-def _kontext_pipeline(adapter, prompts, conditions, noise, size, guidance, output_type):
+def _kontext_pipeline(adapter, prompts, conditions, noise, size, condition_size, guidance, output_type):
     """FluxKontextPipeline for the same noise. Its __call__ derives the size from max_area and snaps the
     condition to Kontext's preferred resolutions unless told: max_area of the size asked, _auto_resize off
     (the condition then keeps its own size, floored to multiples of 16: 83x50 -> 80x48)."""
@@ -54,7 +57,18 @@ def _kontext_pipeline(adapter, prompts, conditions, noise, size, guidance, outpu
     return out
 
 
-PIPELINES = {"flux1-kontext": _kontext_pipeline}
+def _wan_i2v_pipeline(adapter, prompts, conditions, noise, size, condition_size, guidance, output_type):
+    """WanImageToVideoPipeline for the same noise, a sample a call (it takes one image for its whole batch), given
+    each condition at condition_size: its CLIP encoder sees that, its VAE that resized to the video's size."""
+    height, width, frames = size
+    media = adapter.prepare_conditions(conditions, None, height, width, frames, condition_size)
+    return torch.cat([adapter.pipeline(
+        image=as_pil(media.images[i])[0], prompt=prompt, height=height, width=width, num_frames=frames,
+        num_inference_steps=STEPS, guidance_scale=guidance, latents=noise[i:i + 1], output_type=output_type).frames
+        for i, prompt in enumerate(prompts)])
+
+
+PIPELINES = {"flux1-kontext": _kontext_pipeline, "wan2_i2v": _wan_i2v_pipeline, "wan2.2-i2v-a14b": _wan_i2v_pipeline}
 
 
 def _sources(n: int, seed: int = 0) -> list[list[Image.Image]]:
@@ -64,10 +78,10 @@ def _sources(n: int, seed: int = 0) -> list[list[Image.Image]]:
             for _ in range(n)]
 
 
-def _load(request, model_type):
-    fixture, cls, size, condition_size, guidance = CASES[model_type]
-    adapter = load_adapter(model_type, request.getfixturevalue(fixture))
-    assert type(adapter) is cls and ADAPTERS[model_type] is cls
+def _load(request, case):
+    fixture, cls, size, condition_size, guidance = CASES[case]
+    adapter = load_adapter(cls.model_type, request.getfixturevalue(fixture))
+    assert type(adapter) is cls and ADAPTERS[cls.model_type] is cls
     return adapter, size, condition_size, guidance
 
 
@@ -78,30 +92,32 @@ def _conditioning(adapter, prompts, sources, size, condition_size, guidance):
     return {**adapter.encode(prompts, None, guidance), **adapter.encode_conditions(media, height, width, frames)}
 
 
-@pytest.mark.parametrize("model_type", list(CASES))
-def test_ode_rollout_reproduces_the_pipeline(request, model_type):
-    adapter, size, condition_size, guidance = _load(request, model_type)
+@pytest.mark.parametrize("case", list(CASES))
+def test_ode_rollout_reproduces_the_pipeline(request, case):
+    adapter, size, condition_size, guidance = _load(request, case)
     height, width, frames = size
     sources = _sources(len(PROMPTS))
     cond = _conditioning(adapter, PROMPTS, sources, size, condition_size, guidance)
     noise = adapter.initial_noise(len(PROMPTS), height, width, torch.Generator().manual_seed(0), num_frames=frames)
     traj = sample_trajectory(adapter, ODE(), cond, noise, adapter.sigmas(STEPS, height, width, frames), guidance)
 
-    expected = PIPELINES[model_type](adapter, PROMPTS, sources, noise.clone(), size, guidance, "latent")
+    expected = PIPELINES[case](adapter, PROMPTS, sources, noise.clone(), size, condition_size, guidance, "latent")
     assert traj.final.abs().max() > 0.1  # not zeros against zeros
     torch.testing.assert_close(traj.final, expected.float(), rtol=0, atol=1e-5)
-    images = PIPELINES[model_type](adapter, PROMPTS, sources, noise.clone(), size, guidance, "pt")
+    images = PIPELINES[case](adapter, PROMPTS, sources, noise.clone(), size, condition_size, guidance, "pt")
     torch.testing.assert_close(adapter.decode(traj.final), images.float(), rtol=0, atol=1e-4)
 
+    if len(adapter.transformers) > 1:  # each expert denoises some of the steps
+        assert set(adapter.experts_at(traj.sigmas[:-1])) == set(adapter.transformers)
     # the condition matters: another source image gives another result
     other = _conditioning(adapter, PROMPTS, _sources(len(PROMPTS), seed=1), size, condition_size, guidance)
     assert (sample_trajectory(adapter, ODE(), other, noise, traj.sigmas, guidance).final - traj.final).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("model_type", list(CASES))
-def test_conditions_are_resized_as_the_pipeline_resizes_them(request, model_type):
+@pytest.mark.parametrize("case", list(CASES))
+def test_conditions_are_resized_as_the_pipeline_resizes_them(request, case):
     """What the rewards and grids see: the condition at condition_size (default: the size generated), in [0, 1]."""
-    adapter, (height, width, frames), condition_size, _ = _load(request, model_type)
+    adapter, (height, width, frames), condition_size, _ = _load(request, case)
     sources = _sources(2)
     media = adapter.prepare_conditions(sources, None, height, width, frames, condition_size)
     assert [tuple(m.shape) for m in media.images] == [(1, 3, *condition_size)] * 2
@@ -112,9 +128,9 @@ def test_conditions_are_resized_as_the_pipeline_resizes_them(request, model_type
     assert tuple(default.images[0].shape[-2:]) == (height, width)
 
 
-@pytest.mark.parametrize("model_type", list(CASES))
-def test_velocity_is_per_sample(request, model_type):
-    adapter, size, condition_size, guidance = _load(request, model_type)
+@pytest.mark.parametrize("case", list(CASES))
+def test_velocity_is_per_sample(request, case):
+    adapter, size, condition_size, guidance = _load(request, case)
     height, width, frames = size
     cond = _conditioning(adapter, PROMPTS, _sources(2), size, condition_size, guidance)
     x = adapter.initial_noise(2, height, width, torch.Generator().manual_seed(2), num_frames=frames)
@@ -124,6 +140,19 @@ def test_velocity_is_per_sample(request, model_type):
         singles = [adapter.velocity(x[i:i + 1], sigma[i], index_cond(cond, [i]), guidance) for i in range(2)]
     assert batched.shape == x.shape and batched.dtype == torch.float32
     torch.testing.assert_close(batched, torch.cat(singles), rtol=0, atol=1e-5)
+    if "image_embeds" in cond:  # Wan2.1's CLIP states reach the transformer (512 text tokens, the rest image)
+        blind = {**cond, "image_embeds": torch.zeros_like(cond["image_embeds"])}
+        with torch.no_grad():
+            assert (adapter.velocity(x, sigma, blind, guidance) - batched).abs().max() > 1e-3
+
+
+def test_wan2_i2v_names_what_it_cannot_load():
+    """Wan2.2 TI2V-5B's image-to-video replaces the first latent frame (expand_timesteps): refused by name."""
+    index = {"transformer": ["diffusers", "WanTransformer3DModel"], "expand_timesteps": True}
+    assert "expand_timesteps, Wan2.2 TI2V-5B" in WanI2VAdapter.unsupported(index)
+    assert WanI2VAdapter.unsupported({**index, "expand_timesteps": False}) is None
+    assert "wan2_i2v: this checkpoint sets boundary_ratio" in WanI2VAdapter.unsupported(
+        {**index, "expand_timesteps": False, "boundary_ratio": 0.9})
 
 
 def _perturb_lora(transformer, scale, which="lora_B", seed=0):
@@ -136,9 +165,9 @@ def _perturb_lora(transformer, scale, which="lora_B", seed=0):
 
 
 @pytest.mark.parametrize("dynamics_name", ["Flow-SDE", "Dance-SDE", "CPS"])
-@pytest.mark.parametrize("model_type", list(CASES))
-def test_on_policy_ratio_is_one(request, model_type, dynamics_name):
-    adapter, size, condition_size, guidance = _load(request, model_type)
+@pytest.mark.parametrize("case", list(CASES))
+def test_on_policy_ratio_is_one(request, case, dynamics_name):
+    adapter, size, condition_size, guidance = _load(request, case)
     height, width, frames = size
     apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
     _perturb_lora(adapter.transformer, 0.05)
@@ -156,16 +185,16 @@ def test_on_policy_ratio_is_one(request, model_type, dynamics_name):
             (step, metrics)
 
 
-@pytest.mark.parametrize("model_type", list(CASES))
-def test_lora_reloads_in_diffusers_and_changes_the_output(request, model_type, tmp_path):
-    adapter, size, condition_size, guidance = _load(request, model_type)
+@pytest.mark.parametrize("case", list(CASES))
+def test_lora_reloads_in_diffusers_and_changes_the_output(request, case, tmp_path):
+    adapter, size, condition_size, guidance = _load(request, case)
     height, width, frames = size
     cond = _conditioning(adapter, PROMPTS[:1], _sources(1), size, condition_size, guidance)
     x = adapter.initial_noise(1, height, width, torch.Generator().manual_seed(0), num_frames=frames)
 
     def v(a):
         with torch.no_grad():
-            return a.velocity(x, torch.tensor(0.6), cond, guidance)
+            return a.velocity(x, torch.tensor(0.95), cond, guidance)  # Wan2.2: the expert the LoRA is on
 
     base = v(adapter)
     apply_lora(adapter.transformer, rank=4, alpha=2.0, target_modules="default",
@@ -174,7 +203,7 @@ def test_lora_reloads_in_diffusers_and_changes_the_output(request, model_type, t
     tuned = v(adapter)
     assert (tuned - base).abs().max() > 1e-3
     save_lora(adapter.pipeline_class, adapter.transformer, tmp_path / "lora")
-    fresh = adapter.pipeline_class.from_pretrained(request.getfixturevalue(CASES[model_type][0]))
+    fresh = adapter.pipeline_class.from_pretrained(request.getfixturevalue(CASES[case][0]))
     fresh.load_lora_weights(tmp_path / "lora")  # plain diffusers
     torch.testing.assert_close(v(type(adapter)(fresh)), tuned, rtol=0, atol=1e-6)
 
@@ -195,13 +224,13 @@ class TensorRecorder(Recorder):
     calls: list = []
 
 
-@pytest.mark.parametrize("model_type", list(CASES))
-def test_rewards_see_each_samples_condition_in_both_forms(request, model_type, tmp_path):
+@pytest.mark.parametrize("case", list(CASES))
+def test_rewards_see_each_samples_condition_in_both_forms(request, case, tmp_path):
     """Groups of 2 in batches of 3 (a group straddles two batches); each sample's reward gets its own row's
     condition, resized as the model saw it, and its metadata; only rewards that ask for them get them."""
     from helpers_runs import write_conditioned_dataset
 
-    adapter, (height, width, frames), condition_size, guidance = _load(request, model_type)
+    adapter, (height, width, frames), condition_size, guidance = _load(request, case)
     items = load_prompts(write_conditioned_dataset(tmp_path / "data"), "train")[:3]
     items = [it for it in items for _ in range(2)]  # 3 groups of 2
     rewards = RewardSet({"pil": Recorder(batch_size=4), "tensor": TensorRecorder(batch_size=4)},
@@ -236,14 +265,14 @@ def test_rewards_see_each_samples_condition_in_both_forms(request, model_type, t
 
 def _pipeline_latents(model_type, path, lora_dir, source):
     """The pipeline's own output (``PIPELINES``), with the LoRA loaded by its ``load_lora_weights``."""
-    _, _, size, _, guidance = CASES[model_type]
+    _, _, size, condition_size, guidance = CASES[model_type]
     cls = get_adapter_class(model_type)
     pipe = cls.pipeline_class.from_pretrained(path)
     if lora_dir is not None:
         pipe.load_lora_weights(lora_dir)
     adapter = cls(pipe)
     noise = adapter.initial_noise(1, size[0], size[1], torch.Generator().manual_seed(0), num_frames=size[2])
-    return PIPELINES[model_type](adapter, ["make it red"], [[source]], noise, size, guidance, "latent")
+    return PIPELINES[model_type](adapter, ["make it red"], [[source]], noise, size, condition_size, guidance, "latent")
 
 
 @pytest.mark.parametrize("trainer_type", ["grpo", "nft"])
@@ -261,7 +290,7 @@ def test_ff_train_runs_from_a_conditioned_dataset(request, tmp_path, model_type,
     run_dir = tmp_path / "saves" / "run"
     history = json.loads((run_dir / "history.json").read_text())
     assert [r["epoch"] for r in history["train"]] == [0, 1] and "reward/jpeg/mean" in history["train"][-1]
-    grid = Image.open(run_dir / "samples" / "eval_epoch_0000.png")
+    grid = Image.open(next((run_dir / "samples").glob("eval_epoch_0000.*")))  # a GIF for videos
     assert grid.width == 2 * 2 * 256  # 2 test prompts, each beside its condition image
     lora_dir = run_dir / "checkpoints" / "epoch_2"
     source = Image.open(tmp_path / "data" / "images" / next(iter(CONDITION_IMAGES))).convert("RGB")

@@ -233,7 +233,8 @@ class Config(Section):
                        ("eval", self.eval)) for key in ("condition_image_size", "auto_resize")
                        if getattr(section, key) is not None]
         if conditioned and not family.conditions:
-            return [f"{path}: {name} generates from text alone; the key is for conditioned models (flux1-kontext); "
+            return [f"{path}: {name} generates from text alone; the key is for conditioned models (flux1-kontext, "
+                    "wan2_i2v); "
                     "remove it" for path, _ in conditioned]
         sizes += [(path, value) for path, value in conditioned if path.endswith("condition_image_size")]
         found = (size_problem(key, value, family.pixel_factor, name, family.why)
