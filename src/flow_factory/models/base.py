@@ -405,6 +405,11 @@ class FlowAdapter:
         states) for samples of that size, merged into the text conditioning; computed once per sample."""
         raise NotImplementedError(f"{self.model_type} takes no condition images or videos")
 
+    def start_latents(self, noise: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
+        """The state a rollout starts from at ``sigma`` (its first sigma): the noise, or for a model that starts
+        from its condition (video-to-video) the condition's latents noised to that level."""
+        return noise
+
     # --- shared -----------------------------------------------------------------
     def cfg_inputs(self, cond: Conditioning, guidance_scale: float, x: Tensor, t: Tensor,
                    keys: tuple[str, ...]) -> tuple[bool, Tensor, Tensor, list[Tensor]]:

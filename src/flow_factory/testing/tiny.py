@@ -20,7 +20,8 @@ expert takes 2) and TI2V-5B (``wan2.2-ti2v-5b``: one timestep per token, the Wan
 with 48 latent channels, x16, so sizes in multiples of 32: 5 frames at 32x32 -> 48x2x2x2).
 Wan image-to-video (``wan2_i2v``): Wan2.1's layout with a CLIP image encoder (32x32 input) and
 Wan2.2 I2V A14B's (``wan2.2-i2v-a14b``: two experts, boundary_ratio 0.9, no image encoder; with
-shift 5 and 3 steps the first expert takes 1), latents as text-to-video's.
+shift 5 and 3 steps the first expert takes 1), latents as text-to-video's. Wan video-to-video
+(``wan2_v2v``): text-to-video's Wan2.1 components in ``WanVideoToVideoPipeline``.
 FLUX.2's latents are 2x2-patchified 32-channel ones (64x64 -> 128x4x4); ``flux2-klein`` is a
 step-distilled Klein, ``flux2-klein-base`` the same weights as a base checkpoint
 (``is_distilled`` false: classifier-free guidance). HunyuanVideo-1.5 (``hunyuanvideo15``): VAE x16 and x4
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 
 TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15",
-                    "ltx2_t2av", "flux1-kontext", "wan2_i2v")
+                    "ltx2_t2av", "flux1-kontext", "wan2_i2v", "wan2_v2v")
 # other tiny checkpoints, and the model_type that loads each
 TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v", "flux2-klein-base": "flux2-klein",
                  "wan2.2-i2v-a14b": "wan2_i2v"}
@@ -249,6 +250,15 @@ def _build_wan_i2v(variant: str = "wan2.1"):
         return WanImageToVideoPipeline(**parts)
     parts["transformer"], parts["transformer_2"] = _wan_transformer(16, 36), _wan_transformer(16, 36)
     return WanImageToVideoPipeline(**parts, image_encoder=None, image_processor=None, boundary_ratio=0.9)
+
+
+def _build_wan_v2v():
+    """WanVideoToVideoPipeline: text-to-video's Wan2.1 components (it takes no image encoder nor second expert)."""
+    from diffusers import WanVideoToVideoPipeline
+
+    parts = _build_wan().components
+    return WanVideoToVideoPipeline(**{k: parts[k] for k in ("tokenizer", "text_encoder", "transformer", "vae",
+                                                            "scheduler")})
 
 
 def _build_qwen_image():
@@ -529,7 +539,7 @@ _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, 
              "flux2-klein-base": lambda: _build_flux2_klein(is_distilled=False),
              "wan2.2-a14b": lambda: _build_wan("wan2.2-a14b"), "wan2.2-ti2v-5b": lambda: _build_wan("wan2.2-ti2v-5b"),
              "flux1-kontext": lambda: _build_flux("FluxKontextPipeline"),
-             "wan2_i2v": _build_wan_i2v, "wan2.2-i2v-a14b": lambda: _build_wan_i2v("wan2.2")}
+             "wan2_i2v": _build_wan_i2v, "wan2_v2v": _build_wan_v2v, "wan2.2-i2v-a14b": lambda: _build_wan_i2v("wan2.2")}
 
 
 def tiny_pipeline(model_type: str):
