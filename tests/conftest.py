@@ -100,3 +100,23 @@ def tiny_flux_kontext_path(tmp_path_factory):
     """Folder of a tiny FluxKontextPipeline (model_type "flux1-kontext"); 64x64 images, condition images of any
     size in multiples of 16."""
     return _build(tmp_path_factory, "flux1-kontext")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_i2v_path(tmp_path_factory):
+    """Folder of a tiny Wan2.1 WanImageToVideoPipeline (model_type "wan2_i2v", CLIP image encoder); 5 frames at
+    32x32, one condition image per video."""
+    return _build(tmp_path_factory, "wan2_i2v")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan22_i2v_path(tmp_path_factory):
+    """Folder of a tiny Wan2.2 I2V A14B-layout WanImageToVideoPipeline (model_type "wan2_i2v"): two experts,
+    boundary_ratio 0.9, no image encoder."""
+    return _build(tmp_path_factory, "wan2.2-i2v-a14b")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_v2v_path(tmp_path_factory):
+    """Folder of a tiny WanVideoToVideoPipeline (model_type "wan2_v2v"); 5 frames at 32x32 from a condition video."""
+    return _build(tmp_path_factory, "wan2_v2v")

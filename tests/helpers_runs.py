@@ -25,6 +25,8 @@ TINY_MODELS = {
 # conditioned models: (fixture, resolution, num_frames, guidance); their datasets name condition files
 CONDITIONED_MODELS = {
     "flux1-kontext": ("tiny_flux_kontext_path", 64, None, 2.5),
+    "wan2_i2v": ("tiny_wan22_i2v_path", 32, 5, 3.0),  # Wan2.2 I2V's two experts (Wan2.1's CLIP: test_conditioned)
+    "wan2_v2v": ("tiny_wan_v2v_path", 32, 5, 3.0),  # condition videos (GIF)
 }
 # the condition images of the conditioned datasets: (width, height), as the files are, and an RGB colour
 CONDITION_IMAGES = {"red.png": ((83, 50), (200, 30, 30)), "green.png": ((83, 50), (30, 200, 30)),
@@ -42,15 +44,31 @@ def write_condition_image(path: Path, size: tuple[int, int], colour: tuple[int, 
     return path
 
 
-def write_conditioned_dataset(folder: Path) -> Path:
-    """train.jsonl / test.jsonl whose rows each name a condition image under images/, and a metadata key."""
+def write_condition_video(path: Path, size: tuple[int, int], colour: tuple[int, int, int], seed: int = 0,
+                          frames: int = 6) -> Path:
+    """An animated GIF of ``frames`` frames (``write_condition_image``'s, seeds ``seed``, ``seed + 10``, ...)."""
+    from PIL import Image
+
+    stills = [Image.open(write_condition_image(path.with_suffix(f".{k}.png"), size, colour, seed + 10 * k))
+              for k in range(frames)]
+    stills[0].save(path, save_all=True, append_images=stills[1:], duration=100, loop=0)
+    for k in range(frames):
+        path.with_suffix(f".{k}.png").unlink()
+    return path
+
+
+def write_conditioned_dataset(folder: Path, videos: bool = False) -> Path:
+    """train.jsonl / test.jsonl whose rows each name a condition image under images/ (or a GIF video under
+    videos/), and a metadata key."""
     import json
 
-    names = list(CONDITION_IMAGES)
-    for i, (name, (size, colour)) in enumerate(CONDITION_IMAGES.items()):
-        write_condition_image(folder / "images" / name, size, colour, seed=i)
+    key, kind = ("video", "videos") if videos else ("image", "images")
+    names = [name.replace(".png", ".gif") if videos else name for name in CONDITION_IMAGES]
+    for i, (name, (size, colour)) in enumerate(zip(names, CONDITION_IMAGES.values())):
+        write = write_condition_video if videos else write_condition_image
+        write(folder / kind / name, size, colour, seed=i)
     for split, prompts in (("train", TRAIN_PROMPTS), ("test", TEST_PROMPTS)):
-        rows = [{"prompt": f"make it {p}", "image": names[i % len(names)], "row": i} for i, p in enumerate(prompts)]
+        rows = [{"prompt": f"make it {p}", key: names[i % len(names)], "row": i} for i, p in enumerate(prompts)]
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
 
@@ -65,7 +83,12 @@ def write_dataset(folder: Path) -> Path:
 def tiny_run_config(tmp: Path, model_type: str, model_path, **train) -> dict:
     """A tiny run of ``model_type`` (``TINY_MODELS`` or ``CONDITIONED_MODELS``, with its condition dataset)."""
     _, resolution, frames, guidance = {**TINY_MODELS, **CONDITIONED_MODELS}[model_type]
-    write = write_conditioned_dataset if model_type in CONDITIONED_MODELS else write_dataset
+    from flow_factory.config.sections import MODEL_FAMILIES
+
+    videos = "videos" in MODEL_FAMILIES[model_type].conditions
+
+    def write(folder):
+        return write_conditioned_dataset(folder, videos) if model_type in CONDITIONED_MODELS else write_dataset(folder)
     return {
         "seed": 7,
         "data": {"dataset_dir": str(write(tmp / "data")), "cache_dir": str(tmp / "prompt_cache")},

@@ -1,5 +1,5 @@
-"""Conditioned models (image editing; image- and video-to-video next): the condition reaches the model, the
-rewards and the grids, and the invariants hold as for text-to-image.
+"""Conditioned models (image editing, image-to-video): the condition reaches the model, the rewards and the grids,
+and the invariants hold as for text-to-image.
 
 Each adapter's ODE rollout equals its pipeline's output for the same prompts, conditions and noise (invariant
 2); the on-policy ratio is exactly 1 under every SDE (invariant 1); its LoRA reloads in diffusers; a reward sees
@@ -18,11 +18,13 @@ from PIL import Image
 from flow_factory.algorithms import make_algorithm
 from flow_factory.algorithms.base import TrainBatch
 from flow_factory.config.train import TrainConfig
-from flow_factory.data import load_prompts, read_image
+from flow_factory.data import load_prompts, read_image, read_video
+from flow_factory.data.media import check_video
 from flow_factory.dynamics import make_dynamics
 from flow_factory.dynamics.ode import ODE
-from flow_factory.models import (ADAPTERS, FluxKontextAdapter, apply_lora, get_adapter_class, index_cond,
-                                 load_adapter, save_lora)
+from flow_factory.models import (ADAPTERS, FluxKontextAdapter, WanI2VAdapter, WanT2VAdapter, WanV2VAdapter, apply_lora,
+                                 get_adapter_class, index_cond, load_adapter, save_lora)
+from flow_factory.models.base import as_pil
 from flow_factory.rewards import RewardSet
 from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput, to_uint8_hwc
 from flow_factory.rollout import sample_trajectory
@@ -33,14 +35,18 @@ from flow_factory.trainer.policy import AdapterPolicy
 PROMPTS = ["make the sky red", "add a cat"]
 STEPS = 3
 SOURCE_SIZE = (83, 50)  # (width, height) of the condition files: not multiples of 16, so they are resized
+SOURCE_FRAMES = 6  # of a condition video: more than the 5 generated, so it is cut
 
-# model_type: (fixture, adapter class, (height, width, num_frames), condition size (height, width), guidance)
+# a checkpoint: (fixture, adapter class, (height, width, num_frames), condition size (height, width), guidance)
 CASES = {
     "flux1-kontext": ("tiny_flux_kontext_path", FluxKontextAdapter, (64, 64, None), (48, 80), 2.5),
+    "wan2_i2v": ("tiny_wan_i2v_path", WanI2VAdapter, (32, 32, 5), (48, 80), 3.0),  # Wan2.1: CLIP image states
+    "wan2.2-i2v-a14b": ("tiny_wan22_i2v_path", WanI2VAdapter, (32, 32, 5), (48, 80), 3.0),  # two experts
+    "wan2_v2v": ("tiny_wan_v2v_path", WanV2VAdapter, (32, 32, 5), None, 3.0),  # starts from the condition video
 }
 
 
-def _kontext_pipeline(adapter, prompts, conditions, noise, size, guidance, output_type):
+def _kontext_pipeline(adapter, prompts, conditions, noise, size, condition_size, guidance, output_type):
     """FluxKontextPipeline for the same noise. Its __call__ derives the size from max_area and snaps the
     condition to Kontext's preferred resolutions unless told: max_area of the size asked, _auto_resize off
     (the condition then keeps its own size, floored to multiples of 16: 83x50 -> 80x48)."""
@@ -54,69 +60,115 @@ def _kontext_pipeline(adapter, prompts, conditions, noise, size, guidance, outpu
     return out
 
 
-PIPELINES = {"flux1-kontext": _kontext_pipeline}
+def _wan_i2v_pipeline(adapter, prompts, conditions, noise, size, condition_size, guidance, output_type):
+    """WanImageToVideoPipeline for the same noise, a sample a call (it takes one image for its whole batch), given
+    each condition at condition_size: its CLIP encoder sees that, its VAE that resized to the video's size."""
+    height, width, frames = size
+    media = adapter.prepare_conditions(conditions, None, height, width, frames, condition_size)
+    return torch.cat([adapter.pipeline(
+        image=as_pil(media.images[i])[0], prompt=prompt, height=height, width=width, num_frames=frames,
+        num_inference_steps=STEPS, guidance_scale=guidance, latents=noise[i:i + 1], output_type=output_type).frames
+        for i, prompt in enumerate(prompts)])
 
 
-def _sources(n: int, seed: int = 0) -> list[list[Image.Image]]:
-    """One random condition image per sample, as a row's file would be read."""
+def _wan_v2v_pipeline(adapter, prompts, conditions, noise, size, condition_size, guidance, output_type):
+    """WanVideoToVideoPipeline: it draws its noise itself, from the generator the noise was drawn with (seed 0),
+    and noises the condition's latents to its first step; given each condition video as the adapter prepared it."""
+    height, width, frames = size
+    assert torch.equal(noise, torch.randn(noise.shape, generator=torch.Generator().manual_seed(0)))
+    media = adapter.prepare_conditions(None, conditions, height, width, frames, condition_size)
+    return adapter.pipeline(
+        video=[as_pil(video[0]) for video in media.videos], prompt=list(prompts), height=height, width=width,
+        num_inference_steps=STEPS, guidance_scale=guidance, strength=adapter.strength,
+        generator=torch.Generator().manual_seed(0), output_type=output_type).frames
+
+
+PIPELINES = {"flux1-kontext": _kontext_pipeline, "wan2_i2v": _wan_i2v_pipeline, "wan2.2-i2v-a14b": _wan_i2v_pipeline,
+             "wan2_v2v": _wan_v2v_pipeline}
+
+
+def _sources(n: int, seed: int = 0, frames: int | None = None) -> list[list]:
+    """One random condition image (or video of ``frames`` frames) per sample, as a row's file would be read."""
     rng = np.random.default_rng(seed)
-    return [[Image.fromarray(rng.integers(0, 256, (SOURCE_SIZE[1], SOURCE_SIZE[0], 3), dtype=np.uint8))]
-            for _ in range(n)]
+
+    def image():
+        return Image.fromarray(rng.integers(0, 256, (SOURCE_SIZE[1], SOURCE_SIZE[0], 3), dtype=np.uint8))
+    return [[image() if frames is None else [image() for _ in range(frames)]] for _ in range(n)]
 
 
-def _load(request, model_type):
-    fixture, cls, size, condition_size, guidance = CASES[model_type]
-    adapter = load_adapter(model_type, request.getfixturevalue(fixture))
-    assert type(adapter) is cls and ADAPTERS[model_type] is cls
+def _given(adapter, n: int, seed: int = 0) -> list[list]:
+    """``_sources`` of the kind the adapter takes."""
+    return _sources(n, seed, SOURCE_FRAMES if "videos" in adapter.condition_inputs else None)
+
+
+def _prepare(adapter, sources, height, width, frames, condition_size):
+    videos = "videos" in adapter.condition_inputs
+    return adapter.prepare_conditions(None if videos else sources, sources if videos else None, height, width,
+                                      frames, condition_size)
+
+
+def _load(request, case):
+    fixture, cls, size, condition_size, guidance = CASES[case]
+    adapter = load_adapter(cls.model_type, request.getfixturevalue(fixture))
+    assert type(adapter) is cls and ADAPTERS[cls.model_type] is cls
     return adapter, size, condition_size, guidance
 
 
 def _conditioning(adapter, prompts, sources, size, condition_size, guidance):
     """The text conditioning with the conditions' own, as the sampler merges them."""
     height, width, frames = size
-    media = adapter.prepare_conditions(sources, None, height, width, frames, condition_size)
+    media = _prepare(adapter, sources, height, width, frames, condition_size)
     return {**adapter.encode(prompts, None, guidance), **adapter.encode_conditions(media, height, width, frames)}
 
 
-@pytest.mark.parametrize("model_type", list(CASES))
-def test_ode_rollout_reproduces_the_pipeline(request, model_type):
-    adapter, size, condition_size, guidance = _load(request, model_type)
+@pytest.mark.parametrize("case", list(CASES))
+def test_ode_rollout_reproduces_the_pipeline(request, case):
+    adapter, size, condition_size, guidance = _load(request, case)
     height, width, frames = size
-    sources = _sources(len(PROMPTS))
+    sources = _given(adapter, len(PROMPTS))
     cond = _conditioning(adapter, PROMPTS, sources, size, condition_size, guidance)
     noise = adapter.initial_noise(len(PROMPTS), height, width, torch.Generator().manual_seed(0), num_frames=frames)
-    traj = sample_trajectory(adapter, ODE(), cond, noise, adapter.sigmas(STEPS, height, width, frames), guidance)
+    sigmas = adapter.sigmas(STEPS, height, width, frames)
+    traj = sample_trajectory(adapter, ODE(), cond, adapter.start_latents(noise, sigmas[0], cond), sigmas, guidance)
 
-    expected = PIPELINES[model_type](adapter, PROMPTS, sources, noise.clone(), size, guidance, "latent")
+    expected = PIPELINES[case](adapter, PROMPTS, sources, noise.clone(), size, condition_size, guidance, "latent")
     assert traj.final.abs().max() > 0.1  # not zeros against zeros
     torch.testing.assert_close(traj.final, expected.float(), rtol=0, atol=1e-5)
-    images = PIPELINES[model_type](adapter, PROMPTS, sources, noise.clone(), size, guidance, "pt")
+    images = PIPELINES[case](adapter, PROMPTS, sources, noise.clone(), size, condition_size, guidance, "pt")
     torch.testing.assert_close(adapter.decode(traj.final), images.float(), rtol=0, atol=1e-4)
 
+    if len(adapter.transformers) > 1:  # each expert denoises some of the steps
+        assert set(adapter.experts_at(traj.sigmas[:-1])) == set(adapter.transformers)
     # the condition matters: another source image gives another result
-    other = _conditioning(adapter, PROMPTS, _sources(len(PROMPTS), seed=1), size, condition_size, guidance)
-    assert (sample_trajectory(adapter, ODE(), other, noise, traj.sigmas, guidance).final - traj.final).abs().max() > 1e-3
+    other = _conditioning(adapter, PROMPTS, _given(adapter, len(PROMPTS), seed=1), size, condition_size, guidance)
+    start = adapter.start_latents(noise, sigmas[0], other)
+    assert (sample_trajectory(adapter, ODE(), other, start, sigmas, guidance).final - traj.final).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("model_type", list(CASES))
-def test_conditions_are_resized_as_the_pipeline_resizes_them(request, model_type):
+@pytest.mark.parametrize("case", list(CASES))
+def test_conditions_are_resized_as_the_pipeline_resizes_them(request, case):
     """What the rewards and grids see: the condition at condition_size (default: the size generated), in [0, 1]."""
-    adapter, (height, width, frames), condition_size, _ = _load(request, model_type)
-    sources = _sources(2)
-    media = adapter.prepare_conditions(sources, None, height, width, frames, condition_size)
-    assert [tuple(m.shape) for m in media.images] == [(1, 3, *condition_size)] * 2
-    assert all(0 <= m.min() and m.max() <= 1 for m in media.images)
-    resized = sources[1][0].resize(condition_size[::-1], Image.LANCZOS)
-    assert np.array_equal(to_uint8_hwc(media.images[1][0]), np.asarray(resized))
-    default = adapter.prepare_conditions(sources, None, height, width, frames, None)
-    assert tuple(default.images[0].shape[-2:]) == (height, width)
+    adapter, (height, width, frames), condition_size, _ = _load(request, case)
+    sources, size = _given(adapter, 2), condition_size or (height, width)
+    media = _prepare(adapter, sources, height, width, frames, condition_size)
+    if media.videos is not None:  # (k, F, 3, H, W): a video, cut to the frames generated
+        assert [tuple(m.shape) for m in media.videos] == [(1, frames, 3, *size)] * 2
+        shown, first = media.videos[1][0], sources[1][0][0]
+    else:
+        assert [tuple(m.shape) for m in media.images] == [(1, 3, *size)] * 2
+        shown, first = media.images[1], sources[1][0]
+    assert 0 <= shown.min() and shown.max() <= 1
+    resized = first.resize(size[::-1], Image.LANCZOS)
+    assert np.array_equal(to_uint8_hwc(shown[0]), np.asarray(resized))
+    default = _prepare(adapter, sources, height, width, frames, None)
+    assert tuple(default.per_sample()[0][0].shape[-2:]) == (height, width)
 
 
-@pytest.mark.parametrize("model_type", list(CASES))
-def test_velocity_is_per_sample(request, model_type):
-    adapter, size, condition_size, guidance = _load(request, model_type)
+@pytest.mark.parametrize("case", list(CASES))
+def test_velocity_is_per_sample(request, case):
+    adapter, size, condition_size, guidance = _load(request, case)
     height, width, frames = size
-    cond = _conditioning(adapter, PROMPTS, _sources(2), size, condition_size, guidance)
+    cond = _conditioning(adapter, PROMPTS, _given(adapter, 2), size, condition_size, guidance)
     x = adapter.initial_noise(2, height, width, torch.Generator().manual_seed(2), num_frames=frames)
     sigma = torch.tensor([0.9, 0.4])
     with torch.no_grad():
@@ -124,6 +176,40 @@ def test_velocity_is_per_sample(request, model_type):
         singles = [adapter.velocity(x[i:i + 1], sigma[i], index_cond(cond, [i]), guidance) for i in range(2)]
     assert batched.shape == x.shape and batched.dtype == torch.float32
     torch.testing.assert_close(batched, torch.cat(singles), rtol=0, atol=1e-5)
+    if "image_embeds" in cond:  # Wan2.1's CLIP states reach the transformer (512 text tokens, the rest image)
+        blind = {**cond, "image_embeds": torch.zeros_like(cond["image_embeds"])}
+        with torch.no_grad():
+            assert (adapter.velocity(x, sigma, blind, guidance) - batched).abs().max() > 1e-3
+
+
+def test_wan2_i2v_names_what_it_cannot_load():
+    """Wan2.2 TI2V-5B's image-to-video replaces the first latent frame (expand_timesteps): refused by name."""
+    index = {"transformer": ["diffusers", "WanTransformer3DModel"], "expand_timesteps": True}
+    assert "expand_timesteps, Wan2.2 TI2V-5B" in WanI2VAdapter.unsupported(index)
+    assert WanI2VAdapter.unsupported({**index, "expand_timesteps": False}) is None
+    assert "wan2_i2v: this checkpoint sets boundary_ratio" in WanI2VAdapter.unsupported(
+        {**index, "expand_timesteps": False, "boundary_ratio": 0.9})
+
+
+def test_wan2_v2v_keeps_the_last_strength_part_of_the_schedule(tmp_path, tiny_wan_v2v_path):
+    """The rollout's sigmas are the tail of the full schedule (the pipeline's get_timesteps), as many as the config
+    counts for the SDE window; the keys that do not apply are refused; a short condition video is an error."""
+    from flow_factory.config import ConfigError, parse_config
+
+    adapter = load_adapter("wan2_v2v", tiny_wan_v2v_path)
+    full = WanT2VAdapter.sigmas(adapter, 10, 32, 32, 5)  # the whole schedule
+    for strength in (0.25, 0.7, 1.0):
+        adapter.strength = strength
+        sigmas = adapter.sigmas(10, 32, 32, 5)
+        torch.testing.assert_close(sigmas, full[10 - int(10 * strength):], rtol=0, atol=0)
+        config = tiny_run_config(tmp_path, "wan2_v2v", tiny_wan_v2v_path, num_inference_steps=10, strength=strength)
+        assert parse_config(config).rollout_steps == len(sigmas) - 1
+    with pytest.raises(ConfigError, match="train.condition_image_size: wan2_v2v takes condition videos"):
+        parse_config(tiny_run_config(tmp_path, "wan2_v2v", tiny_wan_v2v_path, condition_image_size=32))
+    with pytest.raises(ConfigError, match="train.strength: wan2_i2v does not start from a condition video"):
+        parse_config(tiny_run_config(tmp_path, "wan2_i2v", tiny_wan_v2v_path, strength=0.5))
+    with pytest.raises(ValueError, match="a condition video has 4 frames; num_frames is 5"):
+        adapter.prepare_conditions(None, _sources(1, frames=4), 32, 32, 5, None)
 
 
 def _perturb_lora(transformer, scale, which="lora_B", seed=0):
@@ -136,18 +222,19 @@ def _perturb_lora(transformer, scale, which="lora_B", seed=0):
 
 
 @pytest.mark.parametrize("dynamics_name", ["Flow-SDE", "Dance-SDE", "CPS"])
-@pytest.mark.parametrize("model_type", list(CASES))
-def test_on_policy_ratio_is_one(request, model_type, dynamics_name):
-    adapter, size, condition_size, guidance = _load(request, model_type)
+@pytest.mark.parametrize("case", list(CASES))
+def test_on_policy_ratio_is_one(request, case, dynamics_name):
+    adapter, size, condition_size, guidance = _load(request, case)
     height, width, frames = size
     apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
     _perturb_lora(adapter.transformer, 0.05)
     dynamics = make_dynamics(dynamics_name, 0.7)
     algorithm = make_algorithm("grpo", TrainConfig(kl_type="v-based"), dynamics)
     policy = AdapterPolicy(adapter, guidance, "lora", keep_reference=False)
-    cond = _conditioning(adapter, PROMPTS, _sources(2), size, condition_size, guidance)
+    cond = _conditioning(adapter, PROMPTS, _given(adapter, 2), size, condition_size, guidance)
     noise = adapter.initial_noise(2, height, width, torch.Generator().manual_seed(1), num_frames=frames)
-    traj = sample_trajectory(adapter, dynamics, cond, noise, adapter.sigmas(STEPS, height, width, frames), guidance,
+    sigmas = adapter.sigmas(STEPS, height, width, frames)
+    traj = sample_trajectory(adapter, dynamics, cond, adapter.start_latents(noise, sigmas[0], cond), sigmas, guidance,
                              generator=torch.Generator().manual_seed(2))
     for step in traj.sde_steps:
         batch = TrainBatch.at_step(traj.latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond, step)
@@ -156,16 +243,16 @@ def test_on_policy_ratio_is_one(request, model_type, dynamics_name):
             (step, metrics)
 
 
-@pytest.mark.parametrize("model_type", list(CASES))
-def test_lora_reloads_in_diffusers_and_changes_the_output(request, model_type, tmp_path):
-    adapter, size, condition_size, guidance = _load(request, model_type)
+@pytest.mark.parametrize("case", list(CASES))
+def test_lora_reloads_in_diffusers_and_changes_the_output(request, case, tmp_path):
+    adapter, size, condition_size, guidance = _load(request, case)
     height, width, frames = size
-    cond = _conditioning(adapter, PROMPTS[:1], _sources(1), size, condition_size, guidance)
+    cond = _conditioning(adapter, PROMPTS[:1], _given(adapter, 1), size, condition_size, guidance)
     x = adapter.initial_noise(1, height, width, torch.Generator().manual_seed(0), num_frames=frames)
 
     def v(a):
         with torch.no_grad():
-            return a.velocity(x, torch.tensor(0.6), cond, guidance)
+            return a.velocity(x, torch.tensor(0.95), cond, guidance)  # Wan2.2: the expert the LoRA is on
 
     base = v(adapter)
     apply_lora(adapter.transformer, rank=4, alpha=2.0, target_modules="default",
@@ -174,7 +261,7 @@ def test_lora_reloads_in_diffusers_and_changes_the_output(request, model_type, t
     tuned = v(adapter)
     assert (tuned - base).abs().max() > 1e-3
     save_lora(adapter.pipeline_class, adapter.transformer, tmp_path / "lora")
-    fresh = adapter.pipeline_class.from_pretrained(request.getfixturevalue(CASES[model_type][0]))
+    fresh = adapter.pipeline_class.from_pretrained(request.getfixturevalue(CASES[case][0]))
     fresh.load_lora_weights(tmp_path / "lora")  # plain diffusers
     torch.testing.assert_close(v(type(adapter)(fresh)), tuned, rtol=0, atol=1e-6)
 
@@ -182,11 +269,13 @@ def test_lora_reloads_in_diffusers_and_changes_the_output(request, model_type, t
 class Recorder(PointwiseRewardModel):
     """Records what it is given; scores each sample by its row's metadata."""
 
-    required_fields = ("prompt", "image", "condition_images", "metadata")
+    required_fields = ("prompt", "image", "condition_images", "condition_videos", "metadata")
     calls: list = []
 
-    def __call__(self, prompt, image=None, condition_images=None, metadata=None):
-        type(self).calls.append((list(prompt), condition_images, metadata))
+    def __call__(self, prompt, image=None, condition_images=None, condition_videos=None, metadata=None):
+        assert condition_images is None or condition_videos is None  # a model takes one kind
+        type(self).calls.append((list(prompt), condition_videos if condition_images is None else condition_images,
+                                 metadata))
         return RewardModelOutput(rewards=[float(m["row"]) for m in metadata])
 
 
@@ -195,14 +284,15 @@ class TensorRecorder(Recorder):
     calls: list = []
 
 
-@pytest.mark.parametrize("model_type", list(CASES))
-def test_rewards_see_each_samples_condition_in_both_forms(request, model_type, tmp_path):
+@pytest.mark.parametrize("case", list(CASES))
+def test_rewards_see_each_samples_condition_in_both_forms(request, case, tmp_path):
     """Groups of 2 in batches of 3 (a group straddles two batches); each sample's reward gets its own row's
     condition, resized as the model saw it, and its metadata; only rewards that ask for them get them."""
     from helpers_runs import write_conditioned_dataset
 
-    adapter, (height, width, frames), condition_size, guidance = _load(request, model_type)
-    items = load_prompts(write_conditioned_dataset(tmp_path / "data"), "train")[:3]
+    adapter, (height, width, frames), condition_size, guidance = _load(request, case)
+    videos = "videos" in adapter.condition_inputs
+    items = load_prompts(write_conditioned_dataset(tmp_path / "data", videos=videos), "train")[:3]
     items = [it for it in items for _ in range(2)]  # 3 groups of 2
     rewards = RewardSet({"pil": Recorder(batch_size=4), "tensor": TensorRecorder(batch_size=4)},
                         {"pil": 1.0, "tensor": 1.0})
@@ -213,19 +303,24 @@ def test_rewards_see_each_samples_condition_in_both_forms(request, model_type, t
                                 settings, epoch=0, reward_set=rewards)
     assert rollouts.rewards["pil"].tolist() == [0, 0, 1, 1, 2, 2]  # each sample's own metadata, in order
 
-    def expected(item):
-        return adapter.prepare_conditions([[read_image(item.images[0])]], None, height, width, frames,
-                                          condition_size).images[0]
+    def expected(item):  # (k, 3, H, W), or for a video (k, F, 3, H, W)
+        given = [[read_video(item.videos[0]) if videos else read_image(item.images[0])]]
+        return _prepare(adapter, given, height, width, frames, condition_size).per_sample()[0][0][None]
 
     pil = [c for call in Recorder.calls for c in call[1]]  # in calls of at most batch_size 4
     metadata = [m for call in Recorder.calls for m in call[2]]
     tensors = [c for call in TensorRecorder.calls for c in call[1]]
     assert [m["row"] for m in metadata] == [0, 0, 1, 1, 2, 2]
+    size = condition_size or (height, width)
     for i, item in enumerate(items):
-        assert isinstance(pil[i], list) and len(pil[i]) == 1 and isinstance(pil[i][0], Image.Image)
-        assert pil[i][0].size == condition_size[::-1]
-        assert np.array_equal(np.asarray(pil[i][0]), to_uint8_hwc(expected(item)[0]))
-        assert tensors[i].shape == (1, 3, *condition_size)  # (k, 3, H, W): one condition image
+        assert isinstance(pil[i], list) and len(pil[i]) == 1
+        frames_seen = pil[i][0] if videos else [pil[i][0]]  # a video: its frames, as PIL images
+        assert all(isinstance(f, Image.Image) and f.size == size[::-1] for f in frames_seen)
+        want = expected(item)[0] if videos else expected(item)
+        assert len(frames_seen) == len(want)
+        assert all(np.array_equal(np.asarray(f), to_uint8_hwc(w)) for f, w in zip(frames_seen, want))
+        # (k, 3, H, W): one condition image; (k, F, 3, H, W): one video
+        assert tensors[i].shape == ((1, frames, 3, *size) if videos else (1, 3, *size))
         torch.testing.assert_close(tensors[i], expected(item), rtol=0, atol=0)
     assert not torch.equal(tensors[0], tensors[2])  # rows of other files differ
     assert [len(c) for c in rollouts.conditions.per_sample()] == [1] * 6  # kept for the sample grids
@@ -236,23 +331,24 @@ def test_rewards_see_each_samples_condition_in_both_forms(request, model_type, t
 
 def _pipeline_latents(model_type, path, lora_dir, source):
     """The pipeline's own output (``PIPELINES``), with the LoRA loaded by its ``load_lora_weights``."""
-    _, _, size, _, guidance = CASES[model_type]
+    _, _, size, condition_size, guidance = CASES[model_type]
     cls = get_adapter_class(model_type)
     pipe = cls.pipeline_class.from_pretrained(path)
     if lora_dir is not None:
         pipe.load_lora_weights(lora_dir)
     adapter = cls(pipe)
     noise = adapter.initial_noise(1, size[0], size[1], torch.Generator().manual_seed(0), num_frames=size[2])
-    return PIPELINES[model_type](adapter, ["make it red"], [[source]], noise, size, guidance, "latent")
+    return PIPELINES[model_type](adapter, ["make it red"], [[source]], noise, size, condition_size, guidance, "latent")
 
 
 @pytest.mark.parametrize("trainer_type", ["grpo", "nft"])
 @pytest.mark.parametrize("model_type", list(CONDITIONED_MODELS))
 def test_ff_train_runs_from_a_conditioned_dataset(request, tmp_path, model_type, trainer_type):
     path = request.getfixturevalue(CONDITIONED_MODELS[model_type][0])
-    config = tiny_run_config(tmp_path, model_type, path, trainer_type=trainer_type, max_epochs=2,
-                             condition_image_size=[48, 80])
-    config["eval"]["condition_image_size"] = 64
+    videos = "videos" in get_adapter_class(model_type).condition_inputs
+    sizes = dict(strength=0.7) if videos else dict(condition_image_size=[48, 80])  # a video is encoded as generated
+    config = tiny_run_config(tmp_path, model_type, path, trainer_type=trainer_type, max_epochs=2, **sizes)
+    config["eval"]["strength" if videos else "condition_image_size"] = 0.9 if videos else 64
     if trainer_type == "nft":
         config["train"]["num_train_timesteps"] = 1
         config["scheduler"] = {"dynamics_type": "ODE", "noise_level": 0.0}
@@ -261,10 +357,12 @@ def test_ff_train_runs_from_a_conditioned_dataset(request, tmp_path, model_type,
     run_dir = tmp_path / "saves" / "run"
     history = json.loads((run_dir / "history.json").read_text())
     assert [r["epoch"] for r in history["train"]] == [0, 1] and "reward/jpeg/mean" in history["train"][-1]
-    grid = Image.open(run_dir / "samples" / "eval_epoch_0000.png")
+    grid = Image.open(next((run_dir / "samples").glob("eval_epoch_0000.*")))  # a GIF for videos
     assert grid.width == 2 * 2 * 256  # 2 test prompts, each beside its condition image
     lora_dir = run_dir / "checkpoints" / "epoch_2"
-    source = Image.open(tmp_path / "data" / "images" / next(iter(CONDITION_IMAGES))).convert("RGB")
+    name = next(iter(CONDITION_IMAGES))
+    source = (read_video(check_video(tmp_path / "data" / "videos" / name.replace(".png", ".gif"))) if videos
+              else Image.open(tmp_path / "data" / "images" / name).convert("RGB"))
     base = _pipeline_latents(model_type, path, None, source)
     tuned = _pipeline_latents(model_type, path, lora_dir, source)
     assert not torch.allclose(base, tuned, atol=1e-6), "the trained LoRA does not change the output"

@@ -137,6 +137,8 @@ RELEASED = {
     "flux1": ({"block_out_channels": [128, 256, 512, 512]}, {"patch_size": 1}),  # FLUX.1 dev / schnell
     # Wan2.1-T2V-*-Diffusers: saved before diffusers recorded scale_factor_spatial (the default 8 applies)
     "wan2_t2v": ({"temperal_downsample": [False, True, True]}, {"patch_size": [1, 2, 2]}),
+    "wan2_i2v": ({"temperal_downsample": [False, True, True]}, {"patch_size": [1, 2, 2]}),  # Wan2.1 / 2.2 I2V
+    "wan2_v2v": ({"temperal_downsample": [False, True, True]}, {"patch_size": [1, 2, 2]}),  # Wan2.1 T2V weights
     "qwen-image": ({"temperal_downsample": [False, True, True]}, {"patch_size": 2}),  # Qwen-Image, -2512
     "z-image": ({"block_out_channels": [128, 256, 512, 512]}, {"all_patch_size": [2]}),  # Z-Image, -Turbo
     "flux2": ({"block_out_channels": [128, 256, 512, 512]}, {"patch_size": 1}),  # FLUX.2 [dev]
@@ -207,7 +209,8 @@ def test_a_pipeline_no_adapter_loads_lists_those_that_do(tmp_path):
         "StableDiffusion3Pipeline; no adapter loads it; the adapters load StableDiffusion3Pipeline (sd3-5), "
         "FluxPipeline (flux1), WanPipeline (wan2_t2v), QwenImagePipeline (qwen-image), ZImagePipeline (z-image), "
         "Flux2Pipeline (flux2), Flux2KleinPipeline (flux2-klein), HunyuanVideo15Pipeline (hunyuanvideo15), "
-        "LTX2Pipeline (ltx2_t2av), FluxKontextPipeline (flux1-kontext)")
+        "LTX2Pipeline (ltx2_t2av), FluxKontextPipeline (flux1-kontext), WanImageToVideoPipeline (wan2_i2v), "
+        "WanVideoToVideoPipeline (wan2_v2v)")
 
 
 WAN = ["diffusers", "WanTransformer3DModel"]

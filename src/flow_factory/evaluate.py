@@ -66,6 +66,8 @@ def evaluate_config(cfg, checkpoint=None):
     adapter = load_for_sampling(cfg.model.model_type, cfg.model.model_name_or_path, checkpoint)
     check_experts(adapter.experts(adapter.pipeline.config), cfg, cfg.model.model_name_or_path)
     adapter.guidance_scale_2 = ev.guidance_scale_2
+    if ev.strength is not None:  # video-to-video
+        adapter.strength = ev.strength
     if cfg.scheduler.flow_shift is not None:  # the schedule the run trained and evaluated on
         adapter.set_flow_shift(cfg.scheduler.flow_shift)
     # the run's prompt cache where it exists (the same embeddings its evaluation used); else encode

@@ -7,7 +7,7 @@
 Writes ``DIR/NNNN.png`` (one per sample; a video as an animated ``NNNN.gif``), ``DIR/grid.png``
 (every sample with its prompt, beside its condition images; ``grid.gif`` for videos) and
 ``DIR/samples.jsonl`` (``{"index", "prompt", "seed", "file"}`` a line). A conditioned model
-(flux1-kontext) takes its condition files from a jsonl prompt file's rows (``image``, relative to
+(flux1-kontext, wan2_i2v, wan2_v2v) takes its condition files from a jsonl prompt file's rows (``image``, relative to
 the file's folder's ``images/``).
 Sample ``i`` is drawn from the ODE with noise seeded by ``(seed, i)`` exactly as the
 Trainer's eval draws test prompt ``i``: the same seed gives the same images.
@@ -26,7 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("model", help="a diffusers pipeline folder (or hub id)")
     p.add_argument("--model-type", default="sd3-5",
                    help="the adapter: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2, flux2-klein, flux1-kontext, "
-                   "or your adapter class's dotted path")
+                   "wan2_i2v, wan2_v2v, or your adapter class's dotted path")
     p.add_argument("--checkpoint", help="an ff-train checkpoint folder (LoRA or full transformer)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", nargs="+", help="prompts, one sample each")

@@ -140,6 +140,7 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
             keys = [("noise", s.seed, epoch, "group", int(g)) if s.same_latent else ("noise", s.seed, epoch, i)
                     for g, i in zip(groups.tolist(), ids)]
             noise = per_sample_noise(adapter, keys, s.height, s.width, s.num_frames)
+            noise = adapter.start_latents(noise, sigmas[0], cond)  # video-to-video: the condition, noised
             with autocast():
                 traj = sample_trajectory(adapter, dynamics, cond, noise, sigmas, s.guidance_scale, s.sde_steps,
                                          generator=generator("sde", s.seed, epoch, ids[0]),

@@ -32,7 +32,8 @@ from .compat import read_flow_factory_spellings, without_effect
 from .errors import ConfigError
 from .explain import explain
 from .rewards import RewardConfig, as_entry_list, duplicate_names
-from .sections import DataConfig, EvalConfig, LogConfig, ModelConfig, SchedulerConfig, model_family
+from .sections import (DEFAULT_STRENGTH, DataConfig, EvalConfig, LogConfig, ModelConfig, SchedulerConfig, model_family,
+                       strength_steps)
 from .train import (COUPLED_TRAINER_TYPES, TrainConfig, fill_trainer_defaults, resolve_num_train_timesteps,
                     trainer_problems)
 
@@ -152,7 +153,7 @@ class Config(Section):
         if train.learning_rate is None:
             train.learning_rate = DEFAULT_LEARNING_RATE[self.model.finetune_type]
         for key in ("resolution", "num_frames", "num_inference_steps", "guidance_scale", "guidance_scale_2",
-                    "per_device_batch_size", "seed", "condition_image_size", "auto_resize"):
+                    "per_device_batch_size", "seed", "condition_image_size", "auto_resize", "strength"):
             if getattr(ev, key) is None:
                 setattr(ev, key, getattr(train, key))
         if self.log.run_name is None:
@@ -233,8 +234,18 @@ class Config(Section):
                        ("eval", self.eval)) for key in ("condition_image_size", "auto_resize")
                        if getattr(section, key) is not None]
         if conditioned and not family.conditions:
-            return [f"{path}: {name} generates from text alone; the key is for conditioned models (flux1-kontext); "
-                    "remove it" for path, _ in conditioned]
+            return [f"{path}: {name} generates from text alone; the key is for conditioned models (flux1-kontext, "
+                    "wan2_i2v, wan2_v2v); remove it" for path, _ in conditioned]
+        if "images" not in family.conditions:  # video-to-video: the video is encoded at the size generated
+            resized = [path for path, _ in conditioned if path.endswith("condition_image_size")]
+            if resized:
+                return [f"{path}: {name} takes condition videos, encoded at the size generated; the key is for "
+                        "condition images; remove it" for path in resized]
+        strengths = [f"{part}.strength" for part, section in (("train", self.train), ("eval", self.eval))
+                     if section.strength is not None]
+        if strengths and "videos" not in family.conditions:
+            return [f"{path}: {name} does not start from a condition video; the key is for video-to-video "
+                    "(wan2_v2v); remove it" for path in strengths]
         sizes += [(path, value) for path, value in conditioned if path.endswith("condition_image_size")]
         found = (size_problem(key, value, family.pixel_factor, name, family.why)
                  for key, value in sizes if value is not None)
@@ -264,13 +275,17 @@ class Config(Section):
         return out
 
     def _window_problems(self) -> list[str]:
-        sched, steps = self.scheduler, self.train.num_inference_steps
+        sched, steps = self.scheduler, self.rollout_steps
+        given = f"train.num_inference_steps = {self.train.num_inference_steps}"
+        if steps != self.train.num_inference_steps:
+            given += f" and train.strength = {self.train.strength or DEFAULT_STRENGTH} (a rollout of {steps} steps)"
+        if steps == 0:
+            return [f"train.strength: {given}: keeps no step; raise either"]
         out = []
         if sched.sde_steps is not None:
             outside = [s for s in sched.sde_steps if s >= steps]
             if outside:
-                out.append(f"scheduler.sde_steps: {outside} outside [0, {steps}) with "
-                           f"train.num_inference_steps = {steps}")
+                out.append(f"scheduler.sde_steps: {outside} outside [0, {steps}) with {given}")
         candidates = len(self.sde_step_candidates)
         coupled = self.train.trainer_type in COUPLED_TRAINER_TYPES
         if coupled and self.train.outside_kl_beta > 0 and min(sched.num_sde_steps or candidates, candidates) >= steps:
@@ -307,7 +322,16 @@ class Config(Section):
         """Step indices the window is drawn from, ascending: by default every step but the last, whose
         noise no later step would remove (Flow-Factory's default); a 1-step rollout has only step 0."""
         given = self.scheduler.sde_steps
-        return sorted(given) if given is not None else list(range(max(1, self.train.num_inference_steps - 1)))
+        return sorted(given) if given is not None else list(range(max(1, self.rollout_steps - 1)))
+
+    @property
+    def rollout_steps(self) -> int:
+        """Denoising steps of a training rollout: ``num_inference_steps``, or for a model that starts from its
+        condition video (video-to-video) the last ``train.strength`` part of them."""
+        steps = self.train.num_inference_steps
+        if "videos" not in model_family(self.model.model_type).conditions:
+            return steps
+        return strength_steps(steps, self.train.strength or DEFAULT_STRENGTH)
 
     @property
     def trained_steps_per_sample(self) -> int:

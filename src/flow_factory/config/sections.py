@@ -47,7 +47,21 @@ MODEL_FAMILIES = {
     "hunyuanvideo15": ModelFamily(16, "VAE x16, then 1x1 transformer patches", frame_factor=4),
     "ltx2_t2av": ModelFamily(32, "VAE x32, then 1x1 transformer patches", frame_factor=8),
     "flux1-kontext": ModelFamily(16, "VAE x8, then 2x2 token packing", conditions=("images",)),
+    # Wan2.1 I2V (one transformer, CLIP image encoder) and Wan2.2 I2V A14B (two experts)
+    "wan2_i2v": ModelFamily(16, "VAE x8, then 2x2 transformer patches", frame_factor=4,
+                            components=("transformer", "transformer_2"), conditions=("images",)),
+    "wan2_v2v": ModelFamily(16, "VAE x8, then 2x2 transformer patches", frame_factor=4, conditions=("videos",)),
 }
+# video-to-video's strength when train.strength is null: WanVideoToVideoPipeline's default
+DEFAULT_STRENGTH = 0.8
+
+
+def strength_steps(num_steps: int, strength: float) -> int:
+    """The steps a video-to-video rollout runs: the last int(num_steps x strength) of the schedule, as the
+    pipelines' ``get_timesteps`` keeps them."""
+    return min(int(num_steps * strength), num_steps)
+
+
 # what a user's adapter class (model.model_type: package.module.Class) sets, as the built-in ones do
 ADAPTER_CLASS_ATTRIBUTES = ("model_type", "pipeline_class", "pixel_factor", "default_lora_targets")
 
@@ -102,6 +116,9 @@ MODEL_TYPE_ALIASES = {
     "ltx2_t2av": "ltx2_t2av", "ltx2": "ltx2_t2av", "ltx-2": "ltx2_t2av",
     "flux1-kontext": "flux1-kontext", "flux-kontext": "flux1-kontext", "flux-1-kontext": "flux1-kontext",
     "kontext": "flux1-kontext", "flux1-kontext-dev": "flux1-kontext",
+    "wan2_i2v": "wan2_i2v", "wan21_i2v": "wan2_i2v", "wan2.1_i2v": "wan2_i2v", "wan22_i2v": "wan2_i2v",
+    "wan2.2_i2v": "wan2_i2v", "wan_i2v": "wan2_i2v",
+    "wan2_v2v": "wan2_v2v", "wan21_v2v": "wan2_v2v", "wan2.1_v2v": "wan2_v2v", "wan_v2v": "wan2_v2v",
 }
 DYNAMICS_TYPES = ("Flow-SDE", "Dance-SDE", "CPS", "ODE", "DPM-Solver++2M")
 DYNAMICS_ALIASES = {"flow-sde": "Flow-SDE", "flowsde": "Flow-SDE", "dance-sde": "Dance-SDE",
@@ -144,7 +161,9 @@ class ModelConfig(Section):
     model_name_or_path: str = setting(description="Hugging Face hub id or local folder of a diffusers pipeline")
     model_type: str = setting(
         description="model family: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2, flux2-klein, "
-        "hunyuanvideo15, ltx2_t2av, or flux1-kontext (image editing: condition images from the dataset's rows) "
+        "hunyuanvideo15, ltx2_t2av, flux1-kontext (image editing: condition images from the dataset's rows), or "
+        "wan2_i2v (image-to-video, Wan2.1 and Wan2.2: the first frame from the dataset's rows), wan2_v2v "
+        "(video-to-video: a condition video per row) "
         "(aliases such as sd3_5, flux, wan2.1, qwenimage, z_image, flux2_klein, hunyuanvideo1.5, ltx2, "
         "flux1_kontext accepted), or the dotted path of your own FlowAdapter subclass (my_package.adapters.MyAdapter)")
     finetune_type: Literal["lora", "full"] = setting("lora", "train LoRA adapters or every transformer weight")
@@ -319,6 +338,8 @@ class EvalConfig(Section):
     guidance_scale: float | None = setting(None, "CFG / guidance scale at eval; null = train.guidance_scale", ge=0)
     guidance_scale_2: float | None = setting(
         None, "the low-noise expert's CFG scale at eval (Wan2.2 A14B); null = train.guidance_scale_2", ge=0)
+    strength: float | None = setting(None, "video-to-video's strength at eval (wan2_v2v); null = train.strength",
+                                     gt=0, le=1)
     condition_image_size: int | list[int] | None = setting(
         None, "size condition images are resized to at eval, an int or [height, width] (conditioned models); "
         "null = train.condition_image_size", expects="an integer, [height, width] or null")

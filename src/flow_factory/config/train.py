@@ -119,13 +119,16 @@ class TrainConfig(Section):
     guidance_scale_2: float | None = setting(
         None, "CFG scale of a two-expert model's low-noise expert (Wan2.2 A14B's transformer_2); null = "
         "guidance_scale, as the pipeline", ge=0)
+    strength: float | None = setting(
+        None, "video-to-video (wan2_v2v): the part of the schedule that regenerates the condition video, in (0, 1] "
+        "(the last int(num_inference_steps x strength) steps); null = 0.8, the pipeline's default", gt=0, le=1)
     condition_image_size: int | list[int] | None = setting(
-        None, "size condition images are resized to, an int or [height, width] (conditioned models: flux1-kontext); "
-        "null = the size generated", expects="an integer, [height, width] or null")
+        None, "size condition images are resized to, an int or [height, width] (conditioned models: flux1-kontext, "
+        "wan2_i2v); null = the size generated", expects="an integer, [height, width] or null")
     auto_resize: bool | None = setting(
         None, "generate at the aspect ratio of the condition images, at the area of resolution (conditioned models; "
-        "a split's condition images must then share one aspect ratio); null = the model's default (flux1-kontext: "
-        "false)")
+        "a split's condition images must then share one aspect ratio); null = the model's default (flux1-kontext, "
+        "wan2_i2v: false)")
 
     per_device_batch_size: PositiveInt = setting(8, "samples per process in one sampling / training micro-batch")
     group_size: PositiveInt = setting(16, "samples per prompt; advantages are normalised within a group")

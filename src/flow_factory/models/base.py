@@ -135,6 +135,21 @@ class ConditionMedia:
                  *(self.videos[i] if self.videos is not None else [])] for i in range(n)]
 
 
+def resized_images(processor, images: list[list], height: int, width: int) -> ConditionMedia:
+    """Each sample's condition images (RGB PIL) at (height, width) in [0, 1], as a pipeline's ``VaeImageProcessor``
+    resizes and converts them (its preprocess minus the final 2x - 1)."""
+    return ConditionMedia(images=[processor.numpy_to_pt(processor.pil_to_numpy(
+        [processor.resize(image, height, width) for image in sample])) for sample in images])
+
+
+def as_pil(images: Tensor) -> list:
+    """(k, 3, H, W) in [0, 1] that came from 8-bit images, back to those RGB PIL images (exactly)."""
+    from PIL import Image
+
+    pixels = (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return [Image.fromarray(p) for p in pixels]
+
+
 def index_cond(cond: Conditioning, idx) -> Conditioning:
     return {k: v[idx] for k, v in cond.items()}
 
@@ -389,6 +404,11 @@ class FlowAdapter:
         """Batch-first conditioning tensors of ``prepare_conditions``' media (VAE latents, image-encoder
         states) for samples of that size, merged into the text conditioning; computed once per sample."""
         raise NotImplementedError(f"{self.model_type} takes no condition images or videos")
+
+    def start_latents(self, noise: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
+        """The state a rollout starts from at ``sigma`` (its first sigma): the noise, or for a model that starts
+        from its condition (video-to-video) the condition's latents noised to that level."""
+        return noise
 
     # --- shared -----------------------------------------------------------------
     def cfg_inputs(self, cond: Conditioning, guidance_scale: float, x: Tensor, t: Tensor,

@@ -20,7 +20,7 @@ from diffusers import FluxKontextPipeline
 from torch import Tensor
 
 from ..config.sections import MODEL_FAMILIES
-from .base import JOINT_ATTENTION_LORA_TARGETS, ConditionMedia, Conditioning
+from .base import JOINT_ATTENTION_LORA_TARGETS, ConditionMedia, Conditioning, resized_images
 from .flux import FluxAdapter
 
 
@@ -37,10 +37,7 @@ class FluxKontextAdapter(FluxAdapter):
     def prepare_conditions(self, images, videos, height, width, num_frames, condition_size) -> ConditionMedia:
         h, w = condition_size or (height, width)
         self.check_size(h, w)  # the pipeline floors the size to this factor; here an odd size is an error
-        processor = self.pipeline.image_processor
-        # the pipeline's resize and its PIL -> [0, 1] conversion (preprocess minus the final 2x - 1)
-        return ConditionMedia(images=[processor.numpy_to_pt(processor.pil_to_numpy(
-            [processor.resize(image, h, w) for image in sample])) for sample in images])
+        return resized_images(self.pipeline.image_processor, images, h, w)
 
     @torch.no_grad()
     def encode_conditions(self, media: ConditionMedia, height, width, num_frames) -> Conditioning:

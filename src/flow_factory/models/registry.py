@@ -15,13 +15,15 @@ from .ltx2 import LTX2Adapter
 from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .wan import WanT2VAdapter
+from .wan_i2v import WanI2VAdapter
+from .wan_v2v import WanV2VAdapter
 from .z_image import ZImageAdapter
 
 ADAPTERS: dict[str, type[FlowAdapter]] = {cls.model_type: cls for cls in (
     SD3Adapter, FluxAdapter, WanT2VAdapter,
     QwenImageAdapter, ZImageAdapter,
     Flux2Adapter, Flux2KleinAdapter,
-    HunyuanVideo15Adapter, LTX2Adapter, FluxKontextAdapter,
+    HunyuanVideo15Adapter, LTX2Adapter, FluxKontextAdapter, WanI2VAdapter, WanV2VAdapter,
 )}
 
 

@@ -52,13 +52,14 @@ class WanT2VAdapter(FlowAdapter):
         return ("transformer", "transformer_2") if any(second) and model_index.get("boundary_ratio") is not None \
             else ("transformer",)
 
-    @staticmethod
-    def unsupported(model_index: Mapping) -> str | None:
+    @classmethod
+    def unsupported(cls, model_index: Mapping) -> str | None:
         # WanPipeline may load without transformer (only transformer_2), or with a boundary and no second expert
         if not any(model_index.get("transformer") or (None, None)):
-            return "wan2_t2v needs the pipeline's transformer; this checkpoint has none"
+            return f"{cls.model_type} needs the pipeline's transformer; this checkpoint has none"
         if model_index.get("boundary_ratio") is not None and not any(model_index.get("transformer_2") or (None, None)):
-            return "wan2_t2v: this checkpoint sets boundary_ratio but has no transformer_2 (the low-noise expert)"
+            return (f"{cls.model_type}: this checkpoint sets boundary_ratio but has no transformer_2 (the low-noise "
+                    "expert)")
         return None
 
     @staticmethod
@@ -90,10 +91,10 @@ class WanT2VAdapter(FlowAdapter):
         temporal = self.pipeline.vae_scale_factor_temporal
         spatial = self.pipeline.vae_scale_factor_spatial
         if num_frames is None or (num_frames - 1) % temporal:
-            raise ValueError(f"wan2_t2v is a video model: num_frames must be 1 + a multiple of {temporal} "
+            raise ValueError(f"{self.model_type} is a video model: num_frames must be 1 + a multiple of {temporal} "
                              f"(e.g. 5, 33, 81), got {num_frames}")
         self.check_size(height, width)
-        return (self.transformer.config.in_channels, (num_frames - 1) // temporal + 1,
+        return (self.pipeline.vae.config.z_dim, (num_frames - 1) // temporal + 1,
                 height // spatial, width // spatial)
 
     def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> Tensor:
@@ -141,11 +142,17 @@ class WanT2VAdapter(FlowAdapter):
             # TI2V: a timestep per token of the transformer's 2x2 patches, as the pipeline's mask[:, ::2, ::2]
             t = t[:, None].expand(-1, x[0, 0, :, ::2, ::2].numel())
         cfg, x, t, (embeds,) = self.cfg_inputs(cond, guidance_scale, x, t, ("prompt_embeds",))
+        x, image_inputs = self.with_condition(x, cond, 2 if cfg else 1)
         out = self.denoiser_for(name)(
             hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(self.device, self.dtype),
-            return_dict=False,
+            return_dict=False, **image_inputs,
         )[0].float()
         return self.combine_cfg(out, scale) if cfg else out
+
+    def with_condition(self, x: Tensor, cond: Conditioning, copies: int) -> tuple[Tensor, dict]:
+        """The transformer's input and its image keyword arguments, for ``x`` holding ``copies`` of the batch
+        (two under CFG): text-to-video has no image; image-to-video adds its condition (wan_i2v.py)."""
+        return x, {}
 
     def decode(self, latents: Tensor) -> Tensor:
         return decode_normalized(self.pipeline.vae, latents, self.device).permute(0, 2, 1, 3, 4)

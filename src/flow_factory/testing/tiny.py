@@ -18,6 +18,10 @@ type loads: Wan2.2's two-expert A14B layout (``wan2.2-a14b``: transformer and
 transformer_2, boundary_ratio 0.875 as the T2V release; with shift 5 and 4 steps each
 expert takes 2) and TI2V-5B (``wan2.2-ti2v-5b``: one timestep per token, the Wan2.2 VAE
 with 48 latent channels, x16, so sizes in multiples of 32: 5 frames at 32x32 -> 48x2x2x2).
+Wan image-to-video (``wan2_i2v``): Wan2.1's layout with a CLIP image encoder (32x32 input) and
+Wan2.2 I2V A14B's (``wan2.2-i2v-a14b``: two experts, boundary_ratio 0.9, no image encoder; with
+shift 5 and 3 steps the first expert takes 1), latents as text-to-video's. Wan video-to-video
+(``wan2_v2v``): text-to-video's Wan2.1 components in ``WanVideoToVideoPipeline``.
 FLUX.2's latents are 2x2-patchified 32-channel ones (64x64 -> 128x4x4); ``flux2-klein`` is a
 step-distilled Klein, ``flux2-klein-base`` the same weights as a base checkpoint
 (``is_distilled`` false: classifier-free guidance). HunyuanVideo-1.5 (``hunyuanvideo15``): VAE x16 and x4
@@ -36,9 +40,10 @@ from pathlib import Path
 import torch
 
 TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15",
-                    "ltx2_t2av", "flux1-kontext")
+                    "ltx2_t2av", "flux1-kontext", "wan2_i2v", "wan2_v2v")
 # other tiny checkpoints, and the model_type that loads each
-TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v", "flux2-klein-base": "flux2-klein"}
+TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v", "flux2-klein-base": "flux2-klein",
+                 "wan2.2-i2v-a14b": "wan2_i2v"}
 
 # CLIP's special tokens sit after the 2 x 256 byte symbols
 _CLIP_BOS, _CLIP_EOS = 512, 513
@@ -181,13 +186,15 @@ def _build_flux(pipeline: str = "FluxPipeline"):
     )
 
 
-def _wan_transformer(channels: int):
+def _wan_transformer(channels: int, in_channels: int | None = None, **image):
+    """``in_channels`` 36 for image-to-video: the noisy latents, the 4-channel first-frame mask and the
+    condition's latents; ``image``: Wan2.1 I2V's CLIP projection (image_dim, added_kv_proj_dim)."""
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=channels,
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels or channels,
         out_channels=channels, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=1,
-        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **image,
     )
 
 
@@ -223,6 +230,35 @@ def _build_wan(variant: str = "wan2.1"):
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), transformer=transformer,
         expand_timesteps=ti2v, **experts,
     )
+
+
+def _build_wan_i2v(variant: str = "wan2.1"):
+    """WanImageToVideoPipeline: Wan2.1 with a CLIP image encoder (its states reach the transformer's added
+    key / value projections), or Wan2.2 A14B's layout (two experts, boundary_ratio 0.9, no image encoder)."""
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    parts = dict(_build_wan().components)
+    torch.manual_seed(4)
+    if variant == "wan2.1":
+        parts["transformer"] = _wan_transformer(16, 36, image_dim=16, added_kv_proj_dim=24)
+        parts["image_encoder"] = CLIPVisionModel(CLIPVisionConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+            patch_size=8, projection_dim=16))
+        parts["image_processor"] = CLIPImageProcessor(size={"shortest_edge": 32},
+                                                      crop_size={"height": 32, "width": 32})
+        return WanImageToVideoPipeline(**parts)
+    parts["transformer"], parts["transformer_2"] = _wan_transformer(16, 36), _wan_transformer(16, 36)
+    return WanImageToVideoPipeline(**parts, image_encoder=None, image_processor=None, boundary_ratio=0.9)
+
+
+def _build_wan_v2v():
+    """WanVideoToVideoPipeline: text-to-video's Wan2.1 components (it takes no image encoder nor second expert)."""
+    from diffusers import WanVideoToVideoPipeline
+
+    parts = _build_wan().components
+    return WanVideoToVideoPipeline(**{k: parts[k] for k in ("tokenizer", "text_encoder", "transformer", "vae",
+                                                            "scheduler")})
 
 
 def _build_qwen_image():
@@ -502,7 +538,8 @@ _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, 
              "ltx2_t2av": _build_ltx2,
              "flux2-klein-base": lambda: _build_flux2_klein(is_distilled=False),
              "wan2.2-a14b": lambda: _build_wan("wan2.2-a14b"), "wan2.2-ti2v-5b": lambda: _build_wan("wan2.2-ti2v-5b"),
-             "flux1-kontext": lambda: _build_flux("FluxKontextPipeline")}
+             "flux1-kontext": lambda: _build_flux("FluxKontextPipeline"),
+             "wan2_i2v": _build_wan_i2v, "wan2_v2v": _build_wan_v2v, "wan2.2-i2v-a14b": lambda: _build_wan_i2v("wan2.2")}
 
 
 def tiny_pipeline(model_type: str):

@@ -114,6 +114,8 @@ class Trainer:
         # a hub id's experts are known only now (a folder's were checked before loading)
         check_experts(self.adapter.experts(self.adapter.pipeline.config), cfg, model.model_name_or_path)
         self.adapter.guidance_scale_2 = train.guidance_scale_2
+        if train.strength is not None:  # video-to-video (the config allows it for no other model)
+            self.adapter.strength = train.strength
         if cfg.scheduler.flow_shift is not None:
             self.adapter.set_flow_shift(cfg.scheduler.flow_shift)
         check_pipeline_finite(self.adapter.pipeline, f"model.model_name_or_path: {model.model_name_or_path}")
@@ -395,13 +397,13 @@ class Trainer:
         sample_ids = share.tolist()
         sde_steps = None
         if self.dynamics.stochastic:
-            sde_steps = choose_sde_steps(train.num_inference_steps, cfg.sde_step_candidates,
+            sde_steps = choose_sde_steps(cfg.rollout_steps, cfg.sde_step_candidates,
                                          cfg.scheduler.num_sde_steps, generator("window", cfg.scheduler.seed, epoch))
         settings = self._train_settings(sde_steps=sde_steps, same_latent=train.same_latent,
                                         record_means=self.algorithm.records_step_means,
                                         storage_dtype=self.latent_storage_dtype, offload=train.offload_samples_to_cpu,
                                         conditioning_guidance_scale=train.conditioning_guidance_scale,
-                                        keep_states=tuple(self.algorithm.kept_states(train.num_inference_steps,
+                                        keep_states=tuple(self.algorithm.kept_states(cfg.rollout_steps,
                                                                                      sde_steps)))
         if self.rollout_weights is not None:
             self.rollout_weights.copy_from_params()  # NFT / AWM's old policy: the weights sampled with
@@ -472,6 +474,9 @@ class Trainer:
         items = self.test_prompts[: ev.num_samples] if ev.num_samples else self.test_prompts
         share = self._local_share(len(items))
         self.adapter.guidance_scale_2 = ev.guidance_scale_2
+        train_strength = getattr(self.adapter, "strength", None)  # video-to-video's
+        if ev.strength is not None:
+            self.adapter.strength = ev.strength
         try:  # what ff-eval samples for the same config: its numbers agree with these
             rollouts = sample_prompts(self.adapter, items[share], SamplingSettings.for_eval(ev, self.eval_size),
                                       sample_ids=list(range(len(items)))[share], reward_set=self.eval_rewards,
@@ -479,6 +484,8 @@ class Trainer:
                                       condition_cache=self.condition_cache)
         finally:
             self.adapter.guidance_scale_2 = self.cfg.train.guidance_scale_2
+            if ev.strength is not None:
+                self.adapter.strength = train_strength
         scores = rollouts.rewards
         means = {f"eval/reward/{k}": self.accelerator.gather(v).mean().item() for k, v in scores.items()}
         self.eval_history.append({"epoch": epoch, **means})
