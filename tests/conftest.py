@@ -10,6 +10,9 @@ import os
 # set before diffusers / transformers are imported anywhere: no test touches the network
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# one thread (before torch is imported): the tiny models gain nothing from more, every machine then sums
+# in the same order, and a test's subprocesses (ff-train runs) leave the other core to the suite
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -126,10 +127,11 @@ def test_fsdp_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_
     # lr / eps = 0.1: full weights move a little. A KL this strong dominates the second epoch's update: a
     # reference left out of the forward (the current weights instead) made the runs differ by ~1x the movement
     step = {"learning_rate": 1e7, "kl_beta": 1000.0, "kl_type": "v-based"}
-    one = tmp_path / "p1"
-    _ff_train(one, tiny_sd3_path, 1, model=full, **step)
-    fsdp = tmp_path / "fsdp"
-    state = _ff_train(fsdp, tiny_sd3_path, 2, config_file="fsdp2", model=full, **step)
+    one, fsdp = tmp_path / "p1", tmp_path / "fsdp"
+    with ThreadPoolExecutor(2) as pool:  # side by side: the one-process run takes the core the other leaves
+        reference = pool.submit(_ff_train, one, tiny_sd3_path, 1, model=full, **step)
+        state = _ff_train(fsdp, tiny_sd3_path, 2, config_file="fsdp2", model=full, **step)
+        reference.result()
     assert state["sharding"]["backend"] == "fsdp" and all(
         0 < n < sum(state["sharding"]["trained_values_per_process"])
         for n in state["sharding"]["trained_values_per_process"])
