@@ -254,7 +254,8 @@ class Trainer:
             train = self.cfg.train
             copies = [k for k, on in (("train.ema_decay", train.ema_decay > 0),
                                       ("the rollout weights of nft / awm", self.algorithm.uses_sampling_policy),
-                                      ("crd's weight snapshots", bool(self.algorithm.weight_snapshots)))
+                                      ("crd's weight snapshots", bool(self.algorithm.weight_snapshots)),
+                                      ("dgpo's fast old-policy EMA", bool(self.algorithm.step_snapshots)))
                       if on]
             if copies:
                 raise ConfigError(f"config_file: DeepSpeed ZeRO-3 partitions the weights inside its engine, where "
