@@ -1,7 +1,9 @@
-"""A small stand-in for an epoch's rollouts, for the algorithms' micro-batch tests."""
+"""A small stand-in for an epoch's rollouts, for the algorithms' micro-batch tests; the on-policy check
+(invariant 1) that the adapter, conditioned-model and compile tests share."""
 
 import torch
 
+from flow_factory.algorithms.base import TrainBatch
 from flow_factory.sampling import Rollouts
 
 
@@ -19,3 +21,24 @@ def toy_rollouts(n: int) -> Rollouts:
     gen = torch.Generator().manual_seed(0)
     return rollouts_of(torch.randn(n, 3, 2, 2, generator=gen), torch.linspace(1, 0, 3),
                        {"prompt_embeds": torch.arange(n).float().unsqueeze(1)})
+
+
+def perturb_lora(transformer, scale: float = 0.05, which: str = "lora_B", seed: int = 0) -> None:
+    """LoRA B starts at zero: give the ``which`` matrices weight, so the policy differs from the base model."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if which in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+def assert_on_policy(algorithm, policy, traj, cond, backward: bool = False) -> None:
+    """At every stochastic step of ``traj``, the importance ratio of the policy that sampled it is 1
+    (within 1e-6); ``backward``: each step's loss is backpropagated too."""
+    for step in traj.sde_steps:
+        batch = TrainBatch.at_step(traj.latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond, step)
+        loss, metrics = algorithm.loss(policy, batch)
+        assert abs(metrics["ratio_min"].item() - 1) < 1e-6 and abs(metrics["ratio_max"].item() - 1) < 1e-6, \
+            (step, metrics)
+        if backward:
+            loss.backward()

@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import load_file
 
 from flow_factory.algorithms import make_algorithm
-from flow_factory.algorithms.base import TrainBatch
 from flow_factory.config import parse_config
 from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import make_dynamics
@@ -23,6 +22,7 @@ from flow_factory.models.lora import apply_lora
 from flow_factory.rollout import sample_trajectory
 from flow_factory.trainer import Trainer
 from flow_factory.trainer.policy import AdapterPolicy
+from helpers_algorithms import assert_on_policy, perturb_lora
 from helpers_runs import tiny_run_config
 
 INDUCTOR = bool(os.environ.get("FF_COMPILE_TESTS")) or torch.cuda.is_available()
@@ -85,11 +85,7 @@ def test_flow_factory_acceleration_block_reads_as_our_keys(tmp_path, tiny_sd3_pa
 def test_on_policy_ratio_is_one_through_the_compiled_transformer(tiny_sd3_path, backend):
     adapter = load_adapter("sd3-5", tiny_sd3_path)
     apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
-    with torch.no_grad():  # LoRA B starts at zero: give the policy its own weights
-        g = torch.Generator().manual_seed(0)
-        for name, p in adapter.transformer.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    perturb_lora(adapter.transformer)
     adapter.compile_transformers("full", backend=backend)
     assert adapter.transformer._compiled_call_impl is not None
     dynamics = make_dynamics("Flow-SDE", 0.7)
@@ -100,11 +96,6 @@ def test_on_policy_ratio_is_one_through_the_compiled_transformer(tiny_sd3_path, 
     noise = adapter.initial_noise(2, 64, 64, torch.Generator().manual_seed(1))
     traj = sample_trajectory(adapter, dynamics, cond, noise, adapter.sigmas(3, 64, 64, None), 3.0,
                              generator=torch.Generator().manual_seed(2))
-    for step in traj.sde_steps:
-        batch = TrainBatch.at_step(traj.latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond, step)
-        loss, metrics = algorithm.loss(policy, batch)
-        assert abs(metrics["ratio_min"].item() - 1) < 1e-6 and abs(metrics["ratio_max"].item() - 1) < 1e-6, \
-            (step, metrics)
-        loss.backward()  # the compiled graph's backward reaches the LoRA weights
+    assert_on_policy(algorithm, policy, traj, cond, backward=True)  # the compiled backward reaches LoRA
     grads = [p.grad for n, p in adapter.transformer.named_parameters() if "lora_A" in n]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)

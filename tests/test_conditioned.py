@@ -12,11 +12,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers_algorithms import assert_on_policy, perturb_lora
 from helpers_runs import CONDITION_IMAGES, CONDITIONED_MODELS, tiny_run_config, write_config
 from PIL import Image
 
 from flow_factory.algorithms import make_algorithm
-from flow_factory.algorithms.base import TrainBatch
 from flow_factory.config.train import TrainConfig
 from flow_factory.data import load_prompts, read_image, read_video
 from flow_factory.data.media import check_video
@@ -212,22 +212,13 @@ def test_wan2_v2v_keeps_the_last_strength_part_of_the_schedule(tmp_path, tiny_wa
         adapter.prepare_conditions(None, _sources(1, frames=4), 32, 32, 5, None)
 
 
-def _perturb_lora(transformer, scale, which="lora_B", seed=0):
-    """LoRA B starts at zero: give the ``which`` matrices weight, so the policy differs from the base model."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in transformer.named_parameters():
-            if which in name:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
-
-
 @pytest.mark.parametrize("dynamics_name", ["Flow-SDE", "Dance-SDE", "CPS"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_on_policy_ratio_is_one(request, case, dynamics_name):
     adapter, size, condition_size, guidance = _load(request, case)
     height, width, frames = size
     apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
-    _perturb_lora(adapter.transformer, 0.05)
+    perturb_lora(adapter.transformer, 0.05)
     dynamics = make_dynamics(dynamics_name, 0.7)
     algorithm = make_algorithm("grpo", TrainConfig(kl_type="v-based"), dynamics)
     policy = AdapterPolicy(adapter, guidance, "lora", keep_reference=False)
@@ -236,11 +227,7 @@ def test_on_policy_ratio_is_one(request, case, dynamics_name):
     sigmas = adapter.sigmas(STEPS, height, width, frames)
     traj = sample_trajectory(adapter, dynamics, cond, adapter.start_latents(noise, sigmas[0], cond), sigmas, guidance,
                              generator=torch.Generator().manual_seed(2))
-    for step in traj.sde_steps:
-        batch = TrainBatch.at_step(traj.latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond, step)
-        _, metrics = algorithm.loss(policy, batch)
-        assert abs(metrics["ratio_min"].item() - 1) < 1e-6 and abs(metrics["ratio_max"].item() - 1) < 1e-6, \
-            (step, metrics)
+    assert_on_policy(algorithm, policy, traj, cond)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -257,7 +244,7 @@ def test_lora_reloads_in_diffusers_and_changes_the_output(request, case, tmp_pat
     base = v(adapter)
     apply_lora(adapter.transformer, rank=4, alpha=2.0, target_modules="default",
                default_targets=adapter.default_lora_targets)
-    _perturb_lora(adapter.transformer, 0.2, which="lora_")
+    perturb_lora(adapter.transformer, 0.2, which="lora_")
     tuned = v(adapter)
     assert (tuned - base).abs().max() > 1e-3
     save_lora(adapter.pipeline_class, adapter.transformer, tmp_path / "lora")
