@@ -360,9 +360,15 @@ class FlowAdapter:
         """Text conditioning for ``prompts``; includes the negative branch when CFG is used."""
         raise NotImplementedError  # abstract
 
+    # image models whose pipelines pack 2x2 latents into one token (FLUX.1, Qwen-Image): 4
+    latents_per_token = 1
+
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
-        """Shape of one sample's latents (no batch dim)."""
-        raise NotImplementedError  # abstract
+        """Shape of one sample's latents (no batch dim). By default an image model's VAE latents: the
+        transformer's input channels (per packed latent) at the VAE's scale; video models override it."""
+        self.check_size(height, width)
+        s = self.pipeline.vae_scale_factor
+        return (self.transformer.config.in_channels // self.latents_per_token, height // s, width // s)
 
     def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> Tensor:
         """(num_steps + 1,) float32 from 1-ish down to 0, as the pipeline's scheduler sets them."""

@@ -26,6 +26,7 @@ class FluxAdapter(FlowAdapter):
     pixel_factor = MODEL_FAMILIES[model_type].pixel_factor
     default_lora_targets = JOINT_ATTENTION_LORA_TARGETS
     max_sequence_length = 512  # T5 tokens, the pipeline's default
+    latents_per_token = 4  # the pipeline packs 2x2 latents into one token
 
     @staticmethod
     def pixel_factor_of(vae: Mapping, transformer: Mapping) -> int | None:
@@ -47,11 +48,6 @@ class FluxAdapter(FlowAdapter):
             max_sequence_length=self.max_sequence_length,
         )
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-
-    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
-        self.check_size(height, width)
-        s = self.pipeline.vae_scale_factor
-        return (self.transformer.config.in_channels // 4, height // s, width // s)
 
     def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> Tensor:
         # as FluxPipeline: a linear grid ending at 1/n, shifted by mu, which grows with the

@@ -34,6 +34,7 @@ class QwenImageAdapter(FlowAdapter):
     # (net.2 is the Linear itself), so it trains without them; so does this
     default_lora_targets = [*JOINT_ATTENTION_LORA_TARGETS, "img_mlp.net.0.proj", "txt_mlp.net.0.proj"]
     max_sequence_length = 512  # text tokens: QwenImagePipeline.__call__ truncates to this
+    latents_per_token = 4  # the pipeline packs 2x2 latents into one token
 
     @staticmethod
     def pixel_factor_of(vae: Mapping, transformer: Mapping) -> int | None:
@@ -59,11 +60,6 @@ class QwenImageAdapter(FlowAdapter):
         lengths = mask.sum(1).tolist() if mask is not None else [embeds.shape[1]] * len(embeds)
         embeds, mask = pad_text([e[:n] for e, n in zip(embeds, lengths)], self.max_sequence_length)
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
-
-    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
-        self.check_size(height, width)
-        s = self.pipeline.vae_scale_factor
-        return (self.transformer.config.in_channels // 4, height // s, width // s)
 
     def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> Tensor:
         tokens = (height // self.loaded_pixel_factor) * (width // self.loaded_pixel_factor)

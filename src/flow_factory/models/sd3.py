@@ -61,11 +61,6 @@ class SD3Adapter(FlowAdapter):
             cond.update(negative_prompt_embeds=neg, negative_pooled_prompt_embeds=neg_pooled)
         return cond
 
-    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
-        self.check_size(height, width)
-        s = self.pipeline.vae_scale_factor
-        return (self.transformer.config.in_channels, height // s, width // s)
-
     def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> Tensor:
         # a fresh scheduler from the same config: the pipeline's own keeps its state untouched
         scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)

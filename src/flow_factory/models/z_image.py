@@ -58,11 +58,6 @@ class ZImageAdapter(FlowAdapter):
             cond.update(negative_prompt_embeds=embeds, negative_prompt_embeds_mask=mask)
         return cond
 
-    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
-        self.check_size(height, width)
-        s = self.pipeline.vae_scale_factor
-        return (self.transformer.config.in_channels, height // s, width // s)
-
     def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> Tensor:
         tokens = (height // self.loaded_pixel_factor) * (width // self.loaded_pixel_factor)
         return shifted_sigmas(self.pipeline, num_steps, tokens, get_default_z_image_sigmas(num_steps), self.device)
