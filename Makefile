@@ -35,8 +35,12 @@ demo: $(STAMP)
 tiny-demo: $(STAMP)
 	$(PY) scripts/demo.py
 
+# two pytest-xdist workers, a test file each at a time (a file's module fixtures and its
+# multi-process runs stay together); every worker runs torch on one thread (tests/conftest.py).
+# More cores: make test TEST_WORKERS=8
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) runs
