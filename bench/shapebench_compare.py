@@ -6,6 +6,7 @@ The CPU analogue of the Flow-Factory paper's reward curves:
     python bench/shapebench_compare.py --algorithms nft dgpo --seeds 0 1 2 3
     python bench/shapebench_compare.py --smoke --algorithms grpo-fast --seeds 0    # end to end in minutes
     python bench/shapebench_compare.py --estimate                 # time one epoch of each, print the estimate
+    python bench/shapebench_compare.py --threads 1 --resume   # go on from an earlier sitting's results.json
     python bench/shapebench_compare.py --report runs/shapebench_compare/results.json   # table and figure again
 
 Each algorithm trains the committed ShapeBench pipeline (assets/shapebench/sd3) from
@@ -19,17 +20,22 @@ cfg 2), measured before training and ``--evals`` times along the way.
 It prints, per algorithm, the mean over seeds and its 95 % t-interval (``seed_statistics``):
 
 * held-out strict and partial accuracy at equal samples (after the whole budget);
-* the same at equal wall time: every run's curve read at T, the training time of the quickest
+* the same at equal training time: every run's curve read at T, the training time of the quickest
   run of all (training time only: sampling, rewards and optimisation, not the evaluations),
   linear between the evaluations around it;
 * seconds per epoch.
+
+Training time is the process's CPU time when every run used one torch thread (``--threads 1``):
+on one thread it is the wall time a quiet machine would take, and other work on the machine
+hardly moves it, so runs from several sittings (``--resume``) and a shared machine compare
+fairly. Otherwise it is wall time, fair only for runs made together on a quiet machine.
 
 ``--out``/shapebench_compare.png shows held-out accuracy against samples, one curve per algorithm
 (the mean over seeds) with its interval as a band; ``--out``/results.json keeps every run's curve,
 so ``--report`` makes the table and figure again without training. Before training, one epoch of
 each algorithm is timed for an estimate of the whole (``--estimate`` stops there); after each run it
-prints the time so far and what is left. One process, fp32; timings move with the machine's load:
-run it on a quiet machine.
+prints the time so far and what is left. One process, fp32. results.json is rewritten after each
+run, so a sitting that is stopped keeps its finished runs.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from flow_factory.checkpoint import write_atomic  # noqa: E402
 from flow_factory.config import load_config  # noqa: E402
 from flow_factory.trainer import Trainer  # noqa: E402
 
@@ -103,18 +110,38 @@ def trainer_for(name: str, seed: int, epochs: int, eval_freq: int, out: Path, sa
 
 
 def run(name: str, seed: int, epochs: int, evals: int, out: Path) -> dict:
-    """One training run: its held-out curve against samples and training seconds."""
+    """One training run: its held-out curve against samples, and the training seconds before each
+    evaluation on two clocks: wall time, and this process's CPU time. With one torch thread the CPU
+    time is what the wall time would be on a quiet machine, and it hardly moves when other work
+    shares the machine, so the equal-time columns can be read from runs made under different loads."""
     trainer = trainer_for(name, seed, epochs, max(1, epochs // evals), out, out / "runs")
     per_epoch = trainer.cfg.samples_per_epoch
+    cpu_before_eval: dict[int, float] = {}  # epoch -> training CPU seconds so far
+    spent_evaluating = [0.0]
+    evaluate, started = trainer.evaluate, time.process_time()
+
+    def timed_evaluate(epoch: int):
+        begin = time.process_time()
+        cpu_before_eval[epoch] = begin - started - spent_evaluating[0]
+        try:
+            return evaluate(epoch)
+        finally:
+            spent_evaluating[0] += time.process_time() - begin
+
+    trainer.evaluate = timed_evaluate  # the trainer calls self.evaluate at each eval_freq and at the end
+    load_before = os.getloadavg()[0]
     trainer.train()
-    spent = [0.0]  # training seconds before each epoch (an eval at epoch e follows e epochs)
+    spent = [0.0]  # wall training seconds before each epoch (an eval at epoch e follows e epochs)
     for record in trainer.history:
         spent.append(spent[-1] + record["time/epoch"])
     curve = [{"epoch": e["epoch"], "samples": e["epoch"] * per_epoch, "train_s": spent[e["epoch"]],
-              **{k: e[key] for k, key in METRICS.items()}} for e in trainer.eval_history]
+              "train_cpu_s": cpu_before_eval[e["epoch"]], **{k: e[key] for k, key in METRICS.items()}}
+             for e in trainer.eval_history]
     del trainer
     gc.collect()
-    return {"algorithm": name, "seed": seed, "epochs": epochs, "epoch_s": spent[-1] / epochs, "curve": curve}
+    return {"algorithm": name, "seed": seed, "epochs": epochs, "epoch_s": spent[-1] / epochs,
+            "epoch_cpu_s": curve[-1]["train_cpu_s"] / epochs, "commit": commit(), "date": time.strftime("%Y-%m-%d"),
+            "threads": torch.get_num_threads(), "load_average": [load_before, os.getloadavg()[0]], "curve": curve}
 
 
 def calibrate(name: str, out: Path) -> dict:
@@ -141,30 +168,41 @@ def run_seconds(timing: dict, epochs: int, evals: int, eval_samples: int) -> flo
     return epochs * timing["epoch_s"] + num_evals * eval_s + timing["start_s"]
 
 
-def summarize(runs: list[dict]) -> tuple[float, dict[str, dict]]:
+CLOCKS = {"cpu": ("train_cpu_s", "epoch_cpu_s"), "wall": ("train_s", "epoch_s")}
+
+
+def clock_of(runs: list[dict]) -> str:
+    """CPU time where every run has it and ran on one torch thread (where it stands for quiet wall time),
+    wall time otherwise."""
+    return "cpu" if all("epoch_cpu_s" in r and r.get("threads") == 1 for r in runs) else "wall"
+
+
+def summarize(runs: list[dict], clock: str = "wall") -> tuple[float, dict[str, dict]]:
     """Per algorithm: t-intervals over its seeds of strict / partial accuracy at equal samples (the last
-    evaluation) and at equal wall time T (the shortest run's training time), and of seconds per epoch."""
-    budget = min(r["curve"][-1]["train_s"] for r in runs)
+    evaluation) and at equal training time T (the shortest run's, on ``clock``), and of seconds per epoch."""
+    at, per_epoch = CLOCKS[clock]
+    budget = min(r["curve"][-1][at] for r in runs)
     rows = {}
     for name in dict.fromkeys(r["algorithm"] for r in runs):
         mine = [r for r in runs if r["algorithm"] == name]
         row = {"seeds": [r["seed"] for r in mine], "samples": mine[0]["curve"][-1]["samples"],
                "before": t_interval([r["curve"][0]["strict"] for r in mine]),
-               "epoch_s": t_interval([r["epoch_s"] for r in mine])}
+               "epoch_s": t_interval([r[per_epoch] for r in mine])}
         for metric in METRICS:
             row[f"{metric}_samples"] = t_interval([r["curve"][-1][metric] for r in mine])
-            row[f"{metric}_time"] = t_interval([value_at([p["train_s"] for p in r["curve"]],
+            row[f"{metric}_time"] = t_interval([value_at([p[at] for p in r["curve"]],
                                                          [p[metric] for p in r["curve"]], budget) for r in mine])
         rows[name] = row
     return budget, rows
 
 
-def print_table(budget: float, rows: dict[str, dict]) -> None:
+def print_table(budget: float, rows: dict[str, dict], clock: str = "wall") -> None:
     samples = {row["samples"] for row in rows.values()}
+    time_name = "CPU time (one thread)" if clock == "cpu" else "wall time"
     print(f"\nShapeBench held-out accuracy ({CONFIG.name} on assets/shapebench/sd3; {', '.join(map(str, samples))} "
-          f"samples each; mean over seeds [95 % t-interval]; equal wall time = {budget:.0f} s of training)")
+          f"samples each; mean over seeds [95 % t-interval]; equal {time_name} = {budget:.0f} s of training)")
     head = ["algorithm", "seeds", "before (strict)", "strict, equal samples", "partial, equal samples",
-            "strict, equal time", "partial, equal time", "s / epoch"]
+            "strict, equal time", "partial, equal time", f"{clock} s / epoch"]
     print(" | ".join(head))
     for name, row in rows.items():
         cells = [name, " ".join(map(str, row["seeds"])), str(row["before"]), str(row["strict_samples"]),
@@ -210,8 +248,13 @@ def commit() -> str:
 
 
 def report(results: dict, out: Path) -> None:
-    budget, rows = summarize(results["runs"])
-    print_table(budget, rows)
+    runs = results["runs"]
+    clock = clock_of(runs)
+    budget, rows = summarize(runs, clock)
+    print_table(budget, rows, clock)
+    commits = sorted({r.get("commit", results.get("commit", "unknown")) for r in runs})
+    if len(commits) > 1:
+        print(f"the runs were made at {len(commits)} commits: {', '.join(commits)}")
     plot(results["runs"], out / "shapebench_compare.png")
     print(f"\nfigure: {out / 'shapebench_compare.png'}; every run's curve: {out / 'results.json'}")
 
@@ -230,9 +273,11 @@ def main(argv=None) -> None:
                    "of the whole and stop")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "shapebench_compare")
+    p.add_argument("--resume", action="store_true", help="keep the runs already in --out/results.json (same "
+                   "samples, held-out set and threads) and make only the missing ones: the comparison may be made "
+                   "over several sittings")
     p.add_argument("--report", type=Path, nargs="+", default=None, help="results.json files to print and plot "
-                   "again, without training; several (runs split over sessions) are merged, which is fair for the "
-                   "equal-wall-time columns only when they ran on one machine under the same load")
+                   "again, without training; several are merged")
     args = p.parse_args(argv)
     if args.report is not None:
         parts = [json.loads(path.read_text()) for path in args.report]
@@ -247,38 +292,59 @@ def main(argv=None) -> None:
     write_dataset(out / "data", args.eval_samples)
     per_epoch = load_config(CONFIG).samples_per_epoch
     epochs = max(1, args.samples // per_epoch)
+    world = {"samples": epochs * per_epoch, "eval_samples": args.eval_samples, "evals": args.evals,
+             "threads": torch.get_num_threads()}
+    results = {**world, "commit": commit(), "date": time.strftime("%Y-%m-%d"), "timings": {}, "runs": []}
+    if args.resume and (out / "results.json").exists():
+        results = resumed(out / "results.json", world)
+    done = {(r["algorithm"], r["seed"]) for r in results["runs"]}
+    planned = [(seed, name) for seed in args.seeds for name in args.algorithms  # a seed of every algorithm first
+               if (name, seed) not in done]
     start = time.perf_counter()
-    print(f"{len(args.algorithms)} algorithms x {len(args.seeds)} seeds, {epochs} epochs of {per_epoch} samples, "
+    print(f"{len(args.algorithms)} algorithms x {len(args.seeds)} seeds, {len(planned)} runs to make "
+          f"({len(done)} already in {out / 'results.json'}), {epochs} epochs of {per_epoch} samples, "
           f"{args.evals + 1} evaluations of {args.eval_samples} held-out samples, {torch.get_num_threads()} torch "
           f"threads; timing one epoch of each algorithm for an estimate ...", flush=True)
-    timings = {name: calibrate(name, out) for name in args.algorithms}
+    timings = results["timings"]  # kept from an earlier sitting
+    for name in dict.fromkeys(n for _, n in planned) if not args.estimate else args.algorithms:
+        if name not in timings or args.estimate:
+            timings[name] = calibrate(name, out)
     estimates = {name: run_seconds(t, epochs, args.evals, args.eval_samples) for name, t in timings.items()}
-    total = len(args.seeds) * sum(estimates.values())
+    total = sum(estimates[name] for _, name in planned)
     print("seconds per epoch: " + ", ".join(f"{n} {t['epoch_s']:.1f}" for n, t in timings.items()))
-    print(f"estimate: {total / 3600:.1f} h ({total / 60:.0f} min) for the {len(args.seeds) * len(estimates)} runs, "
+    print(f"estimate: {total / 3600:.1f} h ({total / 60:.0f} min) for the {len(planned)} runs, "
           f"after {(time.perf_counter() - start) / 60:.0f} min of timing", flush=True)
     if args.estimate:
         return
 
-    results = {"commit": commit(), "date": time.strftime("%Y-%m-%d"), "samples": epochs * per_epoch,
-               "eval_samples": args.eval_samples, "threads": torch.get_num_threads(), "runs": []}
-    planned = [(seed, name) for seed in args.seeds for name in args.algorithms]  # a seed of every algorithm first
     done_estimate, runs_start = 0.0, time.perf_counter()
     for i, (seed, name) in enumerate(planned, 1):
         result = run(name, seed, epochs, args.evals, out)
         results["runs"].append(result)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
+        write_atomic(out / "results.json", json.dumps(results, indent=1))  # a killed sitting keeps its runs
         done_estimate += estimates[name]
         elapsed = time.perf_counter() - start
         # the estimates of the runs left, scaled by how the finished runs compared with theirs
         left = sum(estimates[n] for _, n in planned[i:]) * (time.perf_counter() - runs_start) / done_estimate
         print(f"[{i}/{len(planned)}] {name} seed {seed}: strict {result['curve'][0]['strict']:.3f} -> "
-              f"{result['curve'][-1]['strict']:.3f}, {result['epoch_s']:.1f} s / epoch; {elapsed / 60:.0f} min so "
-              f"far, about {left / 60:.0f} min left", flush=True)
+              f"{result['curve'][-1]['strict']:.3f}, {result['epoch_s']:.1f} s / epoch "
+              f"({result['epoch_cpu_s']:.1f} s CPU); {elapsed / 60:.0f} min so far, about {left / 60:.0f} min left",
+              flush=True)
     report(results, out)
     runs_min = (time.perf_counter() - runs_start) / 60
     print(f"took {(time.perf_counter() - start) / 60:.1f} min in all; the runs {runs_min:.1f} min (estimated "
           f"{total / 60:.0f} min)")
+
+
+def resumed(path: Path, world: dict) -> dict:
+    """The results of an earlier sitting, refused when they were made in another world."""
+    results = json.loads(path.read_text())
+    differ = {k: (results.get(k), v) for k, v in world.items() if results.get(k) != v}
+    if differ:
+        raise SystemExit(f"--resume: {path} was made with " + ", ".join(
+            f"{k}={old} (now {new})" for k, (old, new) in differ.items()) + "; use another --out or the same settings")
+    results.setdefault("timings", {})
+    return results
 
 
 if __name__ == "__main__":

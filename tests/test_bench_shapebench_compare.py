@@ -2,6 +2,7 @@
 a curve read between its measurements, and the table's equal-samples and equal-time columns; its
 held-out set and its figure."""
 
+import json
 import math
 
 import pytest
@@ -86,3 +87,26 @@ def test_the_figure_has_a_band_per_algorithm_with_seeds(tmp_path):
     with pytest.raises(ValueError, match="different sample counts"):
         bench.plot(RUNS + [run("slow", 2, 20.0, [0.2, 0.4, 0.5], [0.6, 0.7, 0.9]) | {"curve": RUNS[0]["curve"][:2]}],
                    tmp_path / "bad.png")
+
+
+def test_equal_time_reads_cpu_seconds_when_every_run_used_one_thread():
+    # the same runs, with CPU clocks that disagree with their wall clocks: "slow" ran beside other
+    # work (wall 20 s an epoch) but needed only 10 CPU seconds, as "fast" did
+    on_cpu = [r | {"threads": 1, "epoch_cpu_s": 10.0,
+                   "curve": [p | {"train_cpu_s": 10.0 * p["epoch"]} for p in r["curve"]]} for r in RUNS]
+    assert bench.clock_of(on_cpu) == "cpu"
+    assert bench.clock_of(RUNS) == "wall"  # older runs without a CPU clock
+    assert bench.clock_of([on_cpu[0], on_cpu[1] | {"threads": 2}]) == "wall"  # CPU time sums threads
+    budget, rows = bench.summarize(on_cpu, "cpu")
+    assert budget == 40.0
+    assert rows["slow"]["strict_time"] == t_interval([0.5, 0.7])  # at its end, not halfway
+    assert rows["slow"]["epoch_s"].mean == 10.0
+
+
+def test_resume_refuses_results_made_in_another_world(tmp_path):
+    world = {"samples": 8192, "eval_samples": 512, "evals": 4, "threads": 1}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({**world, "runs": RUNS[:1]}))
+    assert bench.resumed(path, world)["runs"] == RUNS[:1]
+    with pytest.raises(SystemExit, match=r"eval_samples=512 \(now 256\)"):
+        bench.resumed(path, world | {"eval_samples": 256})
