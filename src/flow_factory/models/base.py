@@ -46,6 +46,14 @@ JOINT_ATTENTION_LORA_TARGETS = [
 
 
 @torch.no_grad()
+def packed_2x2_pixel_factor(vae: Mapping, transformer: Mapping) -> int | None:
+    """``pixel_factor_of`` for an AutoencoderKL whose 2x2 latents make one token (FLUX.1 and Z-Image): the
+    VAE halves the size at each block after the first, and the tokens halve it again."""
+    if "block_out_channels" not in vae:
+        return None
+    return 2 ** (len(vae["block_out_channels"]) - 1) * 2
+
+
 def decode_image(vae, latents: Tensor, device) -> Tensor:
     """(B, 3, H, W) in [0, 1] from latents of a VAE with ``scaling_factor`` and ``shift_factor`` (SD3's and
     FLUX's), as their pipelines decode; (B, 3, F, H, W) from a video VAE's, whose shift may be absent

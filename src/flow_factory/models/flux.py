@@ -9,7 +9,6 @@ static helpers, so the packing can never drift from diffusers'.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -17,7 +16,8 @@ from diffusers import FluxPipeline
 from torch import Tensor
 
 from ..config.sections import MODEL_FAMILIES
-from .base import JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image, shifted_sigmas
+from .base import (JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image, packed_2x2_pixel_factor,
+                   shifted_sigmas)
 
 
 class FluxAdapter(FlowAdapter):
@@ -28,13 +28,8 @@ class FluxAdapter(FlowAdapter):
     max_sequence_length = 512  # T5 tokens, the pipeline's default
     latents_per_token = 4  # the pipeline packs 2x2 latents into one token
 
-    @staticmethod
-    def pixel_factor_of(vae: Mapping, transformer: Mapping) -> int | None:
-        # as FluxPipeline: the VAE halves the size at each block after the first, then the pipeline packs
-        # 2x2 latents into one token (the transformer's own patch_size is 1)
-        if "block_out_channels" not in vae:
-            return None
-        return 2 ** (len(vae["block_out_channels"]) - 1) * 2
+    # the transformer's own patch_size is 1: the pipeline packs 2x2 latents into one token
+    pixel_factor_of = staticmethod(packed_2x2_pixel_factor)
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         return False  # FLUX.1-dev's guidance is an embedding: no negative branch

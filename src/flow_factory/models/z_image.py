@@ -10,7 +10,6 @@ so the conditioning holds the captions padded to ``max_sequence_length`` with th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 
 import torch
 from diffusers import ZImagePipeline
@@ -18,7 +17,7 @@ from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sig
 from torch import Tensor
 
 from ..config.sections import MODEL_FAMILIES
-from .base import Conditioning, FlowAdapter, decode_image, pad_text, shifted_sigmas
+from .base import Conditioning, FlowAdapter, decode_image, pad_text, packed_2x2_pixel_factor, shifted_sigmas
 
 
 class ZImageAdapter(FlowAdapter):
@@ -30,13 +29,8 @@ class ZImageAdapter(FlowAdapter):
                             "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
     max_sequence_length = 512  # caption tokens, ZImagePipeline's default
 
-    @staticmethod
-    def pixel_factor_of(vae: Mapping, transformer: Mapping) -> int | None:
-        # as ZImagePipeline: the VAE halves the size at each block after the first, and the pipeline asks for
-        # twice that (the transformer's 2x2 patches)
-        if "block_out_channels" not in vae:
-            return None
-        return 2 ** (len(vae["block_out_channels"]) - 1) * 2
+    # the transformer cuts 2x2 patches
+    pixel_factor_of = staticmethod(packed_2x2_pixel_factor)
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         return guidance_scale > 0  # ZImagePipeline.do_classifier_free_guidance
