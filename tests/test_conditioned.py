@@ -348,7 +348,7 @@ def test_ff_train_runs_from_a_conditioned_dataset(request, tmp_path, model_type,
     assert grid.width == 2 * 2 * 256  # 2 test prompts, each beside its condition image
     lora_dir = run_dir / "checkpoints" / "epoch_2"
     name = next(iter(CONDITION_IMAGES))
-    source = (read_video(check_video(tmp_path / "data" / "videos" / name.replace(".png", ".gif"))) if videos
+    source = (read_video(check_video(tmp_path / "data" / "videos" / name.replace(".png", ".mp4"))) if videos
               else Image.open(tmp_path / "data" / "images" / name).convert("RGB"))
     base = _pipeline_latents(model_type, path, None, source)
     tuned = _pipeline_latents(model_type, path, lora_dir, source)
