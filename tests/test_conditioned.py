@@ -22,6 +22,7 @@ from flow_factory.data import load_prompts, read_image, read_video
 from flow_factory.data.media import check_video
 from flow_factory.dynamics import make_dynamics
 from flow_factory.dynamics.ode import ODE
+from flow_factory.media import probe
 from flow_factory.models import (ADAPTERS, FluxKontextAdapter, WanI2VAdapter, WanT2VAdapter, WanV2VAdapter, apply_lora,
                                  get_adapter_class, index_cond, load_adapter, save_lora)
 from flow_factory.models.base import as_pil
@@ -344,8 +345,9 @@ def test_ff_train_runs_from_a_conditioned_dataset(request, tmp_path, model_type,
     run_dir = tmp_path / "saves" / "run"
     history = json.loads((run_dir / "history.json").read_text())
     assert [r["epoch"] for r in history["train"]] == [0, 1] and "reward/jpeg/mean" in history["train"][-1]
-    grid = Image.open(next((run_dir / "samples").glob("eval_epoch_0000.*")))  # a GIF for videos
-    assert grid.width == 2 * 2 * 256  # 2 test prompts, each beside its condition image
+    grid = next((run_dir / "samples").glob("eval_epoch_0000.*"))  # an mp4 for video models
+    width = probe(grid).size[0] if grid.suffix == ".mp4" else Image.open(grid).width
+    assert width == 2 * 2 * 256  # 2 test prompts, each beside its condition image
     lora_dir = run_dir / "checkpoints" / "epoch_2"
     name = next(iter(CONDITION_IMAGES))
     source = (read_video(check_video(tmp_path / "data" / "videos" / name.replace(".png", ".mp4"))) if videos

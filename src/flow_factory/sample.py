@@ -4,8 +4,9 @@
     ff-sample MODEL_DIR --checkpoint runs/x/checkpoints/epoch_8 --prompt-file prompts.txt --out DIR
     ff-sample MODEL_DIR --model-type flux1-kontext --prompt-file edits.jsonl --out DIR
 
-Writes ``DIR/NNNN.png`` (one per sample; a video as an animated ``NNNN.gif``), ``DIR/grid.png``
-(every sample with its prompt, beside its condition images; ``grid.gif`` for videos) and
+Writes ``DIR/NNNN.png`` (one per sample; a video as ``NNNN.mp4``, H.264, or with ``--video-format gif``
+an animated ``NNNN.gif``), ``DIR/grid.png`` (every sample with its prompt, beside its condition images;
+``grid.mp4`` / ``grid.gif`` for videos) and
 ``DIR/samples.jsonl`` (``{"index", "prompt", "seed", "file"}`` a line). A conditioned model
 (flux1-kontext, wan2_i2v, wan2_v2v) takes its condition files from a jsonl prompt file's rows (``image``, relative to
 the file's folder's ``images/``).
@@ -34,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--resolution", type=int, default=64)
     p.add_argument("--num-frames", type=int, default=None, help="video models only")
+    p.add_argument("--video-format", choices=["mp4", "gif"], default="mp4",
+                   help="video models: each sample and the grid as an H.264 mp4 (default) or an animated GIF")
     p.add_argument("--condition-image-size", type=int, default=None,
                    help="conditioned models: the size condition images are resized to; default: --resolution")
     p.add_argument("--steps", type=int, default=10)
@@ -74,7 +77,7 @@ def main(argv=None) -> int:
 
     from .checkpoint import CheckpointError, load_for_sampling
     from .guards import NonFiniteError
-    from .media import gif_bytes, sample_grid, save_grid
+    from .media import VIDEO_FPS, sample_grid, save_grid, save_video
     from .rewards.base import images_to_pil, videos_to_pil
     from .sampling import SamplingSettings, sample_prompts
 
@@ -96,17 +99,18 @@ def main(argv=None) -> int:
     media = rollouts.media
     rows = []
     pictures = videos_to_pil(media) if adapter.is_video else images_to_pil(media)
+    fps = getattr(adapter, "frame_rate", VIDEO_FPS)
     for i, (item, picture) in enumerate(zip(items, pictures)):
-        if adapter.is_video:  # an animated GIF of every frame
-            name = f"{i:04d}.gif"
-            (out / name).write_bytes(gif_bytes(picture))
+        if adapter.is_video:  # every frame, as an mp4 or an animated GIF
+            name = save_video(picture, out / f"{i:04d}", args.video_format, fps).name
         else:
             name = f"{i:04d}.png"
             picture.save(out / name)
         rows.append({"index": i, "prompt": item.prompt, "seed": args.seed, "file": name})
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     conditions = rollouts.conditions.per_sample() if rollouts.conditions else None
-    grid = save_grid(sample_grid(media, [it.prompt for it in items], conditions=conditions), out / "grid")
+    grid = save_grid(sample_grid(media, [it.prompt for it in items], conditions=conditions), out / "grid",
+                     args.video_format, fps)
     print(f"ff-sample: {len(rows)} samples and {grid.name} in {out}")
     return 0
 

@@ -97,7 +97,7 @@ def _even(frame: np.ndarray) -> np.ndarray:
     return np.pad(frame, ((0, h % 2), (0, w % 2), (0, 0)), mode="edge") if h % 2 or w % 2 else frame
 
 
-def write_mp4(frames: list[Image.Image], path: str | Path, fps: int) -> Path:
+def write_mp4(frames: list[Image.Image], path: str | Path, fps: float) -> Path:
     """``frames`` (RGB images of one size) as an H.264 mp4 at ``fps``, written beside ``path`` and renamed
     onto it: ``path`` holds the old file or the whole new one, never a part. Returns ``path``."""
     import av
@@ -106,11 +106,15 @@ def write_mp4(frames: list[Image.Image], path: str | Path, fps: int) -> Path:
         raise ValueError("write_mp4: no frames")
     path = Path(path)
     tmp = path.with_name(f".{path.name}.partial")
+    for i, frame in enumerate(frames):
+        if frame.size != frames[0].size:
+            raise ValueError(f"write_mp4: frames of one size: frame {i} is {frame.width}x{frame.height}, "
+                             f"frame 0 {frames[0].width}x{frames[0].height}")
     arrays = [_even(np.asarray(frame.convert("RGB"))) for frame in frames]
     try:
         # faststart: the index before the data, so a browser plays it while it downloads
         with av.open(str(tmp), mode="w", format="mp4", options={"movflags": "+faststart"}) as container:
-            stream = container.add_stream("libx264", rate=Fraction(fps))
+            stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
             stream.height, stream.width = arrays[0].shape[:2]
             stream.pix_fmt = "yuv420p"
             stream.options = {"crf": str(CRF)}
