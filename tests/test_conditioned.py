@@ -63,13 +63,15 @@ def _kontext_pipeline(adapter, prompts, conditions, noise, size, condition_size,
 
 def _wan_i2v_pipeline(adapter, prompts, conditions, noise, size, condition_size, guidance, output_type):
     """WanImageToVideoPipeline for the same noise, a sample a call (it takes one image for its whole batch), given
-    each condition at condition_size: its CLIP encoder sees that, its VAE that resized to the video's size."""
+    each condition at condition_size: its CLIP encoder sees that, its VAE that resized to the video's size; a
+    sample's second image is the pipeline's last_image (first-last-frame)."""
     height, width, frames = size
     media = adapter.prepare_conditions(conditions, None, height, width, frames, condition_size)
+    images = [as_pil(sample) for sample in media.images]
     return torch.cat([adapter.pipeline(
-        image=as_pil(media.images[i])[0], prompt=prompt, height=height, width=width, num_frames=frames,
-        num_inference_steps=STEPS, guidance_scale=guidance, latents=noise[i:i + 1], output_type=output_type).frames
-        for i, prompt in enumerate(prompts)])
+        image=images[i][0], last_image=images[i][1] if len(images[i]) > 1 else None, prompt=prompt, height=height,
+        width=width, num_frames=frames, num_inference_steps=STEPS, guidance_scale=guidance, latents=noise[i:i + 1],
+        output_type=output_type).frames for i, prompt in enumerate(prompts)])
 
 
 def _wan_v2v_pipeline(adapter, prompts, conditions, noise, size, condition_size, guidance, output_type):
@@ -181,6 +183,59 @@ def test_velocity_is_per_sample(request, case):
         blind = {**cond, "image_embeds": torch.zeros_like(cond["image_embeds"])}
         with torch.no_grad():
             assert (adapter.velocity(x, sigma, blind, guidance) - batched).abs().max() > 1e-3
+
+
+def test_wan2_1_flf2v_rollout_reproduces_the_pipeline_between_a_first_and_a_last_frame(tiny_wan_flf2v_path):
+    """A first-last-frame checkpoint (pos_embed_seq_len set): each sample's two images are the pipeline's image and
+    last_image; the rollout equals its output (invariant 2), and the last frame and the images' order matter."""
+    adapter, (height, width, frames) = load_adapter("wan2_i2v", tiny_wan_flf2v_path), (32, 32, 5)
+    size, condition_size, guidance = (height, width, frames), (48, 80), 3.0
+    sources = [[first[0], last[0]] for first, last in zip(_sources(2, seed=0), _sources(2, seed=1))]
+    cond = _conditioning(adapter, PROMPTS, sources, size, condition_size, guidance)
+    assert cond["image_embeds"].shape == (2, 2 * 17, 16)  # both images' CLIP states, per sample
+    noise = adapter.initial_noise(2, height, width, torch.Generator().manual_seed(0), num_frames=frames)
+    sigmas = adapter.sigmas(STEPS, height, width, frames)
+    final = sample_trajectory(adapter, ODE(), cond, noise, sigmas, guidance).final
+    expected = _wan_i2v_pipeline(adapter, PROMPTS, sources, noise.clone(), size, condition_size, guidance, "latent")
+    assert final.abs().max() > 0.1
+    torch.testing.assert_close(final, expected.float(), rtol=0, atol=1e-5)
+
+    for changed in ([[first, _sources(1, seed=2)[0][0]] for first, _ in sources],  # another last frame
+                    [[last, first] for first, last in sources]):  # the two swapped
+        other = _conditioning(adapter, PROMPTS, changed, size, condition_size, guidance)
+        assert (sample_trajectory(adapter, ODE(), other, noise, sigmas, guidance).final - final).abs().max() > 1e-3
+
+
+def test_wan2_i2v_takes_a_last_frame_only_where_the_checkpoint_does(tmp_path, tiny_wan_i2v_path, tiny_wan_flf2v_path,
+                                                                   capsys, monkeypatch):
+    """Rows with two images need a first-last-frame checkpoint, and such a checkpoint needs both: refused before
+    it loads, naming the row; a checkpoint known only once loaded (a hub id) refuses the batch."""
+    from flow_factory.sample import main as ff_sample
+
+    def refuse(cls, *args, **kwargs):
+        pytest.fail("a pipeline started loading: the error came too late")
+
+    monkeypatch.setattr(WanI2VAdapter, "from_pretrained", classmethod(refuse), raising=False)
+    monkeypatch.setattr(WanI2VAdapter.pipeline_class, "from_pretrained", classmethod(refuse))
+    images = tmp_path / "images"
+    images.mkdir()
+    for name in ("first.png", "last.png"):
+        Image.new("RGB", (32, 32)).save(images / name)
+    two, one = tmp_path / "two.jsonl", tmp_path / "one.jsonl"
+    two.write_text(json.dumps({"prompt": "a", "images": ["first.png", "last.png"]}) + "\n")
+    one.write_text(json.dumps({"prompt": "a", "image": "first.png"}) + "\n")
+    common = ["--model-type", "wan2_i2v", "--out", str(tmp_path / "out")]
+    assert ff_sample([str(tiny_wan_i2v_path), "--prompt-file", str(two), *common]) == 2
+    assert (f"{two}:1: wan2_i2v takes 1 condition images per prompt ('image' / 'images'), the row names 2; this "
+            "checkpoint generates from a first frame: a last frame too needs a first-last-frame checkpoint (Wan2.1 "
+            "FLF2V, whose transformer sets pos_embed_seq_len)") in capsys.readouterr().err
+    assert ff_sample([str(tiny_wan_flf2v_path), "--prompt-file", str(one), *common]) == 2
+    assert (f"{one}:1: wan2_i2v takes 2 condition images per prompt ('image' / 'images'), the row names 1; this "
+            "checkpoint generates between a first and a last frame") in capsys.readouterr().err
+    monkeypatch.undo()
+    adapter = load_adapter("wan2_i2v", tiny_wan_i2v_path)
+    with pytest.raises(ValueError, match="wan2_i2v: a sample has 2 condition images, this checkpoint takes 1; "):
+        adapter.prepare_conditions([[Image.new("RGB", (32, 32))] * 2], None, 32, 32, 5, None)
 
 
 def test_wan2_i2v_names_what_it_cannot_load():

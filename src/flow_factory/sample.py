@@ -63,11 +63,13 @@ def main(argv=None) -> int:
     from .data.conditions import check_conditions
     from .data.prompts import PromptItem
     from .models import get_adapter_class
+    from .models.preflight import checkpoint_conditions
 
     try:
         items = read_prompt_file(Path(args.prompt_file)) if args.prompt_file else [PromptItem(p) for p in args.prompts]
         adapter_cls = get_adapter_class(args.model_type)
-        check_conditions(items, args.model_type, adapter_cls.condition_inputs, adapter_cls.conditions_per_sample)
+        per_sample, note = checkpoint_conditions(adapter_cls, args.model)
+        check_conditions(items, args.model_type, adapter_cls.condition_inputs, per_sample, note)
     except (FileNotFoundError, ValueError) as e:
         print(f"ff-sample: {e}", file=sys.stderr)
         return 2
