@@ -464,6 +464,52 @@ def test_ff_sample_takes_the_conditions_from_a_jsonl_file(tmp_path, tiny_flux_ko
             "the row names 0") in capsys.readouterr().err
 
 
+def test_ff_sample_strength_regenerates_that_part_of_the_steps_as_the_pipeline(tmp_path, tiny_wan_v2v_path, capsys,
+                                                                              monkeypatch):
+    """ff-sample --strength 0.6 with 5 steps: the pipeline's output for strength 0.6 (3 steps from the source
+    noised to the first of them), from the noise it draws with ff-sample's per-sample generator; the default
+    0.8 would run 4. The flag is refused outside (0, 1], where it keeps no step, and for other models."""
+    from helpers_runs import write_conditioned_dataset
+
+    from flow_factory import sampling
+    from flow_factory.sample import main as ff_sample
+    from flow_factory.seeding import generator
+
+    data = write_conditioned_dataset(tmp_path / "data", videos=True)
+    prompts = tmp_path / "data" / "one.jsonl"
+    prompts.write_text((data / "test.jsonl").read_text().splitlines()[0] + "\n")
+    sampled = []
+    original = sampling.sample_prompts
+    monkeypatch.setattr(sampling, "sample_prompts", lambda *a, **k: sampled.append(original(*a, **k)) or sampled[-1])
+    common = ["--model-type", "wan2_v2v", "--prompt-file", str(prompts), "--resolution", "32", "--num-frames", "5",
+              "--steps", "5", "--guidance-scale", "3"]
+    assert ff_sample([str(tiny_wan_v2v_path), *common, "--strength", "0.6", "--out", str(tmp_path / "s")]) == 0
+    assert probe(tmp_path / "s" / "0000.mp4").frames == 5
+    rollouts, = sampled
+    assert len(rollouts.sigmas) == 3 + 1
+
+    adapter = load_adapter("wan2_v2v", tiny_wan_v2v_path)
+    item, = load_prompts(data, "test")[:1]
+    media = adapter.prepare_conditions(None, [[read_video(item.videos[0])]], 32, 32, 5, None)
+    expected = adapter.pipeline(
+        video=as_pil(media.videos[0][0]), prompt=item.prompt, height=32, width=32, num_inference_steps=5,
+        guidance_scale=3.0, strength=0.6, generator=generator("noise", 0, -1, 0), output_type="pt").frames
+    torch.testing.assert_close(rollouts.media, expected.float(), rtol=0, atol=1e-4)
+
+    for flags, message in (
+            (["--strength", "0"], "--strength 0: must be in (0, 1], the part of the steps that regenerate the "
+                                  "condition video"),
+            (["--strength", "1.5"], "--strength 1.5: must be in (0, 1]"),
+            (["--strength", "0.1"], "--strength 0.1 with --steps 5 keeps no step (int(5 x 0.1) = 0); raise either")):
+        assert ff_sample([str(tiny_wan_v2v_path), *common, *flags, "--out", str(tmp_path / "x")]) == 2
+        assert f"ff-sample: {message}" in capsys.readouterr().err
+    assert ff_sample([str(tiny_wan_v2v_path), "--model-type", "wan2_t2v", "--prompts", "a", "--strength", "0.5",
+                      "--out", str(tmp_path / "x")]) == 2
+    assert ("ff-sample: --strength: wan2_t2v does not start from a condition video; the flag is for video-to-video "
+            "(wan2_v2v)") in capsys.readouterr().err
+    assert len(sampled) == 1  # every refusal came before sampling
+
+
 # --------------------------------------------------------------------------------- the condition cache
 
 

@@ -9,7 +9,8 @@ an animated ``NNNN.gif``), ``DIR/grid.png`` (every sample with its prompt, besid
 ``grid.mp4`` / ``grid.gif`` for videos) and
 ``DIR/samples.jsonl`` (``{"index", "prompt", "seed", "file"}`` a line). A conditioned model
 (flux1-kontext, wan2_i2v, wan2_v2v) takes its condition files from a jsonl prompt file's rows (``image``, relative to
-the file's folder's ``images/``).
+the file's folder's ``images/``; ``video``, to its ``videos/``); video-to-video regenerates the last ``--strength``
+part of the steps.
 Sample ``i`` is drawn from the ODE with noise seeded by ``(seed, i)`` exactly as the
 Trainer's eval draws test prompt ``i``: the same seed gives the same images.
 """
@@ -41,6 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="conditioned models: the size condition images are resized to; default: --resolution")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--guidance-scale", type=float, default=1.0)
+    p.add_argument("--strength", type=float, default=None,
+                   help="video-to-video (wan2_v2v): the part of the steps that regenerate the condition video, in "
+                   "(0, 1]: the rollout starts from it noised to the first of the last int(steps x strength) steps; "
+                   "default 0.8, the pipeline's")
     p.add_argument("--guidance-scale-2", type=float, default=None,
                    help="a two-expert model's low-noise expert (Wan2.2 A14B); default: --guidance-scale")
     p.add_argument("--seed", type=int, default=0)
@@ -58,6 +63,24 @@ def read_prompt_file(path: Path) -> list:
     return [PromptItem(text) for _, text in _content_lines(path)]
 
 
+def check_strength(args: argparse.Namespace, adapter_cls) -> None:
+    """ValueError naming --strength unless it is unset, or in (0, 1] for a model that starts from a condition
+    video and keeps at least one of --steps."""
+    from .config.sections import strength_steps
+
+    if args.strength is None:
+        return
+    if "videos" not in adapter_cls.condition_inputs:
+        raise ValueError(f"--strength: {args.model_type} does not start from a condition video; the flag is for "
+                         "video-to-video (wan2_v2v); remove it")
+    if not 0 < args.strength <= 1:
+        raise ValueError(f"--strength {args.strength:g}: must be in (0, 1], the part of the steps that regenerate "
+                         "the condition video (1: all of them, from pure noise)")
+    if strength_steps(args.steps, args.strength) == 0:
+        raise ValueError(f"--strength {args.strength:g} with --steps {args.steps} keeps no step "
+                         f"(int({args.steps} x {args.strength:g}) = 0); raise either")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from .data.conditions import check_conditions
@@ -70,6 +93,7 @@ def main(argv=None) -> int:
         adapter_cls = get_adapter_class(args.model_type)
         per_sample, note = checkpoint_conditions(adapter_cls, args.model)
         check_conditions(items, args.model_type, adapter_cls.condition_inputs, per_sample, note)
+        check_strength(args, adapter_cls)
     except (FileNotFoundError, ValueError) as e:
         print(f"ff-sample: {e}", file=sys.stderr)
         return 2
@@ -92,6 +116,8 @@ def main(argv=None) -> int:
         print(f"ff-sample: --guidance-scale-2: {args.model} has one expert; remove the flag", file=sys.stderr)
         return 2
     adapter.guidance_scale_2 = args.guidance_scale_2
+    if args.strength is not None:
+        adapter.strength = args.strength
     size = args.condition_image_size
     settings = SamplingSettings(args.resolution, args.resolution, args.num_frames, args.steps, args.guidance_scale,
                                 args.batch_size, args.seed, condition_size=None if size is None else (size, size))
