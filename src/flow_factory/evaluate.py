@@ -108,6 +108,7 @@ def main(argv=None) -> int:
                               indent=1))
     if args.grid:
         from .media import VIDEO_FORMATS, VIDEO_FPS, caption, sample_grid, save_grid
+        from .models import get_adapter_class
 
         shown = min(16, len(samples))
         caps = [caption(s["prompt"], {k: v for k, v in s.items() if k != "prompt"}) for s in samples[:shown]]
@@ -115,7 +116,8 @@ def main(argv=None) -> int:
         # a video grid: the format --grid's suffix names, else the config's log.video_format
         named = Path(args.grid).suffix.lstrip(".")
         save_grid(sample_grid(rollouts.media[:shown], caps, conditions=conditions), args.grid,
-                  named if named in VIDEO_FORMATS else cfg.log.video_format, getattr(adapter, "frame_rate", VIDEO_FPS))
+                  named if named in VIDEO_FORMATS else cfg.log.video_format,
+                  getattr(get_adapter_class(cfg.model.model_type), "frame_rate", VIDEO_FPS))
     print(f"ff-eval: wrote {out}")
     return 0
 
