@@ -1,10 +1,11 @@
 """Video files through PyAV (FFmpeg's libraries, bundled with its wheel): probe, decode, write mp4.
 
 ``probe`` and ``read_frames`` read any container and codec FFmpeg does (mp4, mov, webm, mkv, avi,
-GIF, ...). ``write_mp4`` writes H.264 in yuv420p at CRF 18, the pixel format and codec every
-browser, TensorBoard-free tracker (wandb, swanlab) and player decodes; CRF 18 is x264's "visually
-lossless" setting. yuv420p stores colour at half resolution in both directions, so an odd width
-or height is padded by one row or column (a copy of the last one) to the even size it needs.
+GIF, ...). ``write_mp4`` writes H.264 in yuv420p at CRF 18, the codec and pixel format every
+browser, tracker (wandb, swanlab) and player decodes; CRF 18 is x264's "visually lossless"
+setting. yuv420p stores colour at half resolution in both directions, so an odd width or height
+is padded by one row or column (a copy of the last one) to the even size it needs. PyAV is
+imported when a video is first read or written, not with the package.
 """
 
 from __future__ import annotations
