@@ -113,6 +113,13 @@ def tiny_wan_i2v_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_wan_flf2v_path(tmp_path_factory):
+    """Folder of a tiny Wan2.1 first-last-frame-to-video WanImageToVideoPipeline (model_type "wan2_i2v", the
+    transformer's pos_embed_seq_len set); 5 frames at 32x32 between two condition images."""
+    return _build(tmp_path_factory, "wan2.1-flf2v")
+
+
+@pytest.fixture(scope="session")
 def tiny_wan22_i2v_path(tmp_path_factory):
     """Folder of a tiny Wan2.2 I2V A14B-layout WanImageToVideoPipeline (model_type "wan2_i2v"): two experts,
     boundary_ratio 0.9, no image encoder."""

@@ -26,7 +26,7 @@ TINY_MODELS = {
 CONDITIONED_MODELS = {
     "flux1-kontext": ("tiny_flux_kontext_path", 64, None, 2.5),
     "wan2_i2v": ("tiny_wan22_i2v_path", 32, 5, 3.0),  # Wan2.2 I2V's two experts (Wan2.1's CLIP: test_conditioned)
-    "wan2_v2v": ("tiny_wan_v2v_path", 32, 5, 3.0),  # condition videos (GIF)
+    "wan2_v2v": ("tiny_wan_v2v_path", 32, 5, 3.0),  # condition videos (mp4)
 }
 # the condition images of the conditioned datasets: (width, height), as the files are, and an RGB colour
 CONDITION_IMAGES = {"red.png": ((83, 50), (200, 30, 30)), "green.png": ((83, 50), (30, 200, 30)),
@@ -46,24 +46,31 @@ def write_condition_image(path: Path, size: tuple[int, int], colour: tuple[int, 
 
 def write_condition_video(path: Path, size: tuple[int, int], colour: tuple[int, int, int], seed: int = 0,
                           frames: int = 6) -> Path:
-    """An animated GIF of ``frames`` frames (``write_condition_image``'s, seeds ``seed``, ``seed + 10``, ...)."""
+    """A video of ``frames`` frames (``write_condition_image``'s, seeds ``seed``, ``seed + 10``, ...): an mp4
+    (H.264; an odd size is padded to even) as Flow-Factory's datasets hold, or an animated GIF for ``.gif``."""
     from PIL import Image
 
-    stills = [Image.open(write_condition_image(path.with_suffix(f".{k}.png"), size, colour, seed + 10 * k))
-              for k in range(frames)]
-    stills[0].save(path, save_all=True, append_images=stills[1:], duration=100, loop=0)
+    from flow_factory.media.video import write_mp4
+
+    stills = []
     for k in range(frames):
+        with Image.open(write_condition_image(path.with_suffix(f".{k}.png"), size, colour, seed + 10 * k)) as im:
+            stills.append(im.convert("RGB"))
         path.with_suffix(f".{k}.png").unlink()
+    if path.suffix == ".gif":
+        stills[0].save(path, save_all=True, append_images=stills[1:], duration=100, loop=0)
+    else:
+        write_mp4(stills, path, fps=16)
     return path
 
 
 def write_conditioned_dataset(folder: Path, videos: bool = False) -> Path:
-    """train.jsonl / test.jsonl whose rows each name a condition image under images/ (or a GIF video under
+    """train.jsonl / test.jsonl whose rows each name a condition image under images/ (or an mp4 video under
     videos/), and a metadata key."""
     import json
 
     key, kind = ("video", "videos") if videos else ("image", "images")
-    names = [name.replace(".png", ".gif") if videos else name for name in CONDITION_IMAGES]
+    names = [name.replace(".png", ".mp4") if videos else name for name in CONDITION_IMAGES]
     for i, (name, (size, colour)) in enumerate(zip(names, CONDITION_IMAGES.values())):
         write = write_condition_video if videos else write_condition_image
         write(folder / kind / name, size, colour, seed=i)

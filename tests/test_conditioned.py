@@ -22,6 +22,7 @@ from flow_factory.data import load_prompts, read_image, read_video
 from flow_factory.data.media import check_video
 from flow_factory.dynamics import make_dynamics
 from flow_factory.dynamics.ode import ODE
+from flow_factory.media import probe
 from flow_factory.models import (ADAPTERS, FluxKontextAdapter, WanI2VAdapter, WanT2VAdapter, WanV2VAdapter, apply_lora,
                                  get_adapter_class, index_cond, load_adapter, save_lora)
 from flow_factory.models.base import as_pil
@@ -62,13 +63,15 @@ def _kontext_pipeline(adapter, prompts, conditions, noise, size, condition_size,
 
 def _wan_i2v_pipeline(adapter, prompts, conditions, noise, size, condition_size, guidance, output_type):
     """WanImageToVideoPipeline for the same noise, a sample a call (it takes one image for its whole batch), given
-    each condition at condition_size: its CLIP encoder sees that, its VAE that resized to the video's size."""
+    each condition at condition_size: its CLIP encoder sees that, its VAE that resized to the video's size; a
+    sample's second image is the pipeline's last_image (first-last-frame)."""
     height, width, frames = size
     media = adapter.prepare_conditions(conditions, None, height, width, frames, condition_size)
+    images = [as_pil(sample) for sample in media.images]
     return torch.cat([adapter.pipeline(
-        image=as_pil(media.images[i])[0], prompt=prompt, height=height, width=width, num_frames=frames,
-        num_inference_steps=STEPS, guidance_scale=guidance, latents=noise[i:i + 1], output_type=output_type).frames
-        for i, prompt in enumerate(prompts)])
+        image=images[i][0], last_image=images[i][1] if len(images[i]) > 1 else None, prompt=prompt, height=height,
+        width=width, num_frames=frames, num_inference_steps=STEPS, guidance_scale=guidance, latents=noise[i:i + 1],
+        output_type=output_type).frames for i, prompt in enumerate(prompts)])
 
 
 def _wan_v2v_pipeline(adapter, prompts, conditions, noise, size, condition_size, guidance, output_type):
@@ -180,6 +183,59 @@ def test_velocity_is_per_sample(request, case):
         blind = {**cond, "image_embeds": torch.zeros_like(cond["image_embeds"])}
         with torch.no_grad():
             assert (adapter.velocity(x, sigma, blind, guidance) - batched).abs().max() > 1e-3
+
+
+def test_wan2_1_flf2v_rollout_reproduces_the_pipeline_between_a_first_and_a_last_frame(tiny_wan_flf2v_path):
+    """A first-last-frame checkpoint (pos_embed_seq_len set): each sample's two images are the pipeline's image and
+    last_image; the rollout equals its output (invariant 2), and the last frame and the images' order matter."""
+    adapter, (height, width, frames) = load_adapter("wan2_i2v", tiny_wan_flf2v_path), (32, 32, 5)
+    size, condition_size, guidance = (height, width, frames), (48, 80), 3.0
+    sources = [[first[0], last[0]] for first, last in zip(_sources(2, seed=0), _sources(2, seed=1))]
+    cond = _conditioning(adapter, PROMPTS, sources, size, condition_size, guidance)
+    assert cond["image_embeds"].shape == (2, 2 * 17, 16)  # both images' CLIP states, per sample
+    noise = adapter.initial_noise(2, height, width, torch.Generator().manual_seed(0), num_frames=frames)
+    sigmas = adapter.sigmas(STEPS, height, width, frames)
+    final = sample_trajectory(adapter, ODE(), cond, noise, sigmas, guidance).final
+    expected = _wan_i2v_pipeline(adapter, PROMPTS, sources, noise.clone(), size, condition_size, guidance, "latent")
+    assert final.abs().max() > 0.1
+    torch.testing.assert_close(final, expected.float(), rtol=0, atol=1e-5)
+
+    for changed in ([[first, _sources(1, seed=2)[0][0]] for first, _ in sources],  # another last frame
+                    [[last, first] for first, last in sources]):  # the two swapped
+        other = _conditioning(adapter, PROMPTS, changed, size, condition_size, guidance)
+        assert (sample_trajectory(adapter, ODE(), other, noise, sigmas, guidance).final - final).abs().max() > 1e-3
+
+
+def test_wan2_i2v_takes_a_last_frame_only_where_the_checkpoint_does(tmp_path, tiny_wan_i2v_path, tiny_wan_flf2v_path,
+                                                                   capsys, monkeypatch):
+    """Rows with two images need a first-last-frame checkpoint, and such a checkpoint needs both: refused before
+    it loads, naming the row; a checkpoint known only once loaded (a hub id) refuses the batch."""
+    from flow_factory.sample import main as ff_sample
+
+    def refuse(cls, *args, **kwargs):
+        pytest.fail("a pipeline started loading: the error came too late")
+
+    monkeypatch.setattr(WanI2VAdapter, "from_pretrained", classmethod(refuse), raising=False)
+    monkeypatch.setattr(WanI2VAdapter.pipeline_class, "from_pretrained", classmethod(refuse))
+    images = tmp_path / "images"
+    images.mkdir()
+    for name in ("first.png", "last.png"):
+        Image.new("RGB", (32, 32)).save(images / name)
+    two, one = tmp_path / "two.jsonl", tmp_path / "one.jsonl"
+    two.write_text(json.dumps({"prompt": "a", "images": ["first.png", "last.png"]}) + "\n")
+    one.write_text(json.dumps({"prompt": "a", "image": "first.png"}) + "\n")
+    common = ["--model-type", "wan2_i2v", "--out", str(tmp_path / "out")]
+    assert ff_sample([str(tiny_wan_i2v_path), "--prompt-file", str(two), *common]) == 2
+    assert (f"{two}:1: wan2_i2v takes 1 condition images per prompt ('image' / 'images'), the row names 2; this "
+            "checkpoint generates from a first frame: a last frame too needs a first-last-frame checkpoint (Wan2.1 "
+            "FLF2V, whose transformer sets pos_embed_seq_len)") in capsys.readouterr().err
+    assert ff_sample([str(tiny_wan_flf2v_path), "--prompt-file", str(one), *common]) == 2
+    assert (f"{one}:1: wan2_i2v takes 2 condition images per prompt ('image' / 'images'), the row names 1; this "
+            "checkpoint generates between a first and a last frame") in capsys.readouterr().err
+    monkeypatch.undo()
+    adapter = load_adapter("wan2_i2v", tiny_wan_i2v_path)
+    with pytest.raises(ValueError, match="wan2_i2v: a sample has 2 condition images, this checkpoint takes 1; "):
+        adapter.prepare_conditions([[Image.new("RGB", (32, 32))] * 2], None, 32, 32, 5, None)
 
 
 def test_wan2_i2v_names_what_it_cannot_load():
@@ -344,11 +400,12 @@ def test_ff_train_runs_from_a_conditioned_dataset(request, tmp_path, model_type,
     run_dir = tmp_path / "saves" / "run"
     history = json.loads((run_dir / "history.json").read_text())
     assert [r["epoch"] for r in history["train"]] == [0, 1] and "reward/jpeg/mean" in history["train"][-1]
-    grid = Image.open(next((run_dir / "samples").glob("eval_epoch_0000.*")))  # a GIF for videos
-    assert grid.width == 2 * 2 * 256  # 2 test prompts, each beside its condition image
+    grid = next((run_dir / "samples").glob("eval_epoch_0000.*"))  # an mp4 for video models
+    width = probe(grid).size[0] if grid.suffix == ".mp4" else Image.open(grid).width
+    assert width == 2 * 2 * 256  # 2 test prompts, each beside its condition image
     lora_dir = run_dir / "checkpoints" / "epoch_2"
     name = next(iter(CONDITION_IMAGES))
-    source = (read_video(check_video(tmp_path / "data" / "videos" / name.replace(".png", ".gif"))) if videos
+    source = (read_video(check_video(tmp_path / "data" / "videos" / name.replace(".png", ".mp4"))) if videos
               else Image.open(tmp_path / "data" / "images" / name).convert("RGB"))
     base = _pipeline_latents(model_type, path, None, source)
     tuned = _pipeline_latents(model_type, path, lora_dir, source)
@@ -405,6 +462,52 @@ def test_ff_sample_takes_the_conditions_from_a_jsonl_file(tmp_path, tiny_flux_ko
                       str(tmp_path / "x")]) == 2
     assert ("ff-sample: prompt 'make it red': flux1-kontext takes 1 condition images per prompt ('image' / 'images'), "
             "the row names 0") in capsys.readouterr().err
+
+
+def test_ff_sample_strength_regenerates_that_part_of_the_steps_as_the_pipeline(tmp_path, tiny_wan_v2v_path, capsys,
+                                                                              monkeypatch):
+    """ff-sample --strength 0.6 with 5 steps: the pipeline's output for strength 0.6 (3 steps from the source
+    noised to the first of them), from the noise it draws with ff-sample's per-sample generator; the default
+    0.8 would run 4. The flag is refused outside (0, 1], where it keeps no step, and for other models."""
+    from helpers_runs import write_conditioned_dataset
+
+    from flow_factory import sampling
+    from flow_factory.sample import main as ff_sample
+    from flow_factory.seeding import generator
+
+    data = write_conditioned_dataset(tmp_path / "data", videos=True)
+    prompts = tmp_path / "data" / "one.jsonl"
+    prompts.write_text((data / "test.jsonl").read_text().splitlines()[0] + "\n")
+    sampled = []
+    original = sampling.sample_prompts
+    monkeypatch.setattr(sampling, "sample_prompts", lambda *a, **k: sampled.append(original(*a, **k)) or sampled[-1])
+    common = ["--model-type", "wan2_v2v", "--prompt-file", str(prompts), "--resolution", "32", "--num-frames", "5",
+              "--steps", "5", "--guidance-scale", "3"]
+    assert ff_sample([str(tiny_wan_v2v_path), *common, "--strength", "0.6", "--out", str(tmp_path / "s")]) == 0
+    assert probe(tmp_path / "s" / "0000.mp4").frames == 5
+    rollouts, = sampled
+    assert len(rollouts.sigmas) == 3 + 1
+
+    adapter = load_adapter("wan2_v2v", tiny_wan_v2v_path)
+    item, = load_prompts(data, "test")[:1]
+    media = adapter.prepare_conditions(None, [[read_video(item.videos[0])]], 32, 32, 5, None)
+    expected = adapter.pipeline(
+        video=as_pil(media.videos[0][0]), prompt=item.prompt, height=32, width=32, num_inference_steps=5,
+        guidance_scale=3.0, strength=0.6, generator=generator("noise", 0, -1, 0), output_type="pt").frames
+    torch.testing.assert_close(rollouts.media, expected.float(), rtol=0, atol=1e-4)
+
+    for flags, message in (
+            (["--strength", "0"], "--strength 0: must be in (0, 1], the part of the steps that regenerate the "
+                                  "condition video"),
+            (["--strength", "1.5"], "--strength 1.5: must be in (0, 1]"),
+            (["--strength", "0.1"], "--strength 0.1 with --steps 5 keeps no step (int(5 x 0.1) = 0); raise either")):
+        assert ff_sample([str(tiny_wan_v2v_path), *common, *flags, "--out", str(tmp_path / "x")]) == 2
+        assert f"ff-sample: {message}" in capsys.readouterr().err
+    assert ff_sample([str(tiny_wan_v2v_path), "--model-type", "wan2_t2v", "--prompts", "a", "--strength", "0.5",
+                      "--out", str(tmp_path / "x")]) == 2
+    assert ("ff-sample: --strength: wan2_t2v does not start from a condition video; the flag is for video-to-video "
+            "(wan2_v2v)") in capsys.readouterr().err
+    assert len(sampled) == 1  # every refusal came before sampling
 
 
 # --------------------------------------------------------------------------------- the condition cache

@@ -1,13 +1,14 @@
-"""What a person looks at: grids put each sample beside its conditions; videos are animations, written as GIF
-files and logged to TensorBoard as videos, not as one frame."""
+"""What a person looks at: grids put each sample beside its conditions; videos are written as H.264 mp4 (or GIF)
+files that decode back to what was written, and logged to TensorBoard as animations, not as one frame."""
 
 import io
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image, ImageSequence
 
-from flow_factory.media import gif_bytes, sample_grid, save_grid
+from flow_factory.media import gif_bytes, probe, read_frames, sample_grid, save_grid, save_video, write_mp4
 
 TILE = 64
 
@@ -60,12 +61,79 @@ def test_a_video_grid_is_one_grid_per_frame_and_a_gif():
     assert [f[TILE // 2, TILE + TILE // 2, 0] for f in frames] == reds  # flat colours survive the palette
 
 
-def test_save_grid_writes_png_for_an_image_and_gif_for_a_video(tmp_path):
+def test_save_grid_writes_png_for_an_image_and_mp4_or_gif_for_a_video(tmp_path):
     image = sample_grid(torch.rand(2, 3, 16, 16), ["a", "b"], tile=TILE)
     assert save_grid(image, tmp_path / "g") == tmp_path / "g.png"
     video = sample_grid(torch.rand(2, 3, 3, 16, 16), ["a", "b"], tile=TILE)
     path = save_grid(video, tmp_path / "v")
+    assert path == tmp_path / "v.mp4" and probe(path).frames == 3 and probe(path).size == video[0].size
+    path = save_grid(video, tmp_path / "v", "gif")
     assert path == tmp_path / "v.gif" and Image.open(path).n_frames == 3
+    with pytest.raises(ValueError, match="video format 'webm': expected one of mp4, gif"):
+        save_video(video, tmp_path / "w", "webm")
+
+
+def moving_gradient(frames=8, size=(64, 48)) -> list[Image.Image]:
+    """Smooth colour ramps that move a few levels and pixels a frame, as a video's content does."""
+    y, x = np.mgrid[0:size[1], 0:size[0]]
+    return [Image.fromarray(np.stack([64 + 2 * x + 8 * t, 40 + 3 * y, 128 + 60 * np.sin((x + y + 3 * t) / 6)],
+                                     -1).astype(np.uint8)) for t in range(frames)]
+
+
+def rms(a, b) -> float:
+    return float(np.sqrt(((np.asarray(a, dtype=float) - np.asarray(b, dtype=float)) ** 2).mean()))
+
+
+def test_an_mp4_decodes_back_to_its_frames(tmp_path):
+    """Frame count, fps and size as written; each frame within H.264's rounding of what was written. At CRF 18
+    x264 quantises with a step of about 5 levels (QP 18; up to ~7 in B frames), an RMS error of step / sqrt(12),
+    about 1.5 to 2 levels in Y, which the YCbCr -> RGB matrix amplifies up to about 2x (blue from Cb): some 3 to
+    4 levels of RMS in RGB. The bound 6 leaves that a margin while a neighbouring frame (13+ away here), a frame
+    order or a colour channel gone wrong fails it."""
+    frames = moving_gradient()
+    path = write_mp4(frames, tmp_path / "clip.mp4", fps=16)
+    info = probe(path)
+    assert (info.frames, info.fps, info.size) == (8, 16.0, (64, 48))
+    decoded = read_frames(path)
+    assert len(decoded) == 8 and all(f.mode == "RGB" and f.size == (64, 48) for f in decoded)
+    errors = [rms(a, b) for a, b in zip(frames, decoded)]
+    assert max(errors) < 6, errors
+    assert min(rms(a, b) for a, b in zip(frames[1:], decoded)) > 2 * 6  # the tolerance tells frames apart
+    assert probe(write_mp4(frames, tmp_path / "clip24.mp4", fps=24)).fps == 24
+
+
+def test_an_odd_size_is_padded_to_the_even_one_yuv420p_needs(tmp_path):
+    """yuv420p keeps colour per 2x2 pixels: 63x47 is written as 64x48, the last column and row repeated."""
+    frames = [f.crop((0, 0, 63, 47)) for f in moving_gradient(frames=3)]
+    decoded = read_frames(write_mp4(frames, tmp_path / "odd.mp4", fps=16))
+    assert [f.size for f in decoded] == [(64, 48)] * 3
+    assert max(rms(a, b.crop((0, 0, 63, 47))) for a, b in zip(frames, decoded)) < 6
+    last = np.asarray(decoded[0], dtype=float)
+    assert rms(last[:47, 63], np.asarray(frames[0], dtype=float)[:, 62]) < 6  # the repeated column
+
+
+def test_writing_an_mp4_is_atomic(tmp_path, monkeypatch):
+    """An encoder that fails midway leaves the file that was there, and no partial file beside it."""
+    import av
+
+    path = write_mp4(moving_gradient(frames=2), tmp_path / "clip.mp4", fps=16)
+    before = path.read_bytes()
+    calls = []
+
+    def fail_on_the_third(array, format):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("encoder gone")
+        return original(array, format=format)
+
+    original = av.VideoFrame.from_ndarray
+    monkeypatch.setattr(av.VideoFrame, "from_ndarray", fail_on_the_third)
+    with pytest.raises(RuntimeError, match="encoder gone"):
+        write_mp4(moving_gradient(frames=4), path, fps=16)
+    assert len(calls) == 3 and path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["clip.mp4"]
+    with pytest.raises(ValueError, match="frames of one size: frame 1 is 32x32, frame 0 64x48"):
+        write_mp4([moving_gradient(1)[0], Image.new("RGB", (32, 32))], path, fps=16)
 
 
 def test_a_video_grid_reaches_tensorboard_as_an_animation(tmp_path):
@@ -77,6 +145,7 @@ def test_a_video_grid_reaches_tensorboard_as_an_animation(tmp_path):
     accelerator = Accelerator(log_with="tensorboard", project_dir=str(tmp_path), cpu=True)
     accelerator.init_trackers("run")
     grids = sample_grid(torch.rand(1, 4, 3, 16, 16), ["v"], tile=TILE)
+    # the grid written as mp4 (log.video_format's default), which TensorBoard cannot play: it gets a GIF
     log_media(accelerator, "tensorboard", "eval/samples", grids, 3, save_grid(grids, tmp_path / "grid"))
     image = sample_grid(torch.rand(1, 3, 16, 16), ["i"], tile=TILE)
     log_media(accelerator, "tensorboard", "eval/still", image, 3, save_grid(image, tmp_path / "still"))
@@ -89,3 +158,24 @@ def test_a_video_grid_reaches_tensorboard_as_an_animation(tmp_path):
     assert len(frames_of(video.encoded_image_string)) == 4
     still, = events.Images("eval/still")
     assert Image.open(io.BytesIO(still.encoded_image_string)).format == "PNG"
+
+
+@pytest.mark.parametrize("backend", ["wandb", "swanlab"])
+def test_wandb_and_swanlab_get_the_video_file_as_written(tmp_path, monkeypatch, backend):
+    """Their Video reads an mp4 (or GIF) from its path: the grid's file goes to it as it is. (Neither package is
+    installed here: a stand-in module records what its Video is given.)"""
+    import sys
+    import types
+
+    from flow_factory.trainer.tracking import log_media
+
+    logged = []
+    module = types.ModuleType(backend)
+    module.Video = lambda path: ("Video", path)
+    monkeypatch.setitem(sys.modules, backend, module)
+    tracker = types.SimpleNamespace(log=lambda values, step: logged.append((values, step)))
+    accelerator = types.SimpleNamespace(get_tracker=lambda name, unwrap: tracker)
+    grids = sample_grid(torch.rand(1, 4, 3, 16, 16), ["v"], tile=TILE)
+    path = save_grid(grids, tmp_path / "grid")
+    log_media(accelerator, backend, "eval/samples", grids, 3, path)
+    assert logged == [({"eval/samples": ("Video", str(tmp_path / "grid.mp4"))}, 3)]

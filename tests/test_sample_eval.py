@@ -116,6 +116,22 @@ def test_ff_eval_prints_a_table_and_writes_json_that_match_the_images(tmp_path, 
     assert strict == [s["strict"] for s in result["samples"]]
 
 
+def test_ff_eval_writes_a_video_grid_as_its_suffix_or_log_video_format_says(tmp_path, tiny_wan_path):
+    """A video model's --grid: a GIF for a .gif path, else the config's log.video_format (mp4 by default)."""
+    from helpers_runs import tiny_run_config, write_config
+
+    from flow_factory.media import probe
+
+    config = tiny_run_config(tmp_path, "wan2_t2v", tiny_wan_path)
+    config["eval"].update(num_samples=1, num_inference_steps=2)
+    config["log"]["logging_backend"] = "none"
+    path = str(write_config(tmp_path, config))
+    assert ff_eval([path, "--out", str(tmp_path / "e.json"), "--grid", str(tmp_path / "g.gif")]) == 0
+    assert Image.open(tmp_path / "g.gif").n_frames == 5
+    assert ff_eval([path, "--out", str(tmp_path / "e.json"), "--grid", str(tmp_path / "g.png")]) == 0
+    assert probe(tmp_path / "g.mp4").frames == 5 and probe(tmp_path / "g.mp4").fps == 16
+
+
 def test_shapebench_families_averages_each_family_and_names_a_prompt_of_another_benchmark(tmp_path, capsys):
     samples = [{"prompt": "a photo of a circle", "strict": 1.0, "partial": 1.0},
                {"prompt": "a photo of two squares", "strict": 1.0, "partial": 0.5},

@@ -69,7 +69,7 @@ def test_ff_train_runs_and_writes_a_loadable_lora(request, tmp_path, model_type,
                 "advantage/std", "time/sampling", "time/training", "time/other"):
         assert key in history["train"][-1], key
     assert (run_dir / "reward_curve.png").exists()
-    grid = "eval_epoch_0000" + (".gif" if get_adapter_class(model_type).is_video else ".png")  # videos animate
+    grid = "eval_epoch_0000" + (".mp4" if get_adapter_class(model_type).is_video else ".png")  # log.video_format
     assert (run_dir / "samples" / grid).exists()
 
     lora_dir = run_dir / "checkpoints" / f"epoch_{epochs}"

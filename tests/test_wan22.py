@@ -183,20 +183,28 @@ def test_each_experts_lora_loads_with_the_pipelines_own_loading(request, tmp_pat
 
 
 def test_ff_sample_takes_guidance_scale_2(request, tmp_path, capsys):
+    """--guidance-scale-2 changes the video; a video is an mp4 of every frame at 16 fps (Wan's), or a GIF."""
     import numpy as np
     from PIL import Image
 
+    from flow_factory.media import probe, read_frames
     from flow_factory.sample import main as ff_sample
 
     common = ["--model-type", "wan2_t2v", "--prompts", PROMPTS[0], "--resolution", str(SIZE), "--num-frames",
               str(FRAMES), "--steps", str(STEPS), "--guidance-scale", "4"]
     frames = []
-    for scale in ("1", "8"):
+    for scale in ("1", "8"):  # GIFs: their palette is a function of the pixels, where H.264 would add its noise
         out = tmp_path / scale
         assert ff_sample([str(request.getfixturevalue("tiny_wan22_path")), *common, "--guidance-scale-2", scale,
-                          "--out", str(out)]) == 0
-        frames.append(np.asarray(Image.open(out / "0000.gif").convert("RGB")))  # a video: an animated GIF
+                          "--video-format", "gif", "--out", str(out)]) == 0
+        assert Image.open(out / "0000.gif").n_frames == Image.open(out / "grid.gif").n_frames == FRAMES
+        frames.append(np.asarray(Image.open(out / "0000.gif").convert("RGB")))
     assert not np.array_equal(*frames)
+    assert ff_sample([str(request.getfixturevalue("tiny_wan22_path")), *common, "--out", str(tmp_path / "mp4")]) == 0
+    for name in ("0000.mp4", "grid.mp4"):  # the default
+        assert (probe(tmp_path / "mp4" / name).frames, probe(tmp_path / "mp4" / name).fps) == (FRAMES, 16)
+    assert probe(tmp_path / "mp4" / "0000.mp4").size == (SIZE, SIZE)
+    assert len(read_frames(tmp_path / "mp4" / "0000.mp4")) == FRAMES
     assert ff_sample([str(request.getfixturevalue("tiny_wan_path")), *common, "--guidance-scale-2", "2",
                       "--out", str(tmp_path / "x")]) == 2
     assert "--guidance-scale-2: " in capsys.readouterr().err

@@ -27,7 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="section.key=value, value parsed as YAML")
     p.add_argument("--checkpoint", help="an ff-train checkpoint folder (LoRA or full transformer)")
     p.add_argument("--out", help="JSON path (default: eval.json in the checkpoint folder, else the run folder)")
-    p.add_argument("--grid", help="also save a grid of the first 16 samples to this PNG (a GIF for a video model)")
+    p.add_argument("--grid", help="also save a grid of the first 16 samples to this PNG (for a video model an mp4, "
+                   "or a GIF when the path ends in .gif)")
     return p.parse_args(argv)
 
 
@@ -106,12 +107,17 @@ def main(argv=None) -> int:
                                "model": cfg.model.model_name_or_path, "rewards": summary, "samples": samples},
                               indent=1))
     if args.grid:
-        from .media import caption, sample_grid, save_grid
+        from .media import VIDEO_FORMATS, VIDEO_FPS, caption, sample_grid, save_grid
+        from .models import get_adapter_class
 
         shown = min(16, len(samples))
         caps = [caption(s["prompt"], {k: v for k, v in s.items() if k != "prompt"}) for s in samples[:shown]]
         conditions = rollouts.conditions.per_sample()[:shown] if rollouts.conditions else None
-        save_grid(sample_grid(rollouts.media[:shown], caps, conditions=conditions), args.grid)
+        # a video grid: the format --grid's suffix names, else the config's log.video_format
+        named = Path(args.grid).suffix.lstrip(".")
+        save_grid(sample_grid(rollouts.media[:shown], caps, conditions=conditions), args.grid,
+                  named if named in VIDEO_FORMATS else cfg.log.video_format,
+                  getattr(get_adapter_class(cfg.model.model_type), "frame_rate", VIDEO_FPS))
     print(f"ff-eval: wrote {out}")
     return 0
 

@@ -4,11 +4,13 @@
     ff-sample MODEL_DIR --checkpoint runs/x/checkpoints/epoch_8 --prompt-file prompts.txt --out DIR
     ff-sample MODEL_DIR --model-type flux1-kontext --prompt-file edits.jsonl --out DIR
 
-Writes ``DIR/NNNN.png`` (one per sample; a video as an animated ``NNNN.gif``), ``DIR/grid.png``
-(every sample with its prompt, beside its condition images; ``grid.gif`` for videos) and
+Writes ``DIR/NNNN.png`` (one per sample; a video as ``NNNN.mp4``, H.264, or with ``--video-format gif``
+an animated ``NNNN.gif``), ``DIR/grid.png`` (every sample with its prompt, beside its condition images;
+``grid.mp4`` / ``grid.gif`` for videos) and
 ``DIR/samples.jsonl`` (``{"index", "prompt", "seed", "file"}`` a line). A conditioned model
 (flux1-kontext, wan2_i2v, wan2_v2v) takes its condition files from a jsonl prompt file's rows (``image``, relative to
-the file's folder's ``images/``).
+the file's folder's ``images/``; ``video``, to its ``videos/``); video-to-video regenerates the last ``--strength``
+part of the steps.
 Sample ``i`` is drawn from the ODE with noise seeded by ``(seed, i)`` exactly as the
 Trainer's eval draws test prompt ``i``: the same seed gives the same images.
 """
@@ -34,10 +36,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--resolution", type=int, default=64)
     p.add_argument("--num-frames", type=int, default=None, help="video models only")
+    p.add_argument("--video-format", choices=["mp4", "gif"], default="mp4",
+                   help="video models: each sample and the grid as an H.264 mp4 (default) or an animated GIF")
     p.add_argument("--condition-image-size", type=int, default=None,
                    help="conditioned models: the size condition images are resized to; default: --resolution")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--guidance-scale", type=float, default=1.0)
+    p.add_argument("--strength", type=float, default=None,
+                   help="video-to-video (wan2_v2v): the part of the steps that regenerate the condition video, in "
+                   "(0, 1]: the rollout starts from it noised to the first of the last int(steps x strength) steps; "
+                   "default 0.8, the pipeline's")
     p.add_argument("--guidance-scale-2", type=float, default=None,
                    help="a two-expert model's low-noise expert (Wan2.2 A14B); default: --guidance-scale")
     p.add_argument("--seed", type=int, default=0)
@@ -55,16 +63,37 @@ def read_prompt_file(path: Path) -> list:
     return [PromptItem(text) for _, text in _content_lines(path)]
 
 
+def check_strength(args: argparse.Namespace, adapter_cls) -> None:
+    """ValueError naming --strength unless it is unset, or in (0, 1] for a model that starts from a condition
+    video and keeps at least one of --steps."""
+    from .config.sections import strength_steps
+
+    if args.strength is None:
+        return
+    if "videos" not in adapter_cls.condition_inputs:
+        raise ValueError(f"--strength: {args.model_type} does not start from a condition video; the flag is for "
+                         "video-to-video (wan2_v2v); remove it")
+    if not 0 < args.strength <= 1:
+        raise ValueError(f"--strength {args.strength:g}: must be in (0, 1], the part of the steps that regenerate "
+                         "the condition video (1: all of them, from pure noise)")
+    if strength_steps(args.steps, args.strength) == 0:
+        raise ValueError(f"--strength {args.strength:g} with --steps {args.steps} keeps no step "
+                         f"(int({args.steps} x {args.strength:g}) = 0); raise either")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from .data.conditions import check_conditions
     from .data.prompts import PromptItem
     from .models import get_adapter_class
+    from .models.preflight import checkpoint_conditions
 
     try:
         items = read_prompt_file(Path(args.prompt_file)) if args.prompt_file else [PromptItem(p) for p in args.prompts]
         adapter_cls = get_adapter_class(args.model_type)
-        check_conditions(items, args.model_type, adapter_cls.condition_inputs, adapter_cls.conditions_per_sample)
+        per_sample, note = checkpoint_conditions(adapter_cls, args.model)
+        check_conditions(items, args.model_type, adapter_cls.condition_inputs, per_sample, note)
+        check_strength(args, adapter_cls)
     except (FileNotFoundError, ValueError) as e:
         print(f"ff-sample: {e}", file=sys.stderr)
         return 2
@@ -74,7 +103,7 @@ def main(argv=None) -> int:
 
     from .checkpoint import CheckpointError, load_for_sampling
     from .guards import NonFiniteError
-    from .media import gif_bytes, sample_grid, save_grid
+    from .media import VIDEO_FPS, sample_grid, save_grid, save_video
     from .rewards.base import images_to_pil, videos_to_pil
     from .sampling import SamplingSettings, sample_prompts
 
@@ -87,6 +116,8 @@ def main(argv=None) -> int:
         print(f"ff-sample: --guidance-scale-2: {args.model} has one expert; remove the flag", file=sys.stderr)
         return 2
     adapter.guidance_scale_2 = args.guidance_scale_2
+    if args.strength is not None:
+        adapter.strength = args.strength
     size = args.condition_image_size
     settings = SamplingSettings(args.resolution, args.resolution, args.num_frames, args.steps, args.guidance_scale,
                                 args.batch_size, args.seed, condition_size=None if size is None else (size, size))
@@ -96,17 +127,18 @@ def main(argv=None) -> int:
     media = rollouts.media
     rows = []
     pictures = videos_to_pil(media) if adapter.is_video else images_to_pil(media)
+    fps = getattr(adapter, "frame_rate", VIDEO_FPS)
     for i, (item, picture) in enumerate(zip(items, pictures)):
-        if adapter.is_video:  # an animated GIF of every frame
-            name = f"{i:04d}.gif"
-            (out / name).write_bytes(gif_bytes(picture))
+        if adapter.is_video:  # every frame, as an mp4 or an animated GIF
+            name = save_video(picture, out / f"{i:04d}", args.video_format, fps).name
         else:
             name = f"{i:04d}.png"
             picture.save(out / name)
         rows.append({"index": i, "prompt": item.prompt, "seed": args.seed, "file": name})
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     conditions = rollouts.conditions.per_sample() if rollouts.conditions else None
-    grid = save_grid(sample_grid(media, [it.prompt for it in items], conditions=conditions), out / "grid")
+    grid = save_grid(sample_grid(media, [it.prompt for it in items], conditions=conditions), out / "grid",
+                     args.video_format, fps)
     print(f"ff-sample: {len(rows)} samples and {grid.name} in {out}")
     return 0
 

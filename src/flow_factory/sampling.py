@@ -23,6 +23,7 @@ from .data import load_prompts
 from .data.conditions import check_conditions, generated_size
 from .dynamics.ode import ODE
 from .models.base import ConditionMedia, Conditioning, cat_cond, index_cond
+from .models.preflight import checkpoint_conditions
 from .prompt_cache import condition_media
 from .rollout import KeptStates, sample_trajectory
 from .seeding import generator, per_sample_noise
@@ -76,7 +77,8 @@ def load_split(cfg, split: str, adapter_cls) -> list:
     ``adapter_cls`` takes: before it loads (PromptFileError naming the file and line)."""
     data = cfg.data
     items = load_prompts(data.dataset_dir, split, data.max_dataset_size, data.image_dir, data.video_dir)
-    check_conditions(items, cfg.model.model_type, adapter_cls.condition_inputs, adapter_cls.conditions_per_sample)
+    per_sample, note = checkpoint_conditions(adapter_cls, cfg.model.model_name_or_path)
+    check_conditions(items, cfg.model.model_type, adapter_cls.condition_inputs, per_sample, note)
     return items
 
 

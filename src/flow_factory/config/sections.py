@@ -375,6 +375,9 @@ class LogConfig(Section):
     save_model_only: bool = setting(False, "checkpoints hold the weights (and EMA) only, not the optimizer state; "
                                     "a resume from one restarts the optimizer")
     verbose: bool = setting(True, "show progress bars")
+    video_format: Literal["mp4", "gif"] = setting(
+        "mp4", "how a video model's sample grids are written in the run folder: mp4 (H.264) or gif; wandb and "
+        "swanlab log that file, TensorBoard an animated GIF either way (it plays no mp4)")
     overwrite: bool = setting(False, "replace the run folder when it already holds another run "
                               "(its checkpoints are deleted); false = refuse")
 

@@ -10,9 +10,10 @@ from .prompts import MEDIA_KEYS, PromptFileError, PromptItem
 
 
 def check_conditions(items: list[PromptItem], model_type: str, takes: tuple[str, ...],
-                     per_sample: tuple[int, int]) -> None:
+                     per_sample: tuple[int, int], note: str = "") -> None:
     """PromptFileError naming the row unless every row gives the condition files ``model_type`` takes
-    (``takes``: "images" / "videos"; ``per_sample``: how many, fewest and most) and no other kind."""
+    (``takes``: "images" / "videos"; ``per_sample``: how many, fewest and most) and no other kind; ``note``
+    ends the message about a count (why this checkpoint takes that many)."""
     for item in items:
         where = item.source or f"prompt {item.prompt!r}"
         for kind in ("images", "videos"):
@@ -28,7 +29,7 @@ def check_conditions(items: list[PromptItem], model_type: str, takes: tuple[str,
                 wanted = str(low) if low == high else f"{low} to {high}"
                 keys = "' / '".join(MEDIA_KEYS[kind])
                 raise PromptFileError(f"{where}: {model_type} takes {wanted} condition {kind} per prompt "
-                                      f"('{keys}'), the row names {count}")
+                                      f"('{keys}'), the row names {count}{note}")
 
 def generated_size(items: list[PromptItem], resolution: tuple[int, int], auto_resize: bool, factor: int,
                    key: str) -> tuple[int, int]:

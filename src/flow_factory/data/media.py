@@ -3,8 +3,8 @@ read when a batch is sampled.
 
 Every file is opened once when the prompt file is read, before any model loads, so a missing,
 unreadable or wrong-kind file stops the run with its path and the jsonl line that names it.
-Images are read with Pillow. So are videos: as animated GIF, WebP or PNG (Pillow has no
-decoder for mp4 and the like; ``ffmpeg -i clip.mp4 clip.gif`` converts one).
+Images are read with Pillow. Videos are read with Pillow when it knows the format (animated GIF,
+WebP, PNG), else with PyAV (media/video.py: mp4, mov, webm, mkv and whatever else FFmpeg decodes).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from PIL import Image, ImageSequence
+from PIL import Image, ImageSequence, UnidentifiedImageError
 
-# containers Pillow cannot decode: named in the error, with the conversion that helps
+# video containers: never an image (Pillow reads none of them; PyAV reads them all)
 VIDEO_SUFFIXES = (".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v", ".mpeg", ".mpg", ".flv", ".wmv")
 
 
@@ -29,6 +29,7 @@ class MediaFile:
     path: Path
     size: tuple[int, int]  # (width, height), as Pillow gives it
     frames: int
+    container: bool = False  # a video PyAV reads (mp4, webm, ...), not an animation Pillow does
 
     @property
     def aspect_ratio(self) -> float:
@@ -36,16 +37,16 @@ class MediaFile:
         return self.size[1] / self.size[0]
 
 
-def _open(path: Path) -> Image.Image:
+def _exists(path: Path) -> None:
     if not path.is_file():
         raise MediaError("not found" if not path.exists() else "not a file")
+
+
+def _open(path: Path) -> Image.Image:
+    _exists(path)
     try:
         return Image.open(path)
     except Exception as e:  # noqa: BLE001 - Pillow raises several kinds; the message is what counts
-        if path.suffix.lower() in VIDEO_SUFFIXES:
-            raise MediaError(f"cannot be read: a {path.suffix} video, which Pillow does not decode; "
-                             f"give videos as animated GIF, WebP or PNG (ffmpeg -i {path.name} "
-                             f"{path.stem}.gif)") from None
         raise MediaError(f"cannot be read as an image or animation ({type(e).__name__}: {e})") from None
 
 
@@ -66,12 +67,30 @@ def check_image(path: Path) -> MediaFile:
 
 
 def check_video(path: Path) -> MediaFile:
-    """An animation of two or more frames Pillow can read, or MediaError."""
-    with _open(path) as im:
-        frames = getattr(im, "n_frames", 1)
-        if frames < 2:
-            raise MediaError("is a single image, not a video; list it under 'image'")
-        return MediaFile(path, im.size, frames)
+    """A video of two or more frames, or MediaError: an animation Pillow reads, or else a video PyAV
+    probes and decodes the first frame of (a codec FFmpeg lacks fails here, not mid-run)."""
+    _exists(path)
+    if path.suffix.lower() not in VIDEO_SUFFIXES:
+        try:
+            im = Image.open(path)
+        except (UnidentifiedImageError, OSError):
+            pass  # not a format Pillow knows: PyAV's turn
+        else:
+            with im:
+                frames = getattr(im, "n_frames", 1)
+                if frames < 2:
+                    raise MediaError("is a single image, not a video; list it under 'image'")
+                return MediaFile(path, im.size, frames)
+    from ..media.video import VideoReadError, first_frame, probe  # PyAV loads only for such a file
+
+    try:
+        info = probe(path)
+        if info.frames < 2:
+            raise MediaError(f"has {info.frames} frame{'s' * (info.frames != 1)}; a video needs two or more")
+        first_frame(path)
+    except VideoReadError as e:
+        raise MediaError(str(e)) from None
+    return MediaFile(path, info.size, info.frames, container=True)
 
 
 def read_image(file: MediaFile) -> Image.Image:
@@ -86,6 +105,10 @@ def read_image(file: MediaFile) -> Image.Image:
 def read_video(file: MediaFile) -> list[Image.Image]:
     """The video's frames as RGB images."""
     try:
+        if file.container:
+            from ..media.video import read_frames
+
+            return read_frames(file.path)
         with Image.open(file.path) as im:
             return [frame.convert("RGB") for frame in ImageSequence.Iterator(im)]
     except Exception as e:  # noqa: BLE001

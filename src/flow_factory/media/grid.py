@@ -1,5 +1,5 @@
 """A sample grid a person would rather look at than read: each sample with its prompt and rewards,
-beside the condition images or videos it was generated from; a grid of videos is an animation."""
+beside the condition images or videos it was generated from; a grid of videos is a video (mp4 or GIF)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from .video import write_mp4
+
 CAPTION_LINES = 4
 VIDEO_FPS = 16  # frames per second of written videos: Wan's, as diffusers' examples export it
+VIDEO_FORMATS = ("mp4", "gif")  # H.264 mp4 (small, plays in browsers and trackers), or an animated GIF
 
 
 def _to_pil(image: torch.Tensor) -> Image.Image:
@@ -39,7 +42,7 @@ def sample_grid(media: torch.Tensor, captions: list[str], tile: int = 256, colum
     """Tile the samples (each fit into ``tile`` px) with a few wrapped caption lines below.
 
     ``media``: images (N, 3, H, W) give one image; videos (N, F, 3, H, W) one grid per frame, an
-    animation (``save_grid`` writes it as a GIF). ``conditions``: per sample, the condition images
+    animation (``save_grid`` writes it as an mp4 or a GIF). ``conditions``: per sample, the condition images
     (3, H, W) or videos (F, 3, H, W) it was generated from, shown left of it."""
     n = len(captions)
     conditions = conditions or [[] for _ in range(n)]
@@ -75,13 +78,28 @@ def gif_bytes(frames: list[Image.Image], fps: int = VIDEO_FPS) -> bytes:
     return out.getvalue()
 
 
-def save_grid(grid: Image.Image | list[Image.Image], path: str | Path) -> Path:
-    """A grid as ``path`` with .png, or an animation (a list of frames) with .gif; returns the path written."""
+def save_video(frames: list[Image.Image], path: str | Path, video_format: str = "mp4", fps: int = VIDEO_FPS) -> Path:
+    """``frames`` as ``path`` with the suffix of ``video_format`` (``VIDEO_FORMATS``), written atomically;
+    returns the path written."""
+    if video_format not in VIDEO_FORMATS:
+        raise ValueError(f"video format {video_format!r}: expected one of {', '.join(VIDEO_FORMATS)}")
+    path = Path(path).with_suffix(f".{video_format}")
+    if video_format == "mp4":
+        return write_mp4(frames, path, fps)
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_bytes(gif_bytes(frames, fps))
+    tmp.replace(path)
+    return path
+
+
+def save_grid(grid: Image.Image | list[Image.Image], path: str | Path, video_format: str = "mp4",
+              fps: int = VIDEO_FPS) -> Path:
+    """A grid as ``path`` with .png, or a video (a list of frames) as ``save_video`` writes it; returns the
+    path written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(grid, list):
-        path = path.with_suffix(".gif")
-        path.write_bytes(gif_bytes(grid))
+        path = save_video(grid, path, video_format, fps)
     else:
         path = path.with_suffix(".png")
         grid.save(path)

@@ -197,7 +197,8 @@ class FlowAdapter:
     # what a sample is generated from besides its prompt: () text only, ("images",) condition images (editing,
     # image-to-video), ("videos",) condition videos (video-to-video); the dataset's rows name the files
     condition_inputs: ClassVar[tuple[str, ...]] = ()
-    # how many condition images (or videos) one sample takes: (fewest, most)
+    # how many condition images (or videos) one sample takes: (fewest, most), over the model type's checkpoints
+    # (one checkpoint may take fewer: checkpoint_conditions)
     conditions_per_sample: ClassVar[tuple[int, int]] = (1, 1)
     # train / eval.auto_resize when the config leaves it null: generate at the condition's aspect ratio
     auto_resize: ClassVar[bool] = False
@@ -400,6 +401,13 @@ class FlowAdapter:
         return dynamics
 
     # --- conditioned models only (condition_inputs) -----------------------------------
+    @classmethod
+    def checkpoint_conditions(cls, transformer_config: Mapping | None) -> tuple[tuple[int, int], str]:
+        """(fewest, most) condition files a sample takes with the checkpoint whose transformer has this config
+        (None: not known yet, a hub id before loading), and the reason, when narrower than the model type's
+        ``conditions_per_sample``, that an error about a row's count adds (starting with "; ")."""
+        return cls.conditions_per_sample, ""
+
     def prepare_conditions(self, images: list[list] | None, videos: list[list[list]] | None, height: int, width: int,
                            num_frames: int | None, condition_size: tuple[int, int] | None) -> ConditionMedia:
         """Each sample's condition images (lists of RGB PIL images) or videos (lists of frame lists), resized

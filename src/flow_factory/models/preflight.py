@@ -49,6 +49,14 @@ def check_before_loading(cfg) -> None:
         check_regional_compile(folder, adapter)
 
 
+def checkpoint_conditions(adapter: type[FlowAdapter], name_or_path: str) -> tuple[tuple[int, int], str]:
+    """``adapter.checkpoint_conditions`` of the folder's ``transformer/config.json``: how many condition files
+    a sample takes with this checkpoint (a hub id's config is not here: the model type's range until it loads)."""
+    path = Path(name_or_path).expanduser()
+    config = read_json(path / "transformer" / "config.json") if path.is_dir() else None
+    return adapter.checkpoint_conditions(config)
+
+
 def check_regional_compile(folder: Path, adapter: type[FlowAdapter]) -> None:
     """``model.torch_compile: regional`` needs repeated blocks declared by each denoising network's class."""
     import diffusers

@@ -8,7 +8,7 @@ scheduler's ``scale_noise``; ``start_latents``). The transformer sees only the l
 
 The condition video is resized to the video generated and cut to its first ``num_frames``
 frames (a shorter one is an error); ``condition_image_size`` does not apply. Videos are read
-with Pillow (animated GIF, WebP, PNG: data/media.py).
+as data/media.py reads them (mp4, webm, ... through PyAV; animated GIF, WebP, PNG through Pillow).
 """
 
 from __future__ import annotations

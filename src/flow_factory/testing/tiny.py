@@ -18,9 +18,11 @@ type loads: Wan2.2's two-expert A14B layout (``wan2.2-a14b``: transformer and
 transformer_2, boundary_ratio 0.875 as the T2V release; with shift 5 and 4 steps each
 expert takes 2) and TI2V-5B (``wan2.2-ti2v-5b``: one timestep per token, the Wan2.2 VAE
 with 48 latent channels, x16, so sizes in multiples of 32: 5 frames at 32x32 -> 48x2x2x2).
-Wan image-to-video (``wan2_i2v``): Wan2.1's layout with a CLIP image encoder (32x32 input) and
-Wan2.2 I2V A14B's (``wan2.2-i2v-a14b``: two experts, boundary_ratio 0.9, no image encoder; with
-shift 5 and 3 steps the first expert takes 1), latents as text-to-video's. Wan video-to-video
+Wan image-to-video (``wan2_i2v``): Wan2.1's layout with a CLIP image encoder (32x32 input: 17
+states an image), Wan2.1 first-last-frame-to-video's (``wan2.1-flf2v``: the same with the
+transformer's ``pos_embed_seq_len`` 34, the two images' states, under a random position
+embedding) and Wan2.2 I2V A14B's (``wan2.2-i2v-a14b``: two experts, boundary_ratio 0.9, no image
+encoder; with shift 5 and 3 steps the first expert takes 1), latents as text-to-video's. Wan video-to-video
 (``wan2_v2v``): text-to-video's Wan2.1 components in ``WanVideoToVideoPipeline``.
 FLUX.2's latents are 2x2-patchified 32-channel ones (64x64 -> 128x4x4); ``flux2-klein`` is a
 step-distilled Klein, ``flux2-klein-base`` the same weights as a base checkpoint
@@ -43,7 +45,7 @@ TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux
                     "ltx2_t2av", "flux1-kontext", "wan2_i2v", "wan2_v2v")
 # other tiny checkpoints, and the model_type that loads each
 TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v", "flux2-klein-base": "flux2-klein",
-                 "wan2.2-i2v-a14b": "wan2_i2v"}
+                 "wan2.2-i2v-a14b": "wan2_i2v", "wan2.1-flf2v": "wan2_i2v"}
 
 # CLIP's special tokens sit after the 2 x 256 byte symbols
 _CLIP_BOS, _CLIP_EOS = 512, 513
@@ -234,14 +236,20 @@ def _build_wan(variant: str = "wan2.1"):
 
 def _build_wan_i2v(variant: str = "wan2.1"):
     """WanImageToVideoPipeline: Wan2.1 with a CLIP image encoder (its states reach the transformer's added
-    key / value projections), or Wan2.2 A14B's layout (two experts, boundary_ratio 0.9, no image encoder)."""
+    key / value projections), its first-last-frame layout (``wan2.1-flf2v``: both images' states, told apart
+    by a position embedding), or Wan2.2 A14B's layout (two experts, boundary_ratio 0.9, no image encoder)."""
     from diffusers import WanImageToVideoPipeline
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     parts = dict(_build_wan().components)
     torch.manual_seed(4)
-    if variant == "wan2.1":
-        parts["transformer"] = _wan_transformer(16, 36, image_dim=16, added_kv_proj_dim=24)
+    if variant in ("wan2.1", "wan2.1-flf2v"):
+        flf2v = variant == "wan2.1-flf2v"
+        # pos_embed_seq_len: the states of both images, 2 x (1 + (32 / 8) ** 2) of the CLIP below
+        parts["transformer"] = _wan_transformer(16, 36, image_dim=16, added_kv_proj_dim=24,
+                                                **({"pos_embed_seq_len": 34} if flf2v else {}))
+        if flf2v:  # diffusers initialises it to zeros, under which the two images' order would not matter
+            torch.nn.init.normal_(parts["transformer"].condition_embedder.image_embedder.pos_embed, std=0.5)
         parts["image_encoder"] = CLIPVisionModel(CLIPVisionConfig(
             hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=32,
             patch_size=8, projection_dim=16))
@@ -539,7 +547,8 @@ _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, 
              "flux2-klein-base": lambda: _build_flux2_klein(is_distilled=False),
              "wan2.2-a14b": lambda: _build_wan("wan2.2-a14b"), "wan2.2-ti2v-5b": lambda: _build_wan("wan2.2-ti2v-5b"),
              "flux1-kontext": lambda: _build_flux("FluxKontextPipeline"),
-             "wan2_i2v": _build_wan_i2v, "wan2_v2v": _build_wan_v2v, "wan2.2-i2v-a14b": lambda: _build_wan_i2v("wan2.2")}
+             "wan2_i2v": _build_wan_i2v, "wan2_v2v": _build_wan_v2v, "wan2.2-i2v-a14b": lambda: _build_wan_i2v("wan2.2"),
+             "wan2.1-flf2v": lambda: _build_wan_i2v("wan2.1-flf2v")}
 
 
 def tiny_pipeline(model_type: str):

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from ..media import VIDEO_FPS, gif_bytes
+
 BACKEND_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab"}
 
 
@@ -42,9 +44,10 @@ def flat_hparams(config: dict, prefix: str = "") -> dict:
 
 
 def log_media(accelerator, backend: str | None, key: str, grid: Image.Image | list[Image.Image], step: int,
-              path: Path) -> None:
+              path: Path, fps: int = VIDEO_FPS) -> None:
     """A sample grid to the tracker: an image, or a video for a list of frames (``path``: the grid as
-    ``media.save_grid`` wrote it, a GIF for a video; wandb and swanlab log videos from their file)."""
+    ``media.save_grid`` wrote it, an mp4 or a GIF for a video, which wandb and swanlab log as it is;
+    TensorBoard plays no mp4 and gets the frames as an animated GIF)."""
     if backend is None:
         return
     tracker = accelerator.get_tracker(backend, unwrap=False)
@@ -58,9 +61,9 @@ def log_media(accelerator, backend: str | None, key: str, grid: Image.Image | li
         # the moviepy it needs to encode one
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        image = Summary.Image(height=grid[0].height, width=grid[0].width, colorspace=3,
-                              encoded_image_string=path.read_bytes())
+        gif = path.read_bytes() if path.suffix == ".gif" else gif_bytes(grid, fps)
+        image = Summary.Image(height=grid[0].height, width=grid[0].width, colorspace=3, encoded_image_string=gif)
         tracker.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=key, image=image)]), step)
     else:
-        video = importlib.import_module(backend).Video  # wandb.Video / swanlab.Video read a GIF file as it is
+        video = importlib.import_module(backend).Video  # wandb.Video / swanlab.Video read an mp4 or GIF file
         tracker.log({key: video(str(path))}, step=step)

@@ -27,7 +27,7 @@ from ..data import EpochSampler, MissingPromptFile, process_share
 from ..dynamics import make_dynamics
 from ..dynamics.window import choose_sde_steps
 from ..guards import NonFiniteError, NonFiniteGuard, all_finite, check_pipeline_finite, nonfinite_rewards
-from ..media import caption, plot_curves, sample_grid, save_grid
+from ..media import VIDEO_FPS, caption, plot_curves, sample_grid, save_grid
 from ..models import get_adapter_class, load_adapter
 from ..models.lora import apply_lora, component_targets
 from ..models.preflight import check_before_loading, check_experts, check_reward_inputs
@@ -496,9 +496,10 @@ class Trainer:
                         for i in range(shown)]
             conditions = rollouts.conditions.per_sample()[:shown] if rollouts.conditions else None
             grid = sample_grid(rollouts.media[:shown], captions, conditions=conditions)
-            # a PNG, or for a video model an animated GIF
-            path = save_grid(grid, self.run_dir / "samples" / f"eval_epoch_{epoch:04d}")
-            log_media(self.accelerator, self.backend, "eval/samples", grid, epoch, path)
+            # a PNG, or for a video model an mp4 or an animated GIF (log.video_format)
+            fps = getattr(self.adapter, "frame_rate", VIDEO_FPS)  # LTX-2's 24; Wan's 16
+            path = save_grid(grid, self.run_dir / "samples" / f"eval_epoch_{epoch:04d}", self.cfg.log.video_format, fps)
+            log_media(self.accelerator, self.backend, "eval/samples", grid, epoch, path, fps)
             self.accelerator.log(means, step=epoch)
         return means
 
