@@ -130,3 +130,10 @@ def tiny_wan22_i2v_path(tmp_path_factory):
 def tiny_wan_v2v_path(tmp_path_factory):
     """Folder of a tiny WanVideoToVideoPipeline (model_type "wan2_v2v"); 5 frames at 32x32 from a condition video."""
     return _build(tmp_path_factory, "wan2_v2v")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_edit_path(tmp_path_factory):
+    """Folder of a tiny QwenImageEditPlusPipeline (model_type "qwen-image-edit-plus"); 64x64 images, its processor
+    folder without a video processor (loaded by the adapter's image-only fallback where torchvision is missing)."""
+    return _build(tmp_path_factory, "qwen-image-edit-plus")

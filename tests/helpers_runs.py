@@ -28,6 +28,8 @@ CONDITIONED_MODELS = {
     "wan2_i2v": ("tiny_wan22_i2v_path", 32, 5, 3.0),  # Wan2.2 I2V's two experts (Wan2.1's CLIP: test_conditioned)
     "wan2_v2v": ("tiny_wan_v2v_path", 32, 5, 3.0),  # condition videos (mp4)
 }
+# conditioned models with a test file of their own (test_qwen_image_edit.py), runnable by tiny_run_config too
+OWN_FILE_CONDITIONED_MODELS = {"qwen-image-edit-plus": ("tiny_qwen_image_edit_path", 64, None, 2.5)}
 # the condition images of the conditioned datasets: (width, height), as the files are, and an RGB colour
 CONDITION_IMAGES = {"red.png": ((83, 50), (200, 30, 30)), "green.png": ((83, 50), (30, 200, 30)),
                     "blue.png": ((83, 50), (30, 30, 200))}
@@ -89,13 +91,14 @@ def write_dataset(folder: Path) -> Path:
 
 def tiny_run_config(tmp: Path, model_type: str, model_path, **train) -> dict:
     """A tiny run of ``model_type`` (``TINY_MODELS`` or ``CONDITIONED_MODELS``, with its condition dataset)."""
-    _, resolution, frames, guidance = {**TINY_MODELS, **CONDITIONED_MODELS}[model_type]
+    conditioned = {**CONDITIONED_MODELS, **OWN_FILE_CONDITIONED_MODELS}
+    _, resolution, frames, guidance = {**TINY_MODELS, **conditioned}[model_type]
     from flow_factory.config.sections import MODEL_FAMILIES
 
     videos = "videos" in MODEL_FAMILIES[model_type].conditions
 
     def write(folder):
-        return write_conditioned_dataset(folder, videos) if model_type in CONDITIONED_MODELS else write_dataset(folder)
+        return write_conditioned_dataset(folder, videos) if model_type in conditioned else write_dataset(folder)
     return {
         "seed": 7,
         "data": {"dataset_dir": str(write(tmp / "data")), "cache_dir": str(tmp / "prompt_cache")},

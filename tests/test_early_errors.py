@@ -210,7 +210,7 @@ def test_a_pipeline_no_adapter_loads_lists_those_that_do(tmp_path):
         "FluxPipeline (flux1), WanPipeline (wan2_t2v), QwenImagePipeline (qwen-image), ZImagePipeline (z-image), "
         "Flux2Pipeline (flux2), Flux2KleinPipeline (flux2-klein), HunyuanVideo15Pipeline (hunyuanvideo15), "
         "LTX2Pipeline (ltx2_t2av), FluxKontextPipeline (flux1-kontext), WanImageToVideoPipeline (wan2_i2v), "
-        "WanVideoToVideoPipeline (wan2_v2v)")
+        "WanVideoToVideoPipeline (wan2_v2v), QwenImageEditPlusPipeline (qwen-image-edit-plus)")
 
 
 WAN = ["diffusers", "WanTransformer3DModel"]

@@ -31,7 +31,7 @@ from safetensors.torch import save
 from tqdm.auto import tqdm
 
 from .data import read_image, read_video
-from .models.base import Conditioning
+from .models.base import Conditioning, pad_cat
 
 logger = logging.getLogger(__name__)
 FORMAT = 1  # bump when what a shard holds changes
@@ -194,7 +194,8 @@ class PromptCache:
                 handle = self._open[shard] = safe_open(shard, "pt")
             for name in names:
                 rows[name].append(handle.get_tensor(f"{key}.{name}"))
-        return {name: torch.stack(values).to(device) for name, values in rows.items()}
+        # a ragged entry (Qwen-Image-Edit-Plus's condition tokens) is padded to the longest, as cat_cond pads
+        return {name: pad_cat(values, stack=True).to(device) for name, values in rows.items()}
 
 
 
@@ -205,6 +206,8 @@ def condition_fingerprint(adapter) -> str:
     """What a conditioned model's condition encodings depend on, hashed: the adapter class, the networks and
     processors ``prepare_conditions`` / ``encode_conditions`` use (configs and weights)."""
     h = hashlib.sha256(f"format {FORMAT} conditions {type(adapter).__name__}".encode())
+    if adapter.text_reads_conditions:  # the prompts are encoded here, with their conditions
+        h.update(encoder_fingerprint(adapter).encode())
     for name, part in sorted(adapter.condition_encoders().items()):
         config = getattr(part, "config", None)  # diffusers' and transformers' models and diffusers' processors
         config = (config.to_dict() if hasattr(config, "to_dict") else dict(config) if config is not None
@@ -221,12 +224,37 @@ def condition_fingerprint(adapter) -> str:
 Geometry = tuple  # (height, width, num_frames, condition_size): what a condition is prepared for
 
 
-def condition_key(item, geometry: Geometry) -> str:
+def condition_key(item, geometry: Geometry, text: tuple | None = None) -> str:
     """An entry's key: the row's condition files (path, size in bytes, modification time: a changed file is
-    a new entry) and the geometry they are prepared for."""
+    a new entry) and the geometry they are prepared for; ``condition_text``'s part for a model whose text
+    encoder reads the conditions."""
     files = [(str(f.path.resolve()), f.path.stat().st_size, f.path.stat().st_mtime_ns)
              for f in (*item.images, *item.videos)]
-    return hashlib.sha256(json.dumps([files, list(geometry)], default=str).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps([files, list(geometry), *([text] if text else [])],
+                                     default=str).encode()).hexdigest()[:32]
+
+
+def condition_text(adapter, item, guidance_scale: float | None) -> tuple | None:
+    """What of a row besides its files its condition encoding depends on: for a model whose text encoder reads
+    the conditions (``text_reads_conditions``), its prompt, negative prompt and whether CFG encodes the latter;
+    None for the others."""
+    if not adapter.text_reads_conditions:
+        return None
+    if guidance_scale is None:
+        raise ValueError(f"{adapter.model_type} encodes its prompts with the conditions: give the guidance scale")
+    cfg = adapter.uses_cfg(guidance_scale)
+    return item.prompt, (item.negative_prompt or "") if cfg else "", cfg
+
+
+def encode_condition_rows(adapter, media, items: list, geometry: Geometry,
+                          guidance_scale: float | None = None) -> Conditioning:
+    """The conditioning of rows ``items`` from their ``media``: ``encode_conditions``, and for a model whose text
+    encoder reads the conditions (``text_reads_conditions``) their prompts encoded with them."""
+    cond = adapter.encode_conditions(media, *geometry[:3])
+    if adapter.text_reads_conditions:
+        cond = {**cond, **adapter.encode([it.prompt for it in items], [it.negative_prompt or "" for it in items],
+                                         guidance_scale, conditions=media)}
+    return cond
 
 
 def condition_media(adapter, items: list, geometry: Geometry):
@@ -240,18 +268,25 @@ def condition_media(adapter, items: list, geometry: Geometry):
 class ConditionCache(PromptCache):
     """A conditioned model's condition encodings (VAE latents, image-encoder states), one entry per row's
     condition files and geometry, under ``data.cache_dir/conditions-<fingerprint>``: encoded once before
-    training, as the prompts are; ``lookup`` gives a batch's."""
+    training, as the prompts are; ``lookup`` gives a batch's. For a model whose text encoder reads the conditions
+    (Qwen-Image-Edit-Plus) an entry is a row's files with its prompts, and holds their text encoding too."""
 
     what = "condition"
+    adapter = None  # the model whose encodings these are (its text_reads_conditions and uses_cfg name an entry)
 
     @classmethod
     def build(cls, adapter, requests: list[tuple], root, batch_size: int, *, force: bool = False,
               share: tuple[int, int, bool] = (0, 1, True), barrier=lambda: None) -> "ConditionCache":
-        """The cache holding every ``(item, geometry)`` of ``requests``, encoding whatever is missing."""
+        """The cache holding every ``(item, geometry)`` of ``requests`` (``(item, geometry, guidance_scale)`` for a
+        model whose text encoder reads the conditions), encoding whatever is missing."""
         wanted = {}
-        for item, geometry in requests:
-            wanted.setdefault(condition_key(item, geometry), (item, geometry))
-        return cls._build(adapter, condition_fingerprint(adapter), wanted, root, batch_size, force, share, barrier)
+        for item, geometry, *guidance in requests:
+            guidance = guidance[0] if guidance else None
+            key = condition_key(item, geometry, condition_text(adapter, item, guidance))
+            wanted.setdefault(key, (item, geometry, guidance))
+        cache = cls._build(adapter, condition_fingerprint(adapter), wanted, root, batch_size, force, share, barrier)
+        cache.adapter = adapter
+        return cache
 
     @classmethod
     def open(cls, adapter, root) -> "ConditionCache | None":
@@ -260,26 +295,29 @@ class ConditionCache(PromptCache):
             return None
         cache = cls(folder)
         cache.scan(check=True)
+        cache.adapter = adapter
         return cache
 
     def _encode(self, adapter, requests: list, batch_size: int, tag: str, show: bool) -> None:
         by_geometry: dict[tuple, list] = {}
-        for item, geometry in requests:
-            by_geometry.setdefault(tuple(geometry), []).append(item)
+        for item, geometry, guidance in requests:
+            by_geometry.setdefault((tuple(geometry), guidance), []).append(item)
         bar = tqdm(total=len(requests), desc="encoding conditions", disable=not show or not requests)
-        for number, (geometry, items) in enumerate(by_geometry.items()):
+        for number, ((geometry, guidance), items) in enumerate(by_geometry.items()):
             for start in range(0, len(items), batch_size):
                 batch = items[start:start + batch_size]
                 media = condition_media(adapter, batch, geometry)
                 with torch.no_grad():
-                    cond = adapter.encode_conditions(media, *geometry[:3])
-                tensors = {f"{condition_key(it, geometry)}.{name}": value[i].detach().cpu().contiguous()
-                           for name, value in cond.items() for i, it in enumerate(batch)}
+                    cond = encode_condition_rows(adapter, media, batch, geometry, guidance)
+                keys = [condition_key(it, geometry, condition_text(adapter, it, guidance)) for it in batch]
+                tensors = {f"{key}.{name}": value[i].detach().cpu().contiguous()
+                           for name, value in cond.items() for i, key in enumerate(keys)}
                 self._write(tensors, f"{tag}-c{number}-{start:07d}")
                 bar.update(len(batch))
         bar.close()
 
-    def lookup(self, items: list, geometry: Geometry, device) -> Conditioning | None:
-        """The condition encodings of rows ``items`` for ``geometry``, stacked in order, on ``device``; None
-        when one of them is not cached."""
-        return self.rows([condition_key(it, geometry) for it in items], device)
+    def lookup(self, items: list, geometry: Geometry, device, guidance_scale: float | None = None) -> Conditioning | None:
+        """The condition encodings of rows ``items`` for ``geometry`` (and ``guidance_scale``, for a model whose text
+        encoder reads the conditions), stacked in order, on ``device``; None when one of them is not cached."""
+        return self.rows([condition_key(it, geometry, condition_text(self.adapter, it, guidance_scale))
+                          for it in items], device)

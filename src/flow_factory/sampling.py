@@ -24,7 +24,7 @@ from .data.conditions import check_conditions, generated_size
 from .dynamics.ode import ODE
 from .models.base import ConditionMedia, Conditioning, cat_cond, index_cond
 from .models.preflight import checkpoint_conditions
-from .prompt_cache import condition_media
+from .prompt_cache import condition_media, encode_condition_rows
 from .rollout import KeptStates, sample_trajectory
 from .seeding import generator, per_sample_noise
 from .timer import PhaseTimer
@@ -135,9 +135,11 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
         conditions = None
         with timer.phase("sampling"):
             encode_at = s.guidance_scale if s.conditioning_guidance_scale is None else s.conditioning_guidance_scale
-            cond = _conditioning(adapter, batch, encode_at, autocast, prompt_cache)
+            # a model whose text encoder reads the conditions encodes its prompts with them (_conditions)
+            cond = {} if adapter.text_reads_conditions else _conditioning(adapter, batch, encode_at, autocast,
+                                                                          prompt_cache)
             if adapter.condition_inputs:
-                conditions, condition_cond = _conditions(adapter, batch, s, autocast, condition_cache)
+                conditions, condition_cond = _conditions(adapter, batch, s, encode_at, autocast, condition_cache)
                 cond = {**cond, **condition_cond}
             keys = [("noise", s.seed, epoch, "group", int(g)) if s.same_latent else ("noise", s.seed, epoch, i)
                     for g, i in zip(groups.tolist(), ids)]
@@ -225,20 +227,23 @@ def _conditioning(adapter, batch: list, guidance_scale: float, autocast, prompt_
     return _encode_unique(adapter, batch, guidance_scale, autocast)
 
 
-def _conditions(adapter, batch: list, s: SamplingSettings, autocast,
+def _conditions(adapter, batch: list, s: SamplingSettings, guidance_scale: float, autocast,
                 condition_cache) -> tuple[ConditionMedia, Conditioning]:
     """The batch's condition media and their conditioning: each distinct row's files read, resized and encoded
     once (a group repeats its row), for every step of the rollout and the training that reads it; the
-    encoding comes from ``condition_cache`` when it holds it."""
-    keys = [it.condition_key for it in batch]
+    encoding comes from ``condition_cache`` when it holds it. A model whose text encoder reads the conditions
+    gets its prompts (at ``guidance_scale``) encoded here with them, once per distinct row and prompts."""
+    text = adapter.text_reads_conditions
+    keys = [(it.condition_key, it.prompt, it.negative_prompt or "") if text else it.condition_key for it in batch]
     unique = list(dict.fromkeys(keys))
     rows = [batch[keys.index(key)] for key in unique]
     geometry = s.geometry
     media = condition_media(adapter, rows, geometry)
-    cond = condition_cache.lookup(rows, geometry, adapter.device) if condition_cache is not None else None
+    cond = (condition_cache.lookup(rows, geometry, adapter.device, guidance_scale) if condition_cache is not None
+            else None)
     if cond is None:
         with autocast():
-            cond = adapter.encode_conditions(media, s.height, s.width, s.num_frames)
+            cond = encode_condition_rows(adapter, media, rows, geometry, guidance_scale)
     index = [unique.index(key) for key in keys]
     return media.take(index), index_cond(cond, torch.tensor(index))
 

@@ -235,7 +235,7 @@ class Config(Section):
                        if getattr(section, key) is not None]
         if conditioned and not family.conditions:
             return [f"{path}: {name} generates from text alone; the key is for conditioned models (flux1-kontext, "
-                    "wan2_i2v, wan2_v2v); remove it" for path, _ in conditioned]
+                    "wan2_i2v, wan2_v2v, qwen-image-edit-plus); remove it" for path, _ in conditioned]
         if "images" not in family.conditions:  # video-to-video: the video is encoded at the size generated
             resized = [path for path, _ in conditioned if path.endswith("condition_image_size")]
             if resized:

@@ -51,6 +51,7 @@ MODEL_FAMILIES = {
     "wan2_i2v": ModelFamily(16, "VAE x8, then 2x2 transformer patches", frame_factor=4,
                             components=("transformer", "transformer_2"), conditions=("images",)),
     "wan2_v2v": ModelFamily(16, "VAE x8, then 2x2 transformer patches", frame_factor=4, conditions=("videos",)),
+    "qwen-image-edit-plus": ModelFamily(16, "VAE x8, then 2x2 token packing", conditions=("images",)),
 }
 # video-to-video's strength when train.strength is null: WanVideoToVideoPipeline's default
 DEFAULT_STRENGTH = 0.8
@@ -119,6 +120,9 @@ MODEL_TYPE_ALIASES = {
     "wan2_i2v": "wan2_i2v", "wan21_i2v": "wan2_i2v", "wan2.1_i2v": "wan2_i2v", "wan22_i2v": "wan2_i2v",
     "wan2.2_i2v": "wan2_i2v", "wan_i2v": "wan2_i2v",
     "wan2_v2v": "wan2_v2v", "wan21_v2v": "wan2_v2v", "wan2.1_v2v": "wan2_v2v", "wan_v2v": "wan2_v2v",
+    "qwen-image-edit-plus": "qwen-image-edit-plus", "qwen_image_edit_plus": "qwen-image-edit-plus",
+    "qwen-image-edit": "qwen-image-edit-plus", "qwen-edit": "qwen-image-edit-plus",
+    "qwenimage-edit-plus": "qwen-image-edit-plus",
 }
 DYNAMICS_TYPES = ("Flow-SDE", "Dance-SDE", "CPS", "ODE", "DPM-Solver++2M")
 DYNAMICS_ALIASES = {"flow-sde": "Flow-SDE", "flowsde": "Flow-SDE", "dance-sde": "Dance-SDE",
@@ -163,7 +167,8 @@ class ModelConfig(Section):
         description="model family: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2, flux2-klein, "
         "hunyuanvideo15, ltx2_t2av, flux1-kontext (image editing: condition images from the dataset's rows), or "
         "wan2_i2v (image-to-video, Wan2.1 and Wan2.2: the first frame from the dataset's rows), wan2_v2v "
-        "(video-to-video: a condition video per row) "
+        "(video-to-video: a condition video per row), qwen-image-edit-plus (image editing from 1 to 3 condition "
+        "images per row) "
         "(aliases such as sd3_5, flux, wan2.1, qwenimage, z_image, flux2_klein, hunyuanvideo1.5, ltx2, "
         "flux1_kontext accepted), or the dotted path of your own FlowAdapter subclass (my_package.adapters.MyAdapter)")
     finetune_type: Literal["lora", "full"] = setting("lora", "train LoRA adapters or every transformer weight")

@@ -124,11 +124,12 @@ class TrainConfig(Section):
         "(the last int(num_inference_steps x strength) steps); null = 0.8, the pipeline's default", gt=0, le=1)
     condition_image_size: int | list[int] | None = setting(
         None, "size condition images are resized to, an int or [height, width] (conditioned models: flux1-kontext, "
-        "wan2_i2v); null = the size generated", expects="an integer, [height, width] or null")
+        "wan2_i2v; qwen-image-edit-plus: the area each image is resized to at its own aspect ratio); null = the "
+        "size generated (qwen-image-edit-plus: its pipeline's 1024x1024)", expects="an integer, [height, width] or null")
     auto_resize: bool | None = setting(
         None, "generate at the aspect ratio of the condition images, at the area of resolution (conditioned models; "
         "a split's condition images must then share one aspect ratio); null = the model's default (flux1-kontext, "
-        "wan2_i2v: false)")
+        "wan2_i2v: false; qwen-image-edit-plus: true)")
 
     per_device_batch_size: PositiveInt = setting(8, "samples per process in one sampling / training micro-batch")
     group_size: PositiveInt = setting(16, "samples per prompt; advantages are normalised within a group")

@@ -121,12 +121,16 @@ class ConditionMedia:
     """A batch's condition files as the model sees them (resized as its pipeline resizes them), in [0, 1]:
     what the rewards get as ``condition_images`` / ``condition_videos`` and what the sample grids show."""
 
-    images: list[Tensor] | None = None  # per sample, (k, 3, H, W)
+    images: list[Tensor] | None = None  # per sample, (k, 3, H, W), or a list of (3, H, W) when their sizes differ
     videos: list[Tensor] | None = None  # per sample, (k, F, 3, H, W)
+    # per sample, the condition images as read (RGB PIL): for a model that resizes them once more for another
+    # encoder (Qwen-Image-Edit-Plus's vision-language text encoder), from the originals as its pipeline does
+    originals: list[list] | None = None
 
     def take(self, rows: list[int]) -> "ConditionMedia":
         """The media of samples ``rows``, in that order."""
-        return ConditionMedia(*(None if v is None else [v[i] for i in rows] for v in (self.images, self.videos)))
+        return ConditionMedia(*(None if v is None else [v[i] for i in rows]
+                                for v in (self.images, self.videos, self.originals)))
 
     @classmethod
     def concat(cls, parts: list["ConditionMedia"]) -> "ConditionMedia":
@@ -134,7 +138,7 @@ class ConditionMedia:
         def join(name):
             values = [getattr(p, name) for p in parts]
             return None if values[0] is None else [x for v in values for x in v]
-        return cls(join("images"), join("videos"))
+        return cls(join("images"), join("videos"), join("originals"))
 
     def per_sample(self) -> list[list[Tensor]]:
         """Each sample's condition images (3, H, W) and videos (F, 3, H, W), one list per sample (sample grids)."""
@@ -163,7 +167,24 @@ def index_cond(cond: Conditioning, idx) -> Conditioning:
 
 
 def cat_cond(conds: list[Conditioning]) -> Conditioning:
-    return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
+    """The samples of ``conds`` one after another; an entry whose lengths differ between them (a ragged condition,
+    such as Qwen-Image-Edit-Plus's image tokens) is padded with zeros to the longest, each dim after the first."""
+    return {k: pad_cat([c[k] for c in conds]) for k in conds[0]}
+
+
+def pad_cat(tensors: list[Tensor], stack: bool = False) -> Tensor:
+    """``torch.cat`` (``stack``: ``torch.stack``) of tensors of one rank, zero-padded at the end of each dim (after
+    the batch dim) to the largest: a model whose entries differ in length keeps their real lengths beside them."""
+    parts = [t[None] for t in tensors] if stack else tensors
+    size = [max(t.shape[d] for t in parts) for d in range(1, parts[0].ndim)]
+    if all(list(t.shape[1:]) == size for t in parts):
+        return torch.cat(parts)
+    padded = []
+    for t in parts:
+        grown = t.new_zeros(t.shape[0], *size)
+        grown[(slice(None), *(slice(0, n) for n in t.shape[1:]))] = t
+        padded.append(grown)
+    return torch.cat(padded)
 
 
 class FlowAdapter:
@@ -202,6 +223,9 @@ class FlowAdapter:
     conditions_per_sample: ClassVar[tuple[int, int]] = (1, 1)
     # train / eval.auto_resize when the config leaves it null: generate at the condition's aspect ratio
     auto_resize: ClassVar[bool] = False
+    # the text encoder reads the condition images too (Qwen-Image-Edit-Plus): ``encode`` takes them
+    # (``conditions=``), so the prompt cache cannot answer for it; the condition cache holds its text encoding
+    text_reads_conditions: ClassVar[bool] = False
 
     def __init__(self, pipeline, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.pipeline = pipeline

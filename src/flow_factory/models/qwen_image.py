@@ -70,6 +70,8 @@ class QwenImageAdapter(FlowAdapter):
         pipe = type(self.pipeline)
         n, c, h, w = latents.shape
         x = pipe._pack_latents(latents.to(self.device, self.dtype), n, c, h, w)
+        tokens = x.shape[1]
+        x, grids = self.with_condition_tokens(x, cond)
         t = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000
         # the pipeline calls the transformer once per branch; one call on [uncond, cond] is the same
         # arithmetic per sample, and one forward per backward is what DDP needs
@@ -81,15 +83,20 @@ class QwenImageAdapter(FlowAdapter):
             timestep=t.to(self.dtype) / 1000,  # the pipeline's 1000 sigma / 1000, for the same rounding
             encoder_hidden_states=embeds,
             encoder_hidden_states_mask=None if mask.all() else mask,  # as the pipeline: no mask without padding
-            img_shapes=[[(1, h // 2, w // 2)]] * len(x),
+            img_shapes=[[(1, h // 2, w // 2), *grids]] * len(x),
             return_dict=False,
-        )[0].float()
+        )[0][:, :tokens].float()  # the prediction for the latents' own tokens
         if cfg:
             text = out.chunk(2)[1]
             combined = self.combine_cfg(out, guidance_scale)
             out = combined * (text.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
         s = self.pipeline.vae_scale_factor
         return pipe._unpack_latents(out, h * s, w * s, s).squeeze(2)
+
+    def with_condition_tokens(self, packed: Tensor, cond: Conditioning) -> tuple[Tensor, list[tuple[int, int, int]]]:
+        """The tokens the transformer reads after the latents' and their (frames, rows, columns) grids: an editing
+        model's condition images (qwen_image_edit.py); none here."""
+        return packed, []
 
     def decode(self, latents: Tensor) -> Tensor:
         # the VAE is Wan's kind: 5-D, here with one frame

@@ -13,6 +13,7 @@ from .flux_kontext import FluxKontextAdapter
 from .hunyuan_video15 import HunyuanVideo15Adapter
 from .ltx2 import LTX2Adapter
 from .qwen_image import QwenImageAdapter
+from .qwen_image_edit import QwenImageEditPlusAdapter
 from .sd3 import SD3Adapter
 from .wan import WanT2VAdapter
 from .wan_i2v import WanI2VAdapter
@@ -24,6 +25,7 @@ ADAPTERS: dict[str, type[FlowAdapter]] = {cls.model_type: cls for cls in (
     QwenImageAdapter, ZImageAdapter,
     Flux2Adapter, Flux2KleinAdapter,
     HunyuanVideo15Adapter, LTX2Adapter, FluxKontextAdapter, WanI2VAdapter, WanV2VAdapter,
+    QwenImageEditPlusAdapter,
 )}
 
 

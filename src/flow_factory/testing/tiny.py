@@ -36,13 +36,14 @@ turns them into about a third of a second of stereo 16 kHz audio.
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 
 import torch
 
 TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15",
-                    "ltx2_t2av", "flux1-kontext", "wan2_i2v", "wan2_v2v")
+                    "ltx2_t2av", "flux1-kontext", "wan2_i2v", "wan2_v2v", "qwen-image-edit-plus")
 # other tiny checkpoints, and the model_type that loads each
 TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v", "flux2-klein-base": "flux2-klein",
                  "wan2.2-i2v-a14b": "wan2_i2v", "wan2.1-flf2v": "wan2_i2v"}
@@ -309,6 +310,28 @@ def _build_qwen_image():
                              transformer=transformer)
 
 
+def _build_qwen_image_edit_plus():
+    """Qwen-Image's components in QwenImageEditPlusPipeline, with a vision tower that reads 4x4 patches (merged 2x2:
+    one text token per 8x8 pixels) and an image processor to match (a 32x32 image: 16 tokens)."""
+    from diffusers import QwenImageEditPlusPipeline
+    from transformers import Qwen2VLImageProcessor
+
+    from ..models.qwen_image_edit import image_only_processor
+
+    parts = _build_qwen_image().components
+    config = parts["text_encoder"].config
+    config.vision_config.patch_size, config.vision_config.temporal_patch_size = 4, 2
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(3)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    image_processor = Qwen2VLImageProcessor(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                            size={"shortest_edge": 8 * 8, "longest_edge": 64 * 64})
+    return QwenImageEditPlusPipeline(**{k: parts[k] for k in ("scheduler", "vae", "tokenizer", "transformer")},
+                                     text_encoder=text_encoder,
+                                     processor=image_only_processor(image_processor, parts["tokenizer"]))
+
+
 def _build_z_image():
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
@@ -548,7 +571,7 @@ _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, 
              "wan2.2-a14b": lambda: _build_wan("wan2.2-a14b"), "wan2.2-ti2v-5b": lambda: _build_wan("wan2.2-ti2v-5b"),
              "flux1-kontext": lambda: _build_flux("FluxKontextPipeline"),
              "wan2_i2v": _build_wan_i2v, "wan2_v2v": _build_wan_v2v, "wan2.2-i2v-a14b": lambda: _build_wan_i2v("wan2.2"),
-             "wan2.1-flf2v": lambda: _build_wan_i2v("wan2.1-flf2v")}
+             "wan2.1-flf2v": lambda: _build_wan_i2v("wan2.1-flf2v"), "qwen-image-edit-plus": _build_qwen_image_edit_plus}
 
 
 def tiny_pipeline(model_type: str):
@@ -564,5 +587,19 @@ def build_tiny_pipeline(model_type: str, path) -> Path:
     """Build the tiny ``model_type`` pipeline (or a ``TINY_VARIANTS`` one) and save it to ``path`` (a diffusers
     folder)."""
     path = Path(path)
-    tiny_pipeline(model_type).save_pretrained(path)
+    pipe = tiny_pipeline(model_type)
+    processor = getattr(pipe, "processor", None)
+    if processor is None:
+        pipe.save_pretrained(path)
+        return path
+    # Qwen-Image-Edit-Plus: its processor folder as the released checkpoints have it (image processor and
+    # tokenizer files; no video processor, which transformers cannot save or load without torchvision),
+    # named Qwen2VLProcessor in model_index.json as theirs is
+    pipe.processor = None
+    pipe.save_pretrained(path)
+    processor.image_processor.save_pretrained(path / "processor")
+    processor.tokenizer.save_pretrained(path / "processor")
+    index = json.loads((path / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    (path / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
     return path

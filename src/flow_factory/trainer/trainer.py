@@ -121,7 +121,9 @@ class Trainer:
         check_pipeline_finite(self.adapter.pipeline, f"model.model_name_or_path: {model.model_name_or_path}")
         if model.attn_backend is not None:  # the name is checked before loading (models/preflight.py)
             self.adapter.set_attention_backend(model.attn_backend)
-        self.prompt_cache = self._cache_prompts() if cfg.data.enable_preprocess else None
+        # a model whose text encoder reads the conditions caches its prompts with them (the condition cache)
+        self.prompt_cache = (self._cache_prompts() if cfg.data.enable_preprocess and
+                             not self.adapter.text_reads_conditions else None)
         self.condition_cache = (self._cache_conditions() if cfg.data.enable_preprocess and
                                 self.adapter.condition_inputs else None)
         # as the model samples: LTX-2 keeps its audio on the ODE, whatever the SDE (models/ltx2.py)
@@ -324,10 +326,16 @@ class Trainer:
         """A conditioned model's condition files encoded once, for the sizes train and eval prepare them at."""
         cfg, acc = self.cfg, self.accelerator
         train, test = self._train_settings().geometry, SamplingSettings.for_eval(cfg.eval, self.eval_size).geometry
-        requests = [(it, train) for it in self.train_prompts] + [(it, test) for it in self.test_prompts]
+        # the guidance scale each split's prompts are encoded at: what a model whose text encoder reads the
+        # conditions encodes them with here
+        requests = ([(it, train, cfg.train.conditioning_guidance_scale) for it in self.train_prompts]
+                    + [(it, test, cfg.eval.guidance_scale) for it in self.test_prompts])
         with acc.autocast():  # as the rollout would encode them
-            return ConditionCache.build(self.adapter, requests, cfg.data.cache_dir, cfg.data.preprocessing_batch_size,
-                                        **self._cache_share())
+            cache = ConditionCache.build(self.adapter, requests, cfg.data.cache_dir, cfg.data.preprocessing_batch_size,
+                                         **self._cache_share())
+        if self.adapter.text_reads_conditions:  # every prompt is encoded in it, with its conditions
+            self.adapter.release_text_encoders(cfg.data.text_encoders_after_preprocess)
+        return cache
 
     def _from_main(self, fn):
         """``fn()`` on the main process, its result (or its RunFolderError) on every process."""
