@@ -23,6 +23,7 @@ from flow_factory.data import load_prompts
 from flow_factory.dynamics import make_dynamics
 from flow_factory.dynamics.ode import ODE
 from flow_factory.models import QwenImageEditPlusAdapter, apply_lora, load_adapter, save_lora
+from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput
 from flow_factory.models.qwen_image_edit import load_pipeline
 from flow_factory.rollout import sample_trajectory
 from flow_factory.sampling import SamplingSettings, collect_rollouts
@@ -66,8 +67,8 @@ def test_ode_rollout_reproduces_the_pipeline(adapter, sizes):
 
     pipe = adapter.pipeline
     packed = type(pipe)._pack_latents(noise, 1, *noise.shape[1:])
-    out = pipe(image=sources[0], prompt=PROMPTS[0], negative_prompt="", true_cfg_scale=GUIDANCE, height=SIZE, width=SIZE,
-               num_inference_steps=STEPS, latents=packed, output_type="latent").images
+    out = pipe(image=sources[0], prompt=PROMPTS[0], negative_prompt="", true_cfg_scale=GUIDANCE, height=SIZE,
+               width=SIZE, num_inference_steps=STEPS, latents=packed, output_type="latent").images
     expected = type(pipe)._unpack_latents(out, SIZE, SIZE, pipe.vae_scale_factor)[:, :, 0]
     assert final.abs().max() > 0.1
     torch.testing.assert_close(final, expected.float(), rtol=0, atol=1e-5)
@@ -95,6 +96,60 @@ def test_ragged_samples_concatenate_and_a_batch_must_share_shapes(adapter):
                                        adapter.velocity(x[i:i + 1], torch.tensor(0.7), alone, GUIDANCE), rtol=0, atol=0)
         with pytest.raises(ValueError, match="per_device_batch_size: 1"):
             adapter.velocity(x, torch.tensor(0.7), both, GUIDANCE)
+
+
+def _ragged_dataset(folder):
+    """train.jsonl and test.jsonl: a row with one condition image (83x50), a row with two (83x50, 50x50)."""
+    (folder / "images").mkdir(parents=True)
+    for name, size in (("wide.png", (83, 50)), ("square.png", (50, 50))):
+        _image(size, seed=len(name)).save(folder / "images" / name)
+    rows = [{"prompt": "make it red", "image": "wide.png"},
+            {"prompt": "blend them", "images": ["wide.png", "square.png"]}]
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+class Recorder(PointwiseRewardModel):
+    """Records the condition images it is given."""
+
+    required_fields = ("prompt", "image", "condition_images")
+    calls: list = []
+
+    def __call__(self, prompt, image=None, condition_images=None):
+        type(self).calls.extend(condition_images)
+        return RewardModelOutput(rewards=[0.0] * len(prompt))
+
+
+class TensorRecorder(Recorder):
+    use_tensor_inputs = True
+    calls: list = []
+
+
+def test_rows_of_other_image_counts_and_sizes_sample_store_and_score(adapter, tmp_path):
+    """Rows with one and with two condition images of two sizes, a transformer call each: the rollouts store both
+    (padded), the stored conditioning gives each sample's own velocity, and the rewards see each row's images as
+    the model saw them, PIL or tensors (a list when their sizes differ)."""
+    from flow_factory.models import index_cond
+    from flow_factory.rewards import RewardSet
+
+    items = load_prompts(_ragged_dataset(tmp_path / "data"), "train")
+    Recorder.calls.clear(), TensorRecorder.calls.clear()
+    rewards = RewardSet({"pil": Recorder(batch_size=4), "tensor": TensorRecorder(batch_size=4)},
+                        {"pil": 1, "tensor": 1})
+    settings = SamplingSettings(SIZE, SIZE, None, 2, GUIDANCE, batch_size=1, seed=0, sde_steps=[])
+    rollouts = collect_rollouts(adapter, ODE(), items, torch.arange(2), [0, 1], settings, epoch=0, reward_set=rewards)
+
+    assert rollouts.cond["image_shapes"].tolist() == [[[4, 6], [0, 0]], [[4, 6], [4, 4]]]  # token grids, padded
+    assert [[im.size for im in sample] for sample in Recorder.calls] == [[(96, 64)], [(96, 64), (64, 64)]]
+    assert TensorRecorder.calls[0].shape == (1, 3, 64, 96)
+    assert [tuple(t.shape) for t in TensorRecorder.calls[1]] == [(3, 64, 96), (3, 64, 64)]
+    x = adapter.initial_noise(1, SIZE, SIZE, torch.Generator().manual_seed(3))
+    for i, item in enumerate(items):
+        _, alone = _conditioning(adapter, [item.prompt], [[Image.open(f.path).convert("RGB") for f in item.images]])
+        with torch.no_grad():
+            torch.testing.assert_close(adapter.velocity(x, torch.tensor(0.6), index_cond(rollouts.cond, [i]), GUIDANCE),
+                                       adapter.velocity(x, torch.tensor(0.6), alone, GUIDANCE), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("dynamics_name", ["Flow-SDE", "Dance-SDE", "CPS"])
@@ -157,12 +212,16 @@ def test_a_prompt_is_encoded_with_its_own_rows_images(adapter, tmp_path):
 
 @pytest.mark.parametrize("trainer_type", ["grpo", "nft"])
 def test_ff_train_runs_from_a_conditioned_dataset(tmp_path, tiny_qwen_image_edit_path, trainer_type):
+    """Rows of one and two condition images of their own sizes, a sample a call (per_device_batch_size 1, as
+    Flow-Factory's examples), train and eval at other condition sizes; the saved LoRA changes the pipeline's output
+    for the two-image row."""
     from flow_factory.data import read_image
     from flow_factory.train import main as ff_train
 
     config = tiny_run_config(tmp_path, "qwen-image-edit-plus", tiny_qwen_image_edit_path, trainer_type=trainer_type,
-                             max_epochs=2, condition_image_size=48, auto_resize=False)
-    config["eval"].update(condition_image_size=64, auto_resize=False)
+                             max_epochs=2, condition_image_size=48, auto_resize=False, per_device_batch_size=1)
+    config["data"]["dataset_dir"] = str(_ragged_dataset(tmp_path / "ragged"))
+    config["eval"].update(condition_image_size=64, auto_resize=False, per_device_batch_size=1)
     if trainer_type == "nft":
         config["train"]["num_train_timesteps"] = 1
         config["scheduler"] = {"dynamics_type": "ODE", "noise_level": 0.0}
@@ -171,14 +230,14 @@ def test_ff_train_runs_from_a_conditioned_dataset(tmp_path, tiny_qwen_image_edit
     run_dir = tmp_path / "saves" / "run"
     history = json.loads((run_dir / "history.json").read_text())
     assert [r["epoch"] for r in history["train"]] == [0, 1] and "reward/jpeg/mean" in history["train"][-1]
-    source = read_image(load_prompts(tmp_path / "data", "test")[0].images[0])
+    sources = [read_image(f) for f in load_prompts(tmp_path / "ragged", "test")[1].images]
     latents = []
     for lora in (None, run_dir / "checkpoints" / "epoch_2"):
         pipe = load_pipeline(tiny_qwen_image_edit_path)
         if lora is not None:
             pipe.load_lora_weights(lora)
         noise = torch.randn((1, 16, 8, 8), generator=torch.Generator().manual_seed(0))
-        latents.append(pipe(image=[source], prompt="make it red", negative_prompt="", true_cfg_scale=GUIDANCE,
+        latents.append(pipe(image=sources, prompt="blend them", negative_prompt="", true_cfg_scale=GUIDANCE,
                             height=SIZE, width=SIZE, num_inference_steps=STEPS, output_type="latent",
                             latents=type(pipe)._pack_latents(noise, 1, 16, 8, 8)).images)
     assert not torch.allclose(*latents, atol=1e-6), "the trained LoRA does not change the pipeline's output"

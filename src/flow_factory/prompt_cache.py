@@ -316,7 +316,8 @@ class ConditionCache(PromptCache):
                 bar.update(len(batch))
         bar.close()
 
-    def lookup(self, items: list, geometry: Geometry, device, guidance_scale: float | None = None) -> Conditioning | None:
+    def lookup(self, items: list, geometry: Geometry, device,
+               guidance_scale: float | None = None) -> Conditioning | None:
         """The condition encodings of rows ``items`` for ``geometry`` (and ``guidance_scale``, for a model whose text
         encoder reads the conditions), stacked in order, on ``device``; None when one of them is not cached."""
         return self.rows([condition_key(it, geometry, condition_text(self.adapter, it, guidance_scale))

@@ -31,7 +31,11 @@ with 8 latent channels, 5 frames at 32x32 -> latents 8x2x2x2; at 25 MB (the tran
 projection has a fixed 2048 width) and about 2000 text and image tokens a pipeline call, the slowest.
 LTX-2 (``ltx2_t2av``) makes a video and its audio: its VAE is x8 in space and x2 in time, so
 9 frames at 32x32 -> video latents 4x5x4x4 and, at 24 fps, 9 audio latent frames; the vocoder
-turns them into about a third of a second of stereo 16 kHz audio.
+turns them into about a third of a second of stereo 16 kHz audio. Qwen-Image-Edit-Plus
+(``qwen-image-edit-plus``) is Qwen-Image's tiny model with a VL encoder that reads 4x4-pixel patches; its
+``processor`` folder holds the image processor and tokenizer (no video processor, which needs torchvision), and
+the pipeline resizes condition images to its module's ``VAE_IMAGE_SIZE`` / ``CONDITION_IMAGE_SIZE`` areas
+(1024^2 and 384^2: tests shrink them to stay fast).
 """
 
 from __future__ import annotations
@@ -314,15 +318,13 @@ def _build_qwen_image_edit_plus():
     """Qwen-Image's components in QwenImageEditPlusPipeline, with a vision tower that reads 4x4 patches (merged 2x2:
     one text token per 8x8 pixels) and an image processor to match (a 32x32 image: 16 tokens)."""
     from diffusers import QwenImageEditPlusPipeline
-    from transformers import Qwen2VLImageProcessor
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
 
     from ..models.qwen_image_edit import image_only_processor
 
     parts = _build_qwen_image().components
     config = parts["text_encoder"].config
-    config.vision_config.patch_size, config.vision_config.temporal_patch_size = 4, 2
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
+    config.vision_config.patch_size = 4
     torch.manual_seed(3)
     text_encoder = Qwen2_5_VLForConditionalGeneration(config)
     image_processor = Qwen2VLImageProcessor(patch_size=4, temporal_patch_size=2, merge_size=2,
@@ -571,7 +573,8 @@ _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, 
              "wan2.2-a14b": lambda: _build_wan("wan2.2-a14b"), "wan2.2-ti2v-5b": lambda: _build_wan("wan2.2-ti2v-5b"),
              "flux1-kontext": lambda: _build_flux("FluxKontextPipeline"),
              "wan2_i2v": _build_wan_i2v, "wan2_v2v": _build_wan_v2v, "wan2.2-i2v-a14b": lambda: _build_wan_i2v("wan2.2"),
-             "wan2.1-flf2v": lambda: _build_wan_i2v("wan2.1-flf2v"), "qwen-image-edit-plus": _build_qwen_image_edit_plus}
+             "wan2.1-flf2v": lambda: _build_wan_i2v("wan2.1-flf2v"),
+             "qwen-image-edit-plus": _build_qwen_image_edit_plus}
 
 
 def tiny_pipeline(model_type: str):
