@@ -241,3 +241,26 @@ def test_ff_train_runs_from_a_conditioned_dataset(tmp_path, tiny_qwen_image_edit
                             height=SIZE, width=SIZE, num_inference_steps=STEPS, output_type="latent",
                             latents=type(pipe)._pack_latents(noise, 1, 16, 8, 8)).images)
     assert not torch.allclose(*latents, atol=1e-6), "the trained LoRA does not change the pipeline's output"
+
+
+def test_rows_that_cannot_share_a_call_are_named_before_the_model_loads(tmp_path, tiny_qwen_image_edit_path,
+                                                                        capsys, monkeypatch):
+    from flow_factory.train import main as ff_train
+
+    def refuse(cls, *args, **kwargs):
+        pytest.fail("a pipeline started loading: the error came too late")
+
+    monkeypatch.setattr(QwenImageEditPlusAdapter, "from_pretrained", classmethod(refuse))
+    config = tiny_run_config(tmp_path, "qwen-image-edit-plus", tiny_qwen_image_edit_path, auto_resize=False,
+                             condition_image_size=64)
+    config["data"]["dataset_dir"] = str(_ragged_dataset(tmp_path / "ragged"))
+    assert ff_train([str(write_config(tmp_path, config))]) == 2
+    train = tmp_path / "ragged" / "train.jsonl"
+    assert (f"{train}:2: train.per_device_batch_size is 2, and the samples of one transformer call must have "
+            f"condition images that come out the same sizes, but this row's give ((96, 64), (64, 64)) where "
+            f"{train}:1's give ((96, 64),); set train.per_device_batch_size: 1") in capsys.readouterr().err
+    Image.new("RGB", (400, 4)).save(tmp_path / "ragged" / "images" / "wide.png")  # 4096 px at ratio 100: 640x0
+    config["train"]["per_device_batch_size"] = 1
+    assert ff_train([str(write_config(tmp_path, config))]) == 2
+    assert (f"{train}:1: qwen-image-edit-plus: a 400x4 condition image resized to an area of 4096 pixels is 640x0"
+            in capsys.readouterr().err)

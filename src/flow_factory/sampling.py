@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .data import load_prompts
-from .data.conditions import check_conditions, generated_size
+from .data.conditions import check_batchable, check_conditions, generated_size
 from .dynamics.ode import ODE
 from .models.base import ConditionMedia, Conditioning, cat_cond, index_cond
 from .models.preflight import checkpoint_conditions
@@ -79,6 +79,11 @@ def load_split(cfg, split: str, adapter_cls) -> list:
     items = load_prompts(data.dataset_dir, split, data.max_dataset_size, data.image_dir, data.video_dir)
     per_sample, note = checkpoint_conditions(adapter_cls, cfg.model.model_name_or_path)
     check_conditions(items, cfg.model.model_type, adapter_cls.condition_inputs, per_sample, note)
+    # a model whose conditions keep their own sizes (Qwen-Image-Edit-Plus) batches only rows that agree
+    section, part = (cfg.train, "train") if split == "train" else (cfg.eval, "eval")
+    size = condition_size(section)
+    check_batchable(items, lambda item: adapter_cls.call_shape([f.size for f in item.images], size),
+                    section.per_device_batch_size, f"{part}.per_device_batch_size")
     return items
 
 

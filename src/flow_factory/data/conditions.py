@@ -31,6 +31,26 @@ def check_conditions(items: list[PromptItem], model_type: str, takes: tuple[str,
                 raise PromptFileError(f"{where}: {model_type} takes {wanted} condition {kind} per prompt "
                                       f"('{keys}'), the row names {count}{note}")
 
+def check_batchable(items: list[PromptItem], call_shape, batch_size: int, key: str) -> None:
+    """PromptFileError naming the first row that differs unless every row's ``call_shape(item)`` (what the samples
+    of one transformer call must share, for a model whose conditions keep their own sizes) agrees, or
+    ``batch_size`` is 1 (``key``: the config key to name); or naming the row whose shape ``call_shape`` refuses."""
+    shaped = []
+    for item in items:
+        try:
+            shaped.append((item, call_shape(item)))
+        except ValueError as e:
+            raise PromptFileError(f"{item.source}: {e}") from None
+    if batch_size == 1:
+        return
+    for item, shape in shaped:
+        if shape != shaped[0][1]:
+            raise PromptFileError(
+                f"{item.source}: {key} is {batch_size}, and the samples of one transformer call must have condition "
+                f"images that come out the same sizes, but this row's give {shape} where {shaped[0][0].source}'s give "
+                f"{shaped[0][1]}; set {key}: 1, or give every row condition images of the same sizes")
+
+
 def generated_size(items: list[PromptItem], resolution: tuple[int, int], auto_resize: bool, factor: int,
                    key: str) -> tuple[int, int]:
     """The (height, width) a split is generated at: ``resolution``, or with ``auto_resize`` the aspect ratio

@@ -445,6 +445,13 @@ class FlowAdapter:
         names = ("vae", "image_encoder", "image_processor", "video_processor", "feature_extractor")
         return {n: getattr(self.pipeline, n) for n in names if getattr(self.pipeline, n, None) is not None}
 
+    @classmethod
+    def call_shape(cls, sizes: list[tuple[int, int]], condition_size: tuple[int, int] | None) -> tuple | None:
+        """For a model whose condition images keep their own sizes: what the samples of one transformer call must
+        share, from a row's condition images' (width, height) (Qwen-Image-Edit-Plus: their sizes as resized);
+        checked per split before the model loads unless a call takes one sample."""
+        return None
+
     def encode_conditions(self, media: ConditionMedia, height: int, width: int,
                           num_frames: int | None) -> Conditioning:
         """Batch-first conditioning tensors of ``prepare_conditions``' media (VAE latents, image-encoder

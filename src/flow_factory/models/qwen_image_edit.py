@@ -92,18 +92,24 @@ class QwenImageEditPlusAdapter(QwenImageAdapter):
         return {**found, "vl_image_processor": processor.image_processor} if processor is not None else found
 
     # --- the conditions -----------------------------------------------------------------------
-    def prepare_conditions(self, images, videos, height, width, num_frames, condition_size) -> ConditionMedia:
-        """Each image at ``condition_size``'s area (default the pipeline's ``VAE_IMAGE_SIZE``) and its own
-        aspect ratio, in multiples of 32 (``calculate_dimensions``); one sample's images stack when they agree."""
+    @classmethod
+    def call_shape(cls, sizes, condition_size) -> tuple:
+        """Each image's (width, height) at ``condition_size``'s area (default the pipeline's ``VAE_IMAGE_SIZE``) and
+        its own aspect ratio, in multiples of 32 (``calculate_dimensions``)."""
         area = condition_size[0] * condition_size[1] if condition_size else edit_plus.VAE_IMAGE_SIZE
+        resized = tuple(edit_plus.calculate_dimensions(area, w / h) for w, h in sizes)
+        for (w, h), (new_w, new_h) in zip(sizes, resized):
+            if not (new_w and new_h):
+                raise ValueError(f"{cls.model_type}: a {w}x{h} condition image resized to an area of {area} pixels is "
+                                 f"{new_w}x{new_h}; give images of a less extreme aspect ratio")
+        return resized
+
+    def prepare_conditions(self, images, videos, height, width, num_frames, condition_size) -> ConditionMedia:
+        """Each image at its ``call_shape``, as the pipeline resizes it; one sample's images stack when they agree."""
         processor, per_sample = self.pipeline.image_processor, []
         for sample in images:
             shown = []
-            for image in sample:
-                w, h = edit_plus.calculate_dimensions(area, image.width / image.height)
-                if not (w and h):
-                    raise ValueError(f"{self.model_type}: a {image.width}x{image.height} condition image resized to an "
-                                     f"area of {area} pixels is {w}x{h}; give images of a less extreme aspect ratio")
+            for image, (w, h) in zip(sample, self.call_shape([im.size for im in sample], condition_size)):
                 shown.append(processor.numpy_to_pt(processor.pil_to_numpy([processor.resize(image, h, w)]))[0])
             sizes = {tuple(s.shape) for s in shown}
             per_sample.append(torch.stack(shown) if len(sizes) == 1 else shown)
