@@ -65,6 +65,7 @@ def problem_of(data=None, overrides=()) -> str:
     # 48 x 16 = 768 / (8 x 1) = 96; 3 trained steps; 2 optimizer steps
     ("ltx2_t2av_grpo_lora.yaml", 96, 288, 144),
     ("flux1_kontext_grpo_lora.yaml", 96, 96, 48),
+    ("qwen_image_edit_plus_grpo_lora.yaml", 96, 96, 48),
 ])
 def test_examples_load_with_the_batch_arithmetic_their_comments_state(name, batches, micro, accumulation):
     cfg = load_config(EXAMPLES / name)
