@@ -258,7 +258,12 @@ def test_rows_that_cannot_share_a_call_are_named_before_the_model_loads(tmp_path
     train = tmp_path / "ragged" / "train.jsonl"
     assert (f"{train}:2: train.per_device_batch_size is 2, and the samples of one transformer call must have "
             f"condition images that come out the same sizes, but this row's give ((96, 64), (64, 64)) where "
-            f"{train}:1's give ((96, 64),); set train.per_device_batch_size: 1") in capsys.readouterr().err
+            f"{train}:1's give ((96, 64),); set train.per_device_batch_size to 1") in capsys.readouterr().err
+    from flow_factory.sample import main as ff_sample
+
+    assert ff_sample([str(tiny_qwen_image_edit_path), "--model-type", "qwen-image-edit-plus", "--prompt-file",
+                      str(train), "--out", str(tmp_path / "s"), "--batch-size", "2"]) == 2
+    assert "--batch-size is 2, and the samples of one transformer call" in capsys.readouterr().err
     Image.new("RGB", (400, 4)).save(tmp_path / "ragged" / "images" / "wide.png")  # 4096 px at ratio 100: 640x0
     config["train"]["per_device_batch_size"] = 1
     assert ff_train([str(write_config(tmp_path, config))]) == 2

@@ -83,7 +83,7 @@ def check_strength(args: argparse.Namespace, adapter_cls) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from .data.conditions import check_conditions
+    from .data.conditions import check_batchable, check_conditions
     from .data.prompts import PromptItem
     from .models import get_adapter_class
     from .models.preflight import checkpoint_conditions
@@ -94,6 +94,9 @@ def main(argv=None) -> int:
         per_sample, note = checkpoint_conditions(adapter_cls, args.model)
         check_conditions(items, args.model_type, adapter_cls.condition_inputs, per_sample, note)
         check_strength(args, adapter_cls)
+        size = None if args.condition_image_size is None else (args.condition_image_size,) * 2
+        check_batchable(items, lambda item: adapter_cls.call_shape([f.size for f in item.images], size),
+                        args.batch_size, "--batch-size")
     except (FileNotFoundError, ValueError) as e:
         print(f"ff-sample: {e}", file=sys.stderr)
         return 2

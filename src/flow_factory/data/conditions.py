@@ -48,7 +48,7 @@ def check_batchable(items: list[PromptItem], call_shape, batch_size: int, key: s
             raise PromptFileError(
                 f"{item.source}: {key} is {batch_size}, and the samples of one transformer call must have condition "
                 f"images that come out the same sizes, but this row's give {shape} where {shaped[0][0].source}'s give "
-                f"{shaped[0][1]}; set {key}: 1, or give every row condition images of the same sizes")
+                f"{shaped[0][1]}; set {key} to 1, or give every row condition images of the same sizes")
 
 
 def generated_size(items: list[PromptItem], resolution: tuple[int, int], auto_resize: bool, factor: int,
