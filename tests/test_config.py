@@ -289,7 +289,7 @@ def test_unknown_keys_suggest_the_close_match(override, message):
 def test_unknown_key_without_close_match_lists_the_section():
     msg = problem_of(overrides=["log.colour=blue"])
     assert msg == ("log.colour: unknown key; valid keys of log: run_name, project, logging_backend, "
-                   "save_dir, save_freq, save_model_only, verbose, overwrite")
+                   "save_dir, save_freq, save_model_only, verbose, video_format, overwrite")
     assert problem_of(overrides=["zzz=1"]).startswith("zzz: unknown key; valid keys at the top level: launcher,")
 
 
