@@ -1,18 +1,23 @@
-"""FSDP2 training on CPU: ``ff-train`` with ``config_file: fsdp2`` over 2 gloo processes.
+"""Sharded training on CPU: ``ff-train`` with ``config_file: fsdp2``, ``zero2`` or ``zero3`` over 2 gloo
+processes.
 
-accelerate never shards on CPU, so there the trainer shards with torch's own ``fully_shard``
+accelerate never shards on CPU with FSDP, so there the trainer shards with torch's own ``fully_shard``
 (``flow_factory/sharding.py``); everything after that (the optimizer over the shards, the
 gathered checkpoint, the EMA of the shards, resuming into shards) is the code a GPU run runs.
+DeepSpeed runs its own ZeRO engine on CPU over gloo (it compiles a small C++ op on first use, so
+these tests need ninja and a C++ compiler, and skip saying which is missing).
 The run's checkpoint records how many trained values each process held: sharded means each held
-part, and together all. A 2-machine launch is simulated over loopback too. DeepSpeed cannot run on CPU here (it is not installed, and its CPU
-backend needs Intel's extension); what it is handed is checked in ``test_launch_configs.py``."""
+part, and together all. A 2-machine launch is simulated over loopback too."""
 
+import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,19 +26,37 @@ from safetensors.torch import load_file
 from test_train_cli import EPOCHS, LINEAR_STEP, TESTS_DIR, TOLERANCE, _difference_over_movement, _free_port
 
 
+# the venv's own tools (ninja, for DeepSpeed's op) whether or not the venv is activated
+TOOLS_PATH = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
+def _why_no_deepspeed() -> str | None:
+    if importlib.util.find_spec("deepspeed") is None:
+        return "DeepSpeed is not installed (pip install 'flow-factory[deepspeed]')"
+    if shutil.which("ninja", path=TOOLS_PATH) is None:
+        return "ninja is not installed: DeepSpeed compiles its CPU communication op with it"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}): DeepSpeed compiles its CPU communication op on first use"
+    return None
+
+
+needs_deepspeed = pytest.mark.skipif(_why_no_deepspeed() is not None, reason=str(_why_no_deepspeed()))
+
+
 def _ff_train(folder, model_path, processes: int, config_file=None, model=None, machines: int = 1,
               eval_freq: int = 0, **train) -> dict:
     """``ff-train`` in its own processes, as the invariant-4 test runs it; returns the run's last trainer state.
     ``machines`` > 1: one ``ff-train`` per machine rank, all on this machine over loopback."""
-    config = tiny_run_config(folder, "sd3-5", model_path, max_epochs=EPOCHS, group_size=4, ema_decay=0.5,
-                             **{**LINEAR_STEP, **train})
+    config = tiny_run_config(folder, "sd3-5", model_path, max_epochs=EPOCHS, group_size=4,
+                             **{"ema_decay": 0.5, **LINEAR_STEP, **train})
     config["eval"]["eval_freq"] = eval_freq  # eval samples with its own seeds: the weights do not depend on it
     config["rewards"] = [{"name": "brightness", "reward_model": "test_train_cli.MeanBrightness"}]
     config["model"].update(model or {})
     if config_file:
         config["config_file"] = config_file
     (folder / "tmp").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+    env = {**os.environ, "PATH": TOOLS_PATH, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
            "TMPDIR": str(folder / "tmp"), "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR),
                                                                                       os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "flow_factory.train", str(write_config(folder, config)),
@@ -93,15 +116,7 @@ def test_fsdp_on_two_processes_shards_saves_whole_and_resumes(tmp_path, tiny_sd3
     assert [w.shape for w in ema_one] == [w.shape for w in ema_fsdp]
     assert max(float((a - b).abs().max()) for a, b in zip(ema_one, ema_fsdp)) <= TOLERANCE * moved
 
-    # the consolidated LoRA is a plain diffusers LoRA
-    from diffusers import StableDiffusion3Pipeline
-
-    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_path)
-    pipe.load_lora_weights(_checkpoint(fsdp, EPOCHS))
-    loaded = {"transformer." + re.sub(r"\.default(_\d+)?", "", n): p.detach()
-              for n, p in pipe.transformer.named_parameters() if "lora_" in n}
-    assert loaded.keys() == _lora(fsdp).keys()
-    assert all(torch.equal(loaded[k], v) for k, v in _lora(fsdp).items())
+    _assert_a_plain_diffusers_lora(fsdp, tiny_sd3_path)
 
     # stopped after epoch 1 and resumed on 2 processes: the same weights as the uninterrupted run
     resumed = tmp_path / "resumed"
@@ -109,6 +124,18 @@ def test_fsdp_on_two_processes_shards_saves_whole_and_resumes(tmp_path, tiny_sd3
               model={"resume_path": str(_checkpoint(fsdp, 1))})
     for key, value in _lora(fsdp).items():
         assert torch.allclose(_lora(resumed)[key], value, rtol=0, atol=1e-6), key
+
+
+def _assert_a_plain_diffusers_lora(folder, model_path) -> None:
+    """The consolidated LoRA loads with the pipeline's own ``load_lora_weights``, every tensor as saved."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(model_path)
+    pipe.load_lora_weights(_checkpoint(folder, EPOCHS))
+    loaded = {"transformer." + re.sub(r"\.default(_\d+)?", "", n): p.detach()
+              for n, p in pipe.transformer.named_parameters() if "lora_" in n}
+    assert loaded.keys() == _lora(folder).keys()
+    assert all(torch.equal(loaded[k], v) for k, v in _lora(folder).items())
 
 
 def _transformer(folder, epoch=EPOCHS) -> dict:
@@ -155,3 +182,69 @@ def test_two_machines_simulated_over_loopback_make_the_same_update_as_one_proces
     assert state["sharding"] == {"backend": "ddp", "processes": 2, "trained_values_per_process": [total, total]}
     relative, moved = _difference_over_movement(_lora(one_process), _lora(nodes))
     assert moved > 1e-4 and relative <= TOLERANCE, (relative, moved)
+
+
+def _engine_files(folder, epoch=EPOCHS) -> list[str]:
+    return sorted(p.name for p in (_checkpoint(folder, epoch) / "deepspeed" / "engine").iterdir())
+
+
+@needs_deepspeed
+def test_zero2_lora_on_two_processes_equals_one_process_and_saves_a_diffusers_lora(tmp_path, tiny_sd3_path,
+                                                                                  one_process):
+    """DESIGN invariant 4 under DeepSpeed ZeRO-2: its engine reduces the two processes' gradients (a sum
+    of two halves, as the all-reduce of test_train_cli's derivation) and steps AdamW over its
+    partitions; the tolerance is that test's. The LoRA it saves is a plain diffusers LoRA."""
+    zero2 = tmp_path / "zero2"
+    state = _ff_train(zero2, tiny_sd3_path, 2, config_file="zero2")
+    total = sum(v.numel() for v in _lora(zero2).values())
+    # ZeRO-2 splits the optimizer state and the gradients; the weights stay whole on every process
+    assert state["sharding"] == {"backend": "deepspeed", "processes": 2, "trained_values_per_process": [total, total]}
+    relative, moved = _difference_over_movement(_lora(one_process), _lora(zero2))
+    assert moved > 1e-4, f"training did not move the LoRA (largest B entry {moved:.2e})"
+    assert relative <= TOLERANCE, f"1 process and ZeRO-2 on 2 differ by {relative:.2e} (allowed {TOLERANCE:.2e})"
+    ema_one, ema_zero2 = (torch.load(_checkpoint(f, EPOCHS) / "ema.pt")["weights"] for f in (one_process, zero2))
+    assert max(float((a - b).abs().max()) for a, b in zip(ema_one, ema_zero2)) <= TOLERANCE * moved
+    _assert_a_plain_diffusers_lora(zero2, tiny_sd3_path)
+    # each process's partition of AdamW's state, in DeepSpeed's own layout, for a resume
+    assert _engine_files(zero2) == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                    "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+
+
+@needs_deepspeed
+def test_zero3_full_fine_tuning_partitions_saves_whole_and_resumes_exactly(tmp_path, tiny_sd3_path):
+    """ZeRO-3 partitions the transformer's weights too: each process held part of them, the update equals
+    one process's, the gathered checkpoint loads with ``from_pretrained``, and a run stopped after epoch 1
+    and resumed (the weights from the checkpoint, AdamW's moments from DeepSpeed's engine state) ends
+    where the uninterrupted run ended."""
+    from diffusers import SD3Transformer2DModel
+
+    full = {"finetune_type": "full"}
+    step = {"learning_rate": 1e7, "ema_decay": 0.0}  # lr / eps = 0.1: full weights move a little; ZeRO-3 keeps no EMA
+    one, zero3 = tmp_path / "p1", tmp_path / "zero3"
+    with ThreadPoolExecutor(2) as pool:  # side by side: the one-process run takes the core the other leaves
+        reference = pool.submit(_ff_train, one, tiny_sd3_path, 1, model=full, **step)
+        state = _ff_train(zero3, tiny_sd3_path, 2, config_file="zero3", model=full, **step)
+        reference.result()
+
+    initial = SD3Transformer2DModel.from_pretrained(tiny_sd3_path, subfolder="transformer")
+    start, total = initial.state_dict(), sum(p.numel() for p in initial.parameters())
+    held = state["sharding"]["trained_values_per_process"]
+    assert state["sharding"]["backend"] == "deepspeed" and len(held) == 2
+    # each partition is padded to the same size: together they hold every value and at most one pad per tensor
+    assert all(0 < n < total for n in held) and total <= sum(held) < total + 2 * len(start), (held, total)
+
+    a, b = _transformer(one), _transformer(zero3)  # the gathered checkpoint loads with from_pretrained
+    assert a.keys() == b.keys() == start.keys()
+    moved = max(float((a[k] - start[k]).abs().max()) for k in a)
+    difference = max(float((b[k] - a[k]).abs().max()) for k in a)
+    assert moved > 1e-4, f"training did not move the weights ({moved:.2e})"
+    assert difference <= TOLERANCE * moved, f"ZeRO-3 differs by {difference / moved:.2e} of the movement"
+
+    resumed = tmp_path / "resumed"
+    _ff_train(resumed, tiny_sd3_path, 2, config_file="zero3", model={**full, "resume_path": str(_checkpoint(zero3, 1))},
+              **step)
+    after_one = _transformer(zero3, 1)
+    assert max(float((b[k] - after_one[k]).abs().max()) for k in b) > 1e-4  # epoch 2 moved the weights
+    c = _transformer(resumed)
+    for key, value in b.items():
+        assert torch.allclose(c[key], value, rtol=0, atol=1e-6), key
