@@ -48,8 +48,8 @@ def _ff_train(folder, model_path, processes: int, config_file=None, model=None, 
               eval_freq: int = 0, **train) -> dict:
     """``ff-train`` in its own processes, as the invariant-4 test runs it; returns the run's last trainer state.
     ``machines`` > 1: one ``ff-train`` per machine rank, all on this machine over loopback."""
-    config = tiny_run_config(folder, "sd3-5", model_path, max_epochs=EPOCHS, group_size=4,
-                             **{"ema_decay": 0.5, **LINEAR_STEP, **train})
+    config = tiny_run_config(folder, "sd3-5", model_path, group_size=4,
+                             **{"max_epochs": EPOCHS, "ema_decay": 0.5, **LINEAR_STEP, **train})
     config["eval"]["eval_freq"] = eval_freq  # eval samples with its own seeds: the weights do not depend on it
     config["rewards"] = [{"name": "brightness", "reward_model": "test_train_cli.MeanBrightness"}]
     config["model"].update(model or {})
@@ -248,3 +248,19 @@ def test_zero3_full_fine_tuning_partitions_saves_whole_and_resumes_exactly(tmp_p
     c = _transformer(resumed)
     for key, value in b.items():
         assert torch.allclose(c[key], value, rtol=0, atol=1e-6), key
+
+
+@needs_deepspeed
+def test_zero1_and_zero2_offload_train_an_epoch_as_one_process_does(tmp_path, tiny_sd3_path, one_process):
+    """ZeRO-1 (only AdamW's state split) and ZeRO-2 with the optimizer offloaded to CPU memory (where
+    accelerate swaps AdamW for DeepSpeed's own CPU Adam, keeping its betas and epsilon): one epoch each,
+    side by side, compared with the one-process run's first epoch at the invariant-4 tolerance."""
+    names = ["zero1", "zero2_offload"]
+    with ThreadPoolExecutor(2) as pool:
+        states = list(pool.map(lambda name: _ff_train(tmp_path / name, tiny_sd3_path, 2, config_file=name,
+                                                      max_epochs=1), names))
+    for name, state in zip(names, states):
+        assert state["sharding"]["backend"] == "deepspeed" and state["sharding"]["processes"] == 2, name
+        relative, moved = _difference_over_movement(_lora(one_process, 1), _lora(tmp_path / name, 1))
+        assert moved > 1e-4, f"{name}: training did not move the LoRA (largest B entry {moved:.2e})"
+        assert relative <= TOLERANCE, f"1 process and {name} on 2 differ by {relative:.2e} (allowed {TOLERANCE:.2e})"

@@ -183,15 +183,13 @@ def save_engine_state(engine, folder) -> None:
     engine.save_checkpoint(str(folder), tag=DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=True)
 
 
-def load_engine_state(engine, folder) -> None:
+def load_engine_state(engine, folder) -> bool:
     """The engine's partitions and optimizer state of ``save_engine_state``'s folder; every process
-    reads its own (the same number of processes and ZeRO stage as the run that wrote it)."""
+    reads its own (the same number of processes and ZeRO stage as the run that wrote it). False when
+    DeepSpeed found nothing to load there."""
     path, _ = engine.load_checkpoint(str(folder), tag=DEEPSPEED_TAG, load_module_strict=False,
                                      load_optimizer_states=True, load_lr_scheduler_states=False)
-    if path is None:
-        from .checkpoint import CheckpointError
-
-        raise CheckpointError(f"model.resume_path: DeepSpeed could not load its engine state from {folder}")
+    return path is not None
 
 
 def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:

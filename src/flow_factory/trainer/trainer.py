@@ -38,9 +38,9 @@ from ..rewards.base import parse_dtype
 from ..sampling import (Rollouts, SamplingSettings, collect_rollouts, condition_size, load_split, sample_prompts,
                         split_size)
 from ..seeding import generator
-from ..sharding import (DEEPSPEED_DIR, accelerator_kwargs, all_finite_everywhere, backend_of, fill_deepspeed_config,
-                        full_optimizer_state, full_state_dict, load_engine_state, load_frozen_models_whole, local,
-                        prepare_sharded, reshard_all, save_engine_state)
+from ..sharding import (DEEPSPEED_DIR, DEEPSPEED_TAG, accelerator_kwargs, all_finite_everywhere, backend_of,
+                        fill_deepspeed_config, full_optimizer_state, full_state_dict, load_engine_state,
+                        load_frozen_models_whole, local, prepare_sharded, reshard_all, save_engine_state)
 from ..timer import PhaseTimer
 from .ema import EMA_FILE, WeightCopy, ema_decay_at, load_ema
 from .interrupt import StopFlag, TrainingInterrupted
@@ -156,7 +156,7 @@ class Trainer:
             self._compile()
             self._load_weights(resumed, before_prepare=True)
             self._prepare_sharded()
-            self._load_engine_state()
+            self._load_engine_state(resumed)
             self._make_weight_copies()
             self._load_copies()
         # what each process holds of the trained weights (the checkpoint records it): all of them unless sharded
@@ -188,13 +188,22 @@ class Trainer:
             self._load_copies()
         logger.info("resuming from %s (%d epochs done)", self.resume_from, self.epoch)
 
-    def _load_engine_state(self) -> None:
-        """DeepSpeed's partitions of the fp32 weights and AdamW's moments, from the checkpoint resumed."""
+    def _load_engine_state(self, resumed: dict) -> None:
+        """DeepSpeed's partitions of the fp32 weights and AdamW's moments, from the checkpoint resumed
+        (``resumed``: its trainer state). Each process reads the partition of its rank, so only a run on
+        as many processes reads them; another restarts the optimizer from the consolidated weights."""
         if self.resume_from is None:
             return
         folder = self.resume_from / DEEPSPEED_DIR
-        if folder.is_dir():
-            load_engine_state(self.adapter.denoiser, folder)
+        written_by = resumed.get("sharding", {}).get("processes")
+        if folder.is_dir() and written_by != self.accelerator.num_processes:
+            logger.warning("model.resume_path %s: its DeepSpeed state was written by %s processes and this run "
+                           "has %d; the optimizer restarts", self.resume_from, written_by,
+                           self.accelerator.num_processes)
+        elif folder.is_dir():
+            if not load_engine_state(self.adapter.denoiser, folder):
+                raise CheckpointError(f"model.resume_path: DeepSpeed found no engine state in {folder} "
+                                      f"(tag {DEEPSPEED_TAG})")
         else:
             logger.warning("model.resume_path %s holds no DeepSpeed state (%s/: saved by another backend or with "
                            "log.save_model_only); the optimizer restarts", self.resume_from, DEEPSPEED_DIR)
