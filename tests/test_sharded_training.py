@@ -44,9 +44,17 @@ def _why_no_deepspeed() -> str | None:
 needs_deepspeed = pytest.mark.skipif(_why_no_deepspeed() is not None, reason=str(_why_no_deepspeed()))
 
 
-def _ff_train(folder, model_path, processes: int, config_file=None, model=None, machines: int = 1,
-              eval_freq: int = 0, **train) -> dict:
-    """``ff-train`` in its own processes, as the invariant-4 test runs it; returns the run's last trainer state.
+def _ff_train(folder, model_path, processes: int, **run) -> dict:
+    """``ff-train`` in its own processes, as the invariant-4 test runs it; returns the run's last trainer state."""
+    config, results = _launch(folder, model_path, processes, **run)
+    for (_, err), code in results:
+        assert code == 0, f"{processes} process(es): exit {code}\n{err[-4000:]}"
+    return json.loads((_checkpoint(folder, config["train"]["max_epochs"]) / "trainer_state.json").read_text())
+
+
+def _launch(folder, model_path, processes: int, config_file=None, model=None, machines: int = 1,
+            eval_freq: int = 0, **train) -> tuple[dict, list]:
+    """The run's config and each command's ((stdout, stderr), exit code).
     ``machines`` > 1: one ``ff-train`` per machine rank, all on this machine over loopback."""
     config = tiny_run_config(folder, "sd3-5", model_path, group_size=4,
                              **{"max_epochs": EPOCHS, "ema_decay": 0.5, **LINEAR_STEP, **train})
@@ -70,9 +78,7 @@ def _ff_train(folder, model_path, processes: int, config_file=None, model=None, 
     else:
         result = subprocess.run(command, env=env, timeout=300, capture_output=True, text=True)
         results = [((result.stdout, result.stderr), result.returncode)]
-    for (_, err), code in results:
-        assert code == 0, f"{processes} process(es): exit {code}\n{err[-4000:]}"
-    return json.loads((_checkpoint(folder, config["train"]["max_epochs"]) / "trainer_state.json").read_text())
+    return config, results
 
 
 def _checkpoint(folder, epoch):
@@ -223,8 +229,10 @@ def test_zero3_full_fine_tuning_partitions_saves_whole_and_resumes_exactly(tmp_p
     one, zero3 = tmp_path / "p1", tmp_path / "zero3"
     with ThreadPoolExecutor(2) as pool:  # side by side: the one-process run takes the core the other leaves
         reference = pool.submit(_ff_train, one, tiny_sd3_path, 1, model=full, **step)
-        state = _ff_train(zero3, tiny_sd3_path, 2, config_file="zero3", model=full, **step)
+        state = _ff_train(zero3, tiny_sd3_path, 2, config_file="zero3", model=full, eval_freq=1, **step)
         reference.result()
+    evaluated = json.loads((zero3 / "saves" / "run" / "history.json").read_text())["eval"]
+    assert [e["epoch"] for e in evaluated] == list(range(EPOCHS + 1))  # eval samples through the partitions too
 
     initial = SD3Transformer2DModel.from_pretrained(tiny_sd3_path, subfolder="transformer")
     start, total = initial.state_dict(), sum(p.numel() for p in initial.parameters())
@@ -264,3 +272,33 @@ def test_zero1_and_zero2_offload_train_an_epoch_as_one_process_does(tmp_path, ti
         relative, moved = _difference_over_movement(_lora(one_process, 1), _lora(tmp_path / name, 1))
         assert moved > 1e-4, f"{name}: training did not move the LoRA (largest B entry {moved:.2e})"
         assert relative <= TOLERANCE, f"1 process and {name} on 2 differ by {relative:.2e} (allowed {TOLERANCE:.2e})"
+
+
+@pytest.mark.parametrize("stage, train, model, message", [
+    (3, {"ema_decay": 0.5}, {}, r"ZeRO-3 .* copies of them yet \(train.ema_decay\); use fsdp2"),
+    (3, {"trainer_type": "nft", "ema_decay": 0.0}, {}, r"copies of them yet \(the rollout weights of nft / awm\)"),
+    (2, {"kl_beta": 1.0}, {"finetune_type": "full"},
+     r"frozen reference of a full fine-tune \(train.kl_beta > 0\) is not kept under DeepSpeed yet; use fsdp2"),
+])
+def test_what_deepspeed_does_not_keep_is_refused_from_the_config(tmp_path, stage, train, model, message):
+    """The KL reference of a full fine-tune (any stage) and ZeRO-3's weight copies are refused from the config
+    and the launch's ZeRO stage alone: ``_build`` checks them before the rewards or the pipeline load."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from flow_factory.config import ConfigError, parse_config
+    from flow_factory.trainer.trainer import Trainer
+
+    config = tiny_run_config(tmp_path, "sd3-5", tmp_path / "model", **train)
+    config["model"].update(model)
+    config["config_file"] = f"zero{stage}"
+    launched = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+                               state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
+    trainer = SimpleNamespace(cfg=parse_config(config), accelerator=launched)
+    with pytest.raises(ConfigError, match=f"config_file: .*{message}"):
+        Trainer._check_deepspeed_copies(trainer)
+    # the same run without the key asking for the copy passes the check
+    fine = {**train, "ema_decay": 0.0, "kl_beta": 0.0, "trainer_type": "grpo"}
+    trainer.cfg = parse_config({**config, "train": {**config["train"], **fine}})
+    Trainer._check_deepspeed_copies(trainer)

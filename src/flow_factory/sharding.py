@@ -16,6 +16,13 @@ After sharding, a parameter is a DTensor whose ``to_local()`` is this process's 
 full tensors a checkpoint holds are gathered with ``torch.distributed.checkpoint``'s full
 state dicts (a collective: every process calls it, the main one writes), and a checkpoint
 is loaded back by handing the full tensors to every process, which keeps its own shard.
+
+DeepSpeed runs its own engine, on CPU too (over gloo: ``accelerator_kwargs``). ZeRO-1/2 keep
+whole weights on every process; ZeRO-3's parameters are partitions (``ds_tensor``), gathered
+one at a time for a checkpoint. A checkpoint loads into the plain model before the engine is
+built (its fp32 master copies start from it), and the engine's own state (each process's
+partition of the master weights and AdamW's moments) is saved and restored by DeepSpeed
+itself: ``save_engine_state`` / ``load_engine_state``.
 """
 
 from __future__ import annotations

@@ -105,6 +105,7 @@ class Trainer:
     def _build(self, resumed: dict) -> None:
         """The rewards, the model and what trains it; the resumed state (``resumed``: its trainer state)."""
         cfg, train, model = self.cfg, self.cfg.train, self.cfg.model
+        self._check_deepspeed_copies()
         self.rewards = RewardSet.from_configs(cfg.rewards, accelerator=self.accelerator)
         self.eval_rewards = (RewardSet.from_configs(cfg.eval_rewards, accelerator=self.accelerator)
                              if cfg.eval_rewards else self.rewards)
@@ -268,17 +269,24 @@ class Trainer:
             raise ConfigError(f"config_file: {self.cfg.config_file} shards with {self.sharding}, which prepares one "
                               f"network per run; {self.cfg.model.model_type} has {len(self.adapter.transformers)} "
                               "experts: train it with DDP (no config_file, or multi_gpu)")
-        if (self.sharding == "deepspeed" and self.algorithm.needs_reference
-                and self.cfg.model.finetune_type == "full"):
-            raise ConfigError(f"config_file: {self.cfg.config_file}: the frozen reference of a full fine-tune "
+
+    def _check_deepspeed_copies(self) -> None:
+        """What DeepSpeed does not keep, refused from the config alone, before anything loads (the
+        algorithm's needs do not depend on the model)."""
+        if self.accelerator.distributed_type != DistributedType.DEEPSPEED:
+            return
+        cfg, train = self.cfg, self.cfg.train
+        algorithm = make_algorithm(train.trainer_type, train,
+                                   make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level))
+        if algorithm.needs_reference and cfg.model.finetune_type == "full":
+            raise ConfigError(f"config_file: {cfg.config_file}: the frozen reference of a full fine-tune "
                               "(train.kl_beta > 0) is not kept under DeepSpeed yet; use fsdp2, which keeps it "
                               "sharded, or train.kl_beta: 0")
-        if self.sharding == "deepspeed" and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            train = self.cfg.train
+        if self.accelerator.state.deepspeed_plugin.zero_stage == 3:
             copies = [k for k, on in (("train.ema_decay", train.ema_decay > 0),
-                                      ("the rollout weights of nft / awm", self.algorithm.uses_sampling_policy),
-                                      ("crd's weight snapshots", bool(self.algorithm.weight_snapshots)),
-                                      ("dgpo's fast old-policy EMA", bool(self.algorithm.step_snapshots)))
+                                      ("the rollout weights of nft / awm", algorithm.uses_sampling_policy),
+                                      ("crd's weight snapshots", bool(algorithm.weight_snapshots)),
+                                      ("dgpo's fast old-policy EMA", bool(algorithm.step_snapshots)))
                       if on]
             if copies:
                 raise ConfigError(f"config_file: DeepSpeed ZeRO-3 partitions the weights inside its engine, where "
