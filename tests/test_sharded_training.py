@@ -199,7 +199,8 @@ def test_zero2_lora_on_two_processes_equals_one_process_and_saves_a_diffusers_lo
                                                                                   one_process):
     """DESIGN invariant 4 under DeepSpeed ZeRO-2: its engine reduces the two processes' gradients (a sum
     of two halves, as the all-reduce of test_train_cli's derivation) and steps AdamW over its
-    partitions; the tolerance is that test's. The LoRA it saves is a plain diffusers LoRA."""
+    partitions; the tolerance is that test's. The LoRA it saves is a plain diffusers LoRA, and the run
+    resumes exactly."""
     zero2 = tmp_path / "zero2"
     state = _ff_train(zero2, tiny_sd3_path, 2, config_file="zero2")
     total = sum(v.numel() for v in _lora(zero2).values())
@@ -211,9 +212,14 @@ def test_zero2_lora_on_two_processes_equals_one_process_and_saves_a_diffusers_lo
     ema_one, ema_zero2 = (torch.load(_checkpoint(f, EPOCHS) / "ema.pt")["weights"] for f in (one_process, zero2))
     assert max(float((a - b).abs().max()) for a, b in zip(ema_one, ema_zero2)) <= TOLERANCE * moved
     _assert_a_plain_diffusers_lora(zero2, tiny_sd3_path)
-    # each process's partition of AdamW's state, in DeepSpeed's own layout, for a resume
+    # each process's partition of AdamW's state, in DeepSpeed's own layout: stopped after epoch 1 and
+    # resumed, the run ends at the uninterrupted run's LoRA
     assert _engine_files(zero2) == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                     "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    resumed = tmp_path / "resumed"
+    _ff_train(resumed, tiny_sd3_path, 2, config_file="zero2", model={"resume_path": str(_checkpoint(zero2, 1))})
+    for key, value in _lora(zero2).items():
+        assert torch.allclose(_lora(resumed)[key], value, rtol=0, atol=1e-6), key
 
 
 @needs_deepspeed
