@@ -150,24 +150,28 @@ def _transformer(folder, epoch=EPOCHS) -> dict:
     return SD3Transformer2DModel.from_pretrained(_checkpoint(folder, epoch) / "transformer").state_dict()
 
 
-def test_fsdp_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path, tiny_sd3_path):
+@pytest.mark.parametrize("config_file", ["fsdp2", pytest.param("zero2", marks=needs_deepspeed)])
+def test_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path, tiny_sd3_path, config_file):
     """Full fine-tuning with the KL to the starting weights: under FSDP the reference is a copy of each
-    process's shards, swapped in for the reference's forward. The second epoch's KL gradient depends on
-    it, so a reference that did not reach the forward would show as a different update."""
+    process's shards, under ZeRO-2 of the whole weights every process holds, swapped in for the reference's
+    forward. The second epoch's KL gradient depends on it, so a reference that did not reach the forward
+    would show as a different update."""
     from diffusers import SD3Transformer2DModel
 
     full = {"finetune_type": "full"}
     # lr / eps = 0.1: full weights move a little. A KL this strong dominates the second epoch's update: a
     # reference left out of the forward (the current weights instead) made the runs differ by ~1x the movement
     step = {"learning_rate": 1e7, "kl_beta": 1000.0, "kl_type": "v-based"}
-    one, fsdp = tmp_path / "p1", tmp_path / "fsdp"
+    one, fsdp = tmp_path / "p1", tmp_path / config_file
     with ThreadPoolExecutor(2) as pool:  # side by side: the one-process run takes the core the other leaves
         reference = pool.submit(_ff_train, one, tiny_sd3_path, 1, model=full, **step)
-        state = _ff_train(fsdp, tiny_sd3_path, 2, config_file="fsdp2", model=full, **step)
+        state = _ff_train(fsdp, tiny_sd3_path, 2, config_file=config_file, model=full, **step)
         reference.result()
-    assert state["sharding"]["backend"] == "fsdp" and all(
-        0 < n < sum(state["sharding"]["trained_values_per_process"])
-        for n in state["sharding"]["trained_values_per_process"])
+    held = state["sharding"]["trained_values_per_process"]
+    if config_file == "fsdp2":  # each process held part of the weights
+        assert state["sharding"]["backend"] == "fsdp" and all(0 < n < sum(held) for n in held)
+    else:  # ZeRO-2 splits the optimizer state and the gradients, not the weights
+        assert state["sharding"]["backend"] == "deepspeed" and held[0] == held[1]
 
     start = SD3Transformer2DModel.from_pretrained(tiny_sd3_path, subfolder="transformer").state_dict()
     a, b = _transformer(one), _transformer(fsdp)  # the consolidated checkpoint loads with from_pretrained
@@ -175,7 +179,7 @@ def test_fsdp_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_
     moved = max(float((a[k] - start[k]).abs().max()) for k in a)
     difference = max(float((b[k] - a[k]).abs().max()) for k in a)
     assert moved > 1e-4, f"training did not move the weights ({moved:.2e})"
-    assert difference <= TOLERANCE * moved, f"FSDP differs by {difference / moved:.2e} of the movement"
+    assert difference <= TOLERANCE * moved, f"{config_file} differs by {difference / moved:.2e} of the movement"
 
 
 def test_two_machines_simulated_over_loopback_make_the_same_update_as_one_process(tmp_path, tiny_sd3_path,
@@ -280,15 +284,15 @@ def test_zero1_and_zero2_offload_train_an_epoch_as_one_process_does(tmp_path, ti
         assert relative <= TOLERANCE, f"1 process and {name} on 2 differ by {relative:.2e} (allowed {TOLERANCE:.2e})"
 
 
-@pytest.mark.parametrize("stage, train, model, message", [
-    (3, {"ema_decay": 0.5}, {}, r"ZeRO-3 .* copies of them yet \(train.ema_decay\); use fsdp2"),
-    (3, {"trainer_type": "nft", "ema_decay": 0.0}, {}, r"copies of them yet \(the rollout weights of nft / awm\)"),
-    (2, {"kl_beta": 1.0}, {"finetune_type": "full"},
-     r"frozen reference of a full fine-tune \(train.kl_beta > 0\) is not kept under DeepSpeed yet; use fsdp2"),
+@pytest.mark.parametrize("train, model, message", [
+    ({"ema_decay": 0.5}, {}, r"copies of them yet \(train.ema_decay\); use fsdp2"),
+    ({"trainer_type": "nft", "ema_decay": 0.0}, {}, r"copies of them yet \(the rollout weights of nft / awm\)"),
+    ({"kl_beta": 1.0, "ema_decay": 0.0}, {"finetune_type": "full"},
+     r"copies of them yet \(the KL reference of a full fine-tune \(train.kl_beta > 0\)\); use fsdp2"),
 ])
-def test_what_deepspeed_does_not_keep_is_refused_from_the_config(tmp_path, stage, train, model, message):
-    """The KL reference of a full fine-tune (any stage) and ZeRO-3's weight copies are refused from the config
-    and the launch's ZeRO stage alone: ``_build`` checks them before the rewards or the pipeline load."""
+def test_what_zero3_does_not_keep_is_refused_from_the_config(tmp_path, train, model, message):
+    """ZeRO-3's weight copies are refused from the config and the launch's ZeRO stage alone (``_build``
+    checks them before the rewards or the pipeline load); ZeRO-2 keeps them."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
@@ -298,13 +302,18 @@ def test_what_deepspeed_does_not_keep_is_refused_from_the_config(tmp_path, stage
 
     config = tiny_run_config(tmp_path, "sd3-5", tmp_path / "model", **train)
     config["model"].update(model)
-    config["config_file"] = f"zero{stage}"
-    launched = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+    config["config_file"] = "zero3"
+
+    def launched(stage):
+        return SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
                                state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
-    trainer = SimpleNamespace(cfg=parse_config(config), accelerator=launched)
-    with pytest.raises(ConfigError, match=f"config_file: .*{message}"):
+
+    trainer = SimpleNamespace(cfg=parse_config(config), accelerator=launched(3))
+    with pytest.raises(ConfigError, match=f"config_file: DeepSpeed ZeRO-3 .*{message}"):
         Trainer._check_deepspeed_copies(trainer)
-    # the same run without the key asking for the copy passes the check
+    trainer.accelerator = launched(2)  # ZeRO-2 keeps whole weights, so it keeps their copies
+    Trainer._check_deepspeed_copies(trainer)
+    # under ZeRO-3, the same run without the key asking for the copy passes the check
     fine = {**train, "ema_decay": 0.0, "kl_beta": 0.0, "trainer_type": "grpo"}
-    trainer.cfg = parse_config({**config, "train": {**config["train"], **fine}})
+    trainer.cfg, trainer.accelerator = parse_config({**config, "train": {**config["train"], **fine}}), launched(3)
     Trainer._check_deepspeed_copies(trainer)

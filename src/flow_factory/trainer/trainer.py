@@ -271,19 +271,18 @@ class Trainer:
                               "experts: train it with DDP (no config_file, or multi_gpu)")
 
     def _check_deepspeed_copies(self) -> None:
-        """What DeepSpeed does not keep, refused from the config alone, before anything loads (the
-        algorithm's needs do not depend on the model)."""
+        """The weight copies ZeRO-3 cannot keep (its partitioned parameters cannot be swapped for a copy),
+        refused from the config alone, before anything loads (the algorithm's needs do not depend on the
+        model)."""
         if self.accelerator.distributed_type != DistributedType.DEEPSPEED:
             return
         cfg, train = self.cfg, self.cfg.train
         algorithm = make_algorithm(train.trainer_type, train,
                                    make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level))
-        if algorithm.needs_reference and cfg.model.finetune_type == "full":
-            raise ConfigError(f"config_file: {cfg.config_file}: the frozen reference of a full fine-tune "
-                              "(train.kl_beta > 0) is not kept under DeepSpeed yet; use fsdp2, which keeps it "
-                              "sharded, or train.kl_beta: 0")
-        if self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            copies = [k for k, on in (("train.ema_decay", train.ema_decay > 0),
+        if self.accelerator.state.deepspeed_plugin.zero_stage == 3:  # ZeRO-1/2 keep whole weights: copies work
+            reference = algorithm.needs_reference and cfg.model.finetune_type == "full"
+            copies = [k for k, on in (("the KL reference of a full fine-tune (train.kl_beta > 0)", reference),
+                                      ("train.ema_decay", train.ema_decay > 0),
                                       ("the rollout weights of nft / awm", algorithm.uses_sampling_policy),
                                       ("crd's weight snapshots", bool(algorithm.weight_snapshots)),
                                       ("dgpo's fast old-policy EMA", bool(algorithm.step_snapshots)))
