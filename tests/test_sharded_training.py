@@ -1,18 +1,23 @@
-"""FSDP2 training on CPU: ``ff-train`` with ``config_file: fsdp2`` over 2 gloo processes.
+"""Sharded training on CPU: ``ff-train`` with ``config_file: fsdp2``, ``zero2`` or ``zero3`` over 2 gloo
+processes.
 
-accelerate never shards on CPU, so there the trainer shards with torch's own ``fully_shard``
+accelerate never shards on CPU with FSDP, so there the trainer shards with torch's own ``fully_shard``
 (``flow_factory/sharding.py``); everything after that (the optimizer over the shards, the
 gathered checkpoint, the EMA of the shards, resuming into shards) is the code a GPU run runs.
+DeepSpeed runs its own ZeRO engine on CPU over gloo (it compiles a small C++ op on first use, so
+these tests need ninja and a C++ compiler, and skip saying which is missing).
 The run's checkpoint records how many trained values each process held: sharded means each held
-part, and together all. A 2-machine launch is simulated over loopback too. DeepSpeed cannot run on CPU here (it is not installed, and its CPU
-backend needs Intel's extension); what it is handed is checked in ``test_launch_configs.py``."""
+part, and together all. A 2-machine launch is simulated over loopback too."""
 
+import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,19 +26,45 @@ from safetensors.torch import load_file
 from test_train_cli import EPOCHS, LINEAR_STEP, TESTS_DIR, TOLERANCE, _difference_over_movement, _free_port
 
 
-def _ff_train(folder, model_path, processes: int, config_file=None, model=None, machines: int = 1,
-              eval_freq: int = 0, **train) -> dict:
-    """``ff-train`` in its own processes, as the invariant-4 test runs it; returns the run's last trainer state.
+# the venv's own tools (ninja, for DeepSpeed's op) whether or not the venv is activated
+TOOLS_PATH = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
+def _why_no_deepspeed() -> str | None:
+    if importlib.util.find_spec("deepspeed") is None:
+        return "DeepSpeed is not installed (pip install 'flow-factory[deepspeed]')"
+    if shutil.which("ninja", path=TOOLS_PATH) is None:
+        return "ninja is not installed: DeepSpeed compiles its CPU communication op with it"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}): DeepSpeed compiles its CPU communication op on first use"
+    return None
+
+
+needs_deepspeed = pytest.mark.skipif(_why_no_deepspeed() is not None, reason=str(_why_no_deepspeed()))
+
+
+def _ff_train(folder, model_path, processes: int, **run) -> dict:
+    """``ff-train`` in its own processes, as the invariant-4 test runs it; returns the run's last trainer state."""
+    config, results = _launch(folder, model_path, processes, **run)
+    for (_, err), code in results:
+        assert code == 0, f"{processes} process(es): exit {code}\n{err[-4000:]}"
+    return json.loads((_checkpoint(folder, config["train"]["max_epochs"]) / "trainer_state.json").read_text())
+
+
+def _launch(folder, model_path, processes: int, config_file=None, model=None, machines: int = 1,
+            eval_freq: int = 0, **train) -> tuple[dict, list]:
+    """The run's config and each command's ((stdout, stderr), exit code).
     ``machines`` > 1: one ``ff-train`` per machine rank, all on this machine over loopback."""
-    config = tiny_run_config(folder, "sd3-5", model_path, max_epochs=EPOCHS, group_size=4, ema_decay=0.5,
-                             **{**LINEAR_STEP, **train})
+    config = tiny_run_config(folder, "sd3-5", model_path, group_size=4,
+                             **{"max_epochs": EPOCHS, "ema_decay": 0.5, **LINEAR_STEP, **train})
     config["eval"]["eval_freq"] = eval_freq  # eval samples with its own seeds: the weights do not depend on it
     config["rewards"] = [{"name": "brightness", "reward_model": "test_train_cli.MeanBrightness"}]
     config["model"].update(model or {})
     if config_file:
         config["config_file"] = config_file
     (folder / "tmp").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+    env = {**os.environ, "PATH": TOOLS_PATH, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
            "TMPDIR": str(folder / "tmp"), "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR),
                                                                                       os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "flow_factory.train", str(write_config(folder, config)),
@@ -47,9 +78,7 @@ def _ff_train(folder, model_path, processes: int, config_file=None, model=None, 
     else:
         result = subprocess.run(command, env=env, timeout=300, capture_output=True, text=True)
         results = [((result.stdout, result.stderr), result.returncode)]
-    for (_, err), code in results:
-        assert code == 0, f"{processes} process(es): exit {code}\n{err[-4000:]}"
-    return json.loads((_checkpoint(folder, config["train"]["max_epochs"]) / "trainer_state.json").read_text())
+    return config, results
 
 
 def _checkpoint(folder, epoch):
@@ -93,15 +122,7 @@ def test_fsdp_on_two_processes_shards_saves_whole_and_resumes(tmp_path, tiny_sd3
     assert [w.shape for w in ema_one] == [w.shape for w in ema_fsdp]
     assert max(float((a - b).abs().max()) for a, b in zip(ema_one, ema_fsdp)) <= TOLERANCE * moved
 
-    # the consolidated LoRA is a plain diffusers LoRA
-    from diffusers import StableDiffusion3Pipeline
-
-    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_path)
-    pipe.load_lora_weights(_checkpoint(fsdp, EPOCHS))
-    loaded = {"transformer." + re.sub(r"\.default(_\d+)?", "", n): p.detach()
-              for n, p in pipe.transformer.named_parameters() if "lora_" in n}
-    assert loaded.keys() == _lora(fsdp).keys()
-    assert all(torch.equal(loaded[k], v) for k, v in _lora(fsdp).items())
+    _assert_a_plain_diffusers_lora(fsdp, tiny_sd3_path)
 
     # stopped after epoch 1 and resumed on 2 processes: the same weights as the uninterrupted run
     resumed = tmp_path / "resumed"
@@ -111,30 +132,46 @@ def test_fsdp_on_two_processes_shards_saves_whole_and_resumes(tmp_path, tiny_sd3
         assert torch.allclose(_lora(resumed)[key], value, rtol=0, atol=1e-6), key
 
 
+def _assert_a_plain_diffusers_lora(folder, model_path) -> None:
+    """The consolidated LoRA loads with the pipeline's own ``load_lora_weights``, every tensor as saved."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(model_path)
+    pipe.load_lora_weights(_checkpoint(folder, EPOCHS))
+    loaded = {"transformer." + re.sub(r"\.default(_\d+)?", "", n): p.detach()
+              for n, p in pipe.transformer.named_parameters() if "lora_" in n}
+    assert loaded.keys() == _lora(folder).keys()
+    assert all(torch.equal(loaded[k], v) for k, v in _lora(folder).items())
+
+
 def _transformer(folder, epoch=EPOCHS) -> dict:
     from diffusers import SD3Transformer2DModel
 
     return SD3Transformer2DModel.from_pretrained(_checkpoint(folder, epoch) / "transformer").state_dict()
 
 
-def test_fsdp_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path, tiny_sd3_path):
+@pytest.mark.parametrize("config_file", ["fsdp2", pytest.param("zero2", marks=needs_deepspeed)])
+def test_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path, tiny_sd3_path, config_file):
     """Full fine-tuning with the KL to the starting weights: under FSDP the reference is a copy of each
-    process's shards, swapped in for the reference's forward. The second epoch's KL gradient depends on
-    it, so a reference that did not reach the forward would show as a different update."""
+    process's shards, under ZeRO-2 of the whole weights every process holds, swapped in for the reference's
+    forward. The second epoch's KL gradient depends on it, so a reference that did not reach the forward
+    would show as a different update."""
     from diffusers import SD3Transformer2DModel
 
     full = {"finetune_type": "full"}
     # lr / eps = 0.1: full weights move a little. A KL this strong dominates the second epoch's update: a
     # reference left out of the forward (the current weights instead) made the runs differ by ~1x the movement
     step = {"learning_rate": 1e7, "kl_beta": 1000.0, "kl_type": "v-based"}
-    one, fsdp = tmp_path / "p1", tmp_path / "fsdp"
+    one, fsdp = tmp_path / "p1", tmp_path / config_file
     with ThreadPoolExecutor(2) as pool:  # side by side: the one-process run takes the core the other leaves
         reference = pool.submit(_ff_train, one, tiny_sd3_path, 1, model=full, **step)
-        state = _ff_train(fsdp, tiny_sd3_path, 2, config_file="fsdp2", model=full, **step)
+        state = _ff_train(fsdp, tiny_sd3_path, 2, config_file=config_file, model=full, **step)
         reference.result()
-    assert state["sharding"]["backend"] == "fsdp" and all(
-        0 < n < sum(state["sharding"]["trained_values_per_process"])
-        for n in state["sharding"]["trained_values_per_process"])
+    held = state["sharding"]["trained_values_per_process"]
+    if config_file == "fsdp2":  # each process held part of the weights
+        assert state["sharding"]["backend"] == "fsdp" and all(0 < n < sum(held) for n in held)
+    else:  # ZeRO-2 splits the optimizer state and the gradients, not the weights
+        assert state["sharding"]["backend"] == "deepspeed" and held[0] == held[1]
 
     start = SD3Transformer2DModel.from_pretrained(tiny_sd3_path, subfolder="transformer").state_dict()
     a, b = _transformer(one), _transformer(fsdp)  # the consolidated checkpoint loads with from_pretrained
@@ -142,7 +179,7 @@ def test_fsdp_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_
     moved = max(float((a[k] - start[k]).abs().max()) for k in a)
     difference = max(float((b[k] - a[k]).abs().max()) for k in a)
     assert moved > 1e-4, f"training did not move the weights ({moved:.2e})"
-    assert difference <= TOLERANCE * moved, f"FSDP differs by {difference / moved:.2e} of the movement"
+    assert difference <= TOLERANCE * moved, f"{config_file} differs by {difference / moved:.2e} of the movement"
 
 
 def test_two_machines_simulated_over_loopback_make_the_same_update_as_one_process(tmp_path, tiny_sd3_path,
@@ -155,3 +192,128 @@ def test_two_machines_simulated_over_loopback_make_the_same_update_as_one_proces
     assert state["sharding"] == {"backend": "ddp", "processes": 2, "trained_values_per_process": [total, total]}
     relative, moved = _difference_over_movement(_lora(one_process), _lora(nodes))
     assert moved > 1e-4 and relative <= TOLERANCE, (relative, moved)
+
+
+def _engine_files(folder, epoch=EPOCHS) -> list[str]:
+    return sorted(p.name for p in (_checkpoint(folder, epoch) / "deepspeed" / "engine").iterdir())
+
+
+@needs_deepspeed
+def test_zero2_lora_on_two_processes_equals_one_process_and_saves_a_diffusers_lora(tmp_path, tiny_sd3_path,
+                                                                                  one_process):
+    """DESIGN invariant 4 under DeepSpeed ZeRO-2: its engine reduces the two processes' gradients (a sum
+    of two halves, as the all-reduce of test_train_cli's derivation) and steps AdamW over its
+    partitions; the tolerance is that test's. The LoRA it saves is a plain diffusers LoRA, and the run
+    resumes exactly."""
+    zero2 = tmp_path / "zero2"
+    state = _ff_train(zero2, tiny_sd3_path, 2, config_file="zero2")
+    total = sum(v.numel() for v in _lora(zero2).values())
+    # ZeRO-2 splits the optimizer state and the gradients; the weights stay whole on every process
+    assert state["sharding"] == {"backend": "deepspeed", "processes": 2, "trained_values_per_process": [total, total]}
+    relative, moved = _difference_over_movement(_lora(one_process), _lora(zero2))
+    assert moved > 1e-4, f"training did not move the LoRA (largest B entry {moved:.2e})"
+    assert relative <= TOLERANCE, f"1 process and ZeRO-2 on 2 differ by {relative:.2e} (allowed {TOLERANCE:.2e})"
+    ema_one, ema_zero2 = (torch.load(_checkpoint(f, EPOCHS) / "ema.pt")["weights"] for f in (one_process, zero2))
+    assert max(float((a - b).abs().max()) for a, b in zip(ema_one, ema_zero2)) <= TOLERANCE * moved
+    _assert_a_plain_diffusers_lora(zero2, tiny_sd3_path)
+    # each process's partition of AdamW's state, in DeepSpeed's own layout: stopped after epoch 1 and
+    # resumed, the run ends at the uninterrupted run's LoRA
+    assert _engine_files(zero2) == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                    "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    resumed = tmp_path / "resumed"
+    _ff_train(resumed, tiny_sd3_path, 2, config_file="zero2", model={"resume_path": str(_checkpoint(zero2, 1))})
+    for key, value in _lora(zero2).items():
+        assert torch.allclose(_lora(resumed)[key], value, rtol=0, atol=1e-6), key
+
+
+@needs_deepspeed
+def test_zero3_full_fine_tuning_partitions_saves_whole_and_resumes_exactly(tmp_path, tiny_sd3_path):
+    """ZeRO-3 partitions the transformer's weights too: each process held part of them, the update equals
+    one process's, the gathered checkpoint loads with ``from_pretrained``, and a run stopped after epoch 1
+    and resumed (the weights from the checkpoint, AdamW's moments from DeepSpeed's engine state) ends
+    where the uninterrupted run ended."""
+    from diffusers import SD3Transformer2DModel
+
+    full = {"finetune_type": "full"}
+    step = {"learning_rate": 1e7, "ema_decay": 0.0}  # lr / eps = 0.1: full weights move a little; ZeRO-3 keeps no EMA
+    one, zero3 = tmp_path / "p1", tmp_path / "zero3"
+    with ThreadPoolExecutor(2) as pool:  # side by side: the one-process run takes the core the other leaves
+        reference = pool.submit(_ff_train, one, tiny_sd3_path, 1, model=full, **step)
+        state = _ff_train(zero3, tiny_sd3_path, 2, config_file="zero3", model=full, eval_freq=1, **step)
+        reference.result()
+    evaluated = json.loads((zero3 / "saves" / "run" / "history.json").read_text())["eval"]
+    assert [e["epoch"] for e in evaluated] == list(range(EPOCHS + 1))  # eval samples through the partitions too
+
+    initial = SD3Transformer2DModel.from_pretrained(tiny_sd3_path, subfolder="transformer")
+    start, total = initial.state_dict(), sum(p.numel() for p in initial.parameters())
+    held = state["sharding"]["trained_values_per_process"]
+    assert state["sharding"]["backend"] == "deepspeed" and len(held) == 2
+    # each partition is padded to the same size: together they hold every value and at most one pad per tensor
+    assert all(0 < n < total for n in held) and total <= sum(held) < total + 2 * len(start), (held, total)
+
+    a, b = _transformer(one), _transformer(zero3)  # the gathered checkpoint loads with from_pretrained
+    assert a.keys() == b.keys() == start.keys()
+    moved = max(float((a[k] - start[k]).abs().max()) for k in a)
+    difference = max(float((b[k] - a[k]).abs().max()) for k in a)
+    assert moved > 1e-4, f"training did not move the weights ({moved:.2e})"
+    assert difference <= TOLERANCE * moved, f"ZeRO-3 differs by {difference / moved:.2e} of the movement"
+
+    resumed = tmp_path / "resumed"
+    _ff_train(resumed, tiny_sd3_path, 2, config_file="zero3", model={**full, "resume_path": str(_checkpoint(zero3, 1))},
+              **step)
+    after_one = _transformer(zero3, 1)
+    assert max(float((b[k] - after_one[k]).abs().max()) for k in b) > 1e-4  # epoch 2 moved the weights
+    c = _transformer(resumed)
+    for key, value in b.items():
+        assert torch.allclose(c[key], value, rtol=0, atol=1e-6), key
+
+
+@needs_deepspeed
+def test_zero1_and_zero2_offload_train_an_epoch_as_one_process_does(tmp_path, tiny_sd3_path, one_process):
+    """ZeRO-1 (only AdamW's state split) and ZeRO-2 with the optimizer offloaded to CPU memory (where
+    accelerate swaps AdamW for DeepSpeed's own CPU Adam, keeping its betas and epsilon): one epoch each,
+    side by side, compared with the one-process run's first epoch at the invariant-4 tolerance."""
+    names = ["zero1", "zero2_offload"]
+    with ThreadPoolExecutor(2) as pool:
+        states = list(pool.map(lambda name: _ff_train(tmp_path / name, tiny_sd3_path, 2, config_file=name,
+                                                      max_epochs=1), names))
+    for name, state in zip(names, states):
+        assert state["sharding"]["backend"] == "deepspeed" and state["sharding"]["processes"] == 2, name
+        relative, moved = _difference_over_movement(_lora(one_process, 1), _lora(tmp_path / name, 1))
+        assert moved > 1e-4, f"{name}: training did not move the LoRA (largest B entry {moved:.2e})"
+        assert relative <= TOLERANCE, f"1 process and {name} on 2 differ by {relative:.2e} (allowed {TOLERANCE:.2e})"
+
+
+@pytest.mark.parametrize("train, model, message", [
+    ({"ema_decay": 0.5}, {}, r"copies of them yet \(train.ema_decay\); use fsdp2"),
+    ({"trainer_type": "nft", "ema_decay": 0.0}, {}, r"copies of them yet \(the rollout weights of nft / awm\)"),
+    ({"kl_beta": 1.0, "ema_decay": 0.0}, {"finetune_type": "full"},
+     r"copies of them yet \(the KL reference of a full fine-tune \(train.kl_beta > 0\)\); use fsdp2"),
+])
+def test_what_zero3_does_not_keep_is_refused_from_the_config(tmp_path, train, model, message):
+    """ZeRO-3's weight copies are refused from the config and the launch's ZeRO stage alone (``_build``
+    checks them before the rewards or the pipeline load); ZeRO-2 keeps them."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from flow_factory.config import ConfigError, parse_config
+    from flow_factory.trainer.trainer import Trainer
+
+    config = tiny_run_config(tmp_path, "sd3-5", tmp_path / "model", **train)
+    config["model"].update(model)
+    config["config_file"] = "zero3"
+
+    def launched(stage):
+        return SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+                               state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
+
+    trainer = SimpleNamespace(cfg=parse_config(config), accelerator=launched(3))
+    with pytest.raises(ConfigError, match=f"config_file: DeepSpeed ZeRO-3 .*{message}"):
+        Trainer._check_deepspeed_copies(trainer)
+    trainer.accelerator = launched(2)  # ZeRO-2 keeps whole weights, so it keeps their copies
+    Trainer._check_deepspeed_copies(trainer)
+    # under ZeRO-3, the same run without the key asking for the copy passes the check
+    fine = {**train, "ema_decay": 0.0, "kl_beta": 0.0, "trainer_type": "grpo"}
+    trainer.cfg, trainer.accelerator = parse_config({**config, "train": {**config["train"], **fine}}), launched(3)
+    Trainer._check_deepspeed_copies(trainer)

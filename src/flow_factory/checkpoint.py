@@ -54,11 +54,12 @@ class CheckpointError(ValueError):
 # ------------------------------------------------------------------ writing
 def save_checkpoint(out_dir: Path, adapter, finetune_type: str, optimizer, state: dict,
                     extra: dict | None = None, components: list[str] = ("transformer",),
-                    weights: dict | None = None) -> Path:
+                    weights: dict | None = None, folders: dict | None = None) -> Path:
     """Write the checkpoint atomically to ``out_dir``; ``extra``: file name -> object for ``torch.save``;
     ``components``: the trained networks (``model.target_components``); ``optimizer``: the optimizer or
     its state dict. ``weights``: component -> its full state dict, gathered from a sharded model whose
-    own parameters are shards (``sharding.py``)."""
+    own parameters are shards (``sharding.py``). ``folders``: name -> a folder written beforehand (by
+    every process: DeepSpeed's engine state), moved into the checkpoint under that name."""
     out_dir = Path(out_dir)
     trained = {name: adapter.transformers[name] for name in components}
     if weights is None:
@@ -83,6 +84,8 @@ def save_checkpoint(out_dir: Path, adapter, finetune_type: str, optimizer, state
         torch.save(optimizer if isinstance(optimizer, dict) else optimizer.state_dict(), tmp / OPTIMIZER_FILE)
     for name, obj in (extra or {}).items():
         torch.save(obj, tmp / name)
+    for name, folder in (folders or {}).items():
+        os.replace(folder, tmp / name)
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     state = {**state, "finetune_type": finetune_type, "target_components": list(components), "files": files}
     _sync_tree(tmp)

@@ -16,14 +16,48 @@ After sharding, a parameter is a DTensor whose ``to_local()`` is this process's 
 full tensors a checkpoint holds are gathered with ``torch.distributed.checkpoint``'s full
 state dicts (a collective: every process calls it, the main one writes), and a checkpoint
 is loaded back by handing the full tensors to every process, which keeps its own shard.
+
+DeepSpeed runs its own engine, on CPU too (over gloo: ``accelerator_kwargs``). ZeRO-1/2 keep
+whole weights on every process; ZeRO-3's parameters are partitions (``ds_tensor``), gathered
+one at a time for a checkpoint. A checkpoint loads into the plain model before the engine is
+built (its fp32 master copies start from it), and the engine's own state (each process's
+partition of the master weights and AdamW's moments) is saved and restored by DeepSpeed
+itself: ``save_engine_state`` / ``load_engine_state``.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import torch
 from torch import nn
+
+DEEPSPEED_DIR = "deepspeed"  # a checkpoint's folder of DeepSpeed's own engine state
+DEEPSPEED_TAG = "engine"
+
+
+def accelerator_kwargs(on_cpu: bool) -> dict:
+    """The ``Accelerator``'s device arguments. A DeepSpeed launch on CPU must not say ``cpu=True``:
+    accelerate would then run plain data parallel (``MULTI_CPU``) and never build the engine; told
+    the gloo backend instead, it lets DeepSpeed start its process group and runs ZeRO on CPU."""
+    if on_cpu and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        from accelerate.utils import InitProcessGroupKwargs
+
+        return {"cpu": False, "kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+    return {"cpu": on_cpu}
+
+
+def load_frozen_models_whole() -> None:
+    """Under ZeRO-3, accelerate tells transformers to build every model it loads inside
+    ``deepspeed.zero.Init``, partitioned over the processes. Only the trained transformer goes
+    through DeepSpeed's engine (which partitions it when prepared); the text encoders and reward
+    models stay frozen outside it and must hold their whole weights, so that request is withdrawn
+    before anything loads. Nothing else reads it: the engine takes its config from the plugin."""
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+
 
 def backend_of(accelerator) -> str:
     """``ddp`` (one process too), ``fsdp`` or ``deepspeed``: what the launch config asked for."""
@@ -97,10 +131,13 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's part of a parameter: the shard of a DTensor, the tensor itself otherwise."""
+    """This process's part of a parameter: the shard of a DTensor, ZeRO-3's partition (``ds_tensor``),
+    the tensor itself otherwise."""
     from torch.distributed.tensor import DTensor
 
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if isinstance(tensor, DTensor):
+        return tensor.to_local()
+    return getattr(tensor, "ds_tensor", tensor)
 
 
 def gather_full(shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -127,11 +164,39 @@ def full_state_dict(module: nn.Module, accelerator, backend: str) -> dict[str, t
     """The module's full state dict on CPU, under its usual keys: on the main process; ``{}`` elsewhere.
     A collective for a sharded module: every process calls it."""
     if backend == "deepspeed":
-        state = accelerator.get_state_dict(module)  # gathers ZeRO-3's partitions; ZeRO-1/2 hold whole weights
-        return {k: v.cpu() for k, v in state.items()} if accelerator.is_main_process else {}
+        return _deepspeed_full_state_dict(accelerator.unwrap_model(module), accelerator.is_main_process)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _deepspeed_full_state_dict(module: nn.Module, main: bool) -> dict[str, torch.Tensor]:
+    """ZeRO-1/2 keep whole weights on every process; ZeRO-3's parameters are partitions (``ds_id``), each
+    gathered in turn (a collective), copied to CPU on the main process, and partitioned again."""
+    import deepspeed
+
+    state = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        with deepspeed.zero.GatheredParameters([value]) if hasattr(value, "ds_id") else nullcontext():
+            if main:
+                state[key] = value.detach().cpu().clone()
+    return state
+
+
+def save_engine_state(engine, folder) -> None:
+    """DeepSpeed's own checkpoint of its engine under ``folder``: each process writes its partition of
+    the fp32 master weights and AdamW's moments (the state a gathered ``optimizer.pt`` holds for the
+    other backends), frozen weights left out. A collective; ``folder`` must be one all processes see."""
+    engine.save_checkpoint(str(folder), tag=DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=True)
+
+
+def load_engine_state(engine, folder) -> bool:
+    """The engine's partitions and optimizer state of ``save_engine_state``'s folder; every process
+    reads its own (the same number of processes and ZeRO stage as the run that wrote it). False when
+    DeepSpeed found nothing to load there."""
+    path, _ = engine.load_checkpoint(str(folder), tag=DEEPSPEED_TAG, load_module_strict=False,
+                                     load_optimizer_states=True, load_lr_scheduler_states=False)
+    return path is not None
 
 
 def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:

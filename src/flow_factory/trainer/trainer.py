@@ -9,18 +9,19 @@ from __future__ import annotations
 import io
 import json
 import logging
+import shutil
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
 from ..advantages import combine_advantages
 from ..algorithms import make_algorithm
-from ..checkpoint import (CheckpointError, check_fits, checkpoint_dir, find_checkpoint, load_checkpoint,
-                          read_state, save_checkpoint, write_atomic)
+from ..checkpoint import (PARTIAL, CheckpointError, check_fits, checkpoint_dir, find_checkpoint,
+                          load_checkpoint, read_state, save_checkpoint, write_atomic)
 from ..config import ConfigError
 from ..config.train import COUPLED_TRAINER_TYPES
 from ..data import EpochSampler, MissingPromptFile, process_share
@@ -37,8 +38,9 @@ from ..rewards.base import parse_dtype
 from ..sampling import (Rollouts, SamplingSettings, collect_rollouts, condition_size, load_split, sample_prompts,
                         split_size)
 from ..seeding import generator
-from ..sharding import (all_finite_everywhere, backend_of, fill_deepspeed_config, full_optimizer_state,
-                        full_state_dict, local, prepare_sharded, reshard_all)
+from ..sharding import (DEEPSPEED_DIR, DEEPSPEED_TAG, accelerator_kwargs, all_finite_everywhere, backend_of,
+                        fill_deepspeed_config, full_optimizer_state, full_state_dict, load_engine_state,
+                        load_frozen_models_whole, local, prepare_sharded, reshard_all, save_engine_state)
 from ..timer import PhaseTimer
 from .ema import EMA_FILE, WeightCopy, ema_decay_at, load_ema
 from .interrupt import StopFlag, TrainingInterrupted
@@ -59,8 +61,10 @@ class Trainer:
         on_cpu = not torch.cuda.is_available()
         precision = "no" if on_cpu else cfg.mixed_precision  # bf16 kernels crash some CPUs; fp32 there
         save_dir = Path(cfg.log.save_dir).expanduser()
-        self.accelerator = Accelerator(mixed_precision=precision, log_with=self.backend, cpu=on_cpu,
-                                       project_dir=str(save_dir / cfg.log.run_name))
+        self.accelerator = Accelerator(mixed_precision=precision, log_with=self.backend,
+                                       project_dir=str(save_dir / cfg.log.run_name), **accelerator_kwargs(on_cpu))
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            load_frozen_models_whole()  # before the rewards and the pipeline load
         # a default run name holds a timestamp each process drew itself: the main process's wins
         self.run_dir = save_dir / self._from_main(lambda: cfg.log.run_name)
         project = self.accelerator.project_configuration
@@ -101,6 +105,7 @@ class Trainer:
     def _build(self, resumed: dict) -> None:
         """The rewards, the model and what trains it; the resumed state (``resumed``: its trainer state)."""
         cfg, train, model = self.cfg, self.cfg.train, self.cfg.model
+        self._check_deepspeed_copies()
         self.rewards = RewardSet.from_configs(cfg.rewards, accelerator=self.accelerator)
         self.eval_rewards = (RewardSet.from_configs(cfg.eval_rewards, accelerator=self.accelerator)
                              if cfg.eval_rewards else self.rewards)
@@ -154,6 +159,7 @@ class Trainer:
             self._compile()
             self._load_weights(resumed, before_prepare=True)
             self._prepare_sharded()
+            self._load_engine_state(resumed)
             self._make_weight_copies()
             self._load_copies()
         # what each process holds of the trained weights (the checkpoint records it): all of them unless sharded
@@ -173,10 +179,8 @@ class Trainer:
                     snapshot.copy_from_params()
         if self.resume_from is None:
             return
-        if before_prepare:
+        if before_prepare:  # the optimizer state comes with the engine's own (_load_engine_state)
             load_checkpoint(self.resume_from, self.adapter, model.finetune_type, None, model.target_components)
-            logger.warning("model.resume_path %s: DeepSpeed's optimizer state is not checkpointed yet; the "
-                           "optimizer restarts", self.resume_from)
         elif not load_checkpoint(self.resume_from, self.adapter, model.finetune_type, self.optimizer,
                                  model.target_components):
             logger.warning("model.resume_path %s holds no optimizer state (saved with log.save_model_only); "
@@ -186,6 +190,26 @@ class Trainer:
         if not before_prepare:
             self._load_copies()
         logger.info("resuming from %s (%d epochs done)", self.resume_from, self.epoch)
+
+    def _load_engine_state(self, resumed: dict) -> None:
+        """DeepSpeed's partitions of the fp32 weights and AdamW's moments, from the checkpoint resumed
+        (``resumed``: its trainer state). Each process reads the partition of its rank, so only a run on
+        as many processes reads them; another restarts the optimizer from the consolidated weights."""
+        if self.resume_from is None:
+            return
+        folder = self.resume_from / DEEPSPEED_DIR
+        written_by = resumed.get("sharding", {}).get("processes")
+        if folder.is_dir() and written_by != self.accelerator.num_processes:
+            logger.warning("model.resume_path %s: its DeepSpeed state was written by %s processes and this run "
+                           "has %d; the optimizer restarts", self.resume_from, written_by,
+                           self.accelerator.num_processes)
+        elif folder.is_dir():
+            if not load_engine_state(self.adapter.denoiser, folder):
+                raise CheckpointError(f"model.resume_path: DeepSpeed found no engine state in {folder} "
+                                      f"(tag {DEEPSPEED_TAG})")
+        else:
+            logger.warning("model.resume_path %s holds no DeepSpeed state (%s/: saved by another backend or with "
+                           "log.save_model_only); the optimizer restarts", self.resume_from, DEEPSPEED_DIR)
 
     def _load_copies(self) -> None:
         """The EMA and the algorithm's snapshots of the checkpoint resumed (CRD's start from the start weights)."""
@@ -247,17 +271,23 @@ class Trainer:
             raise ConfigError(f"config_file: {self.cfg.config_file} shards with {self.sharding}, which prepares one "
                               f"network per run; {self.cfg.model.model_type} has {len(self.adapter.transformers)} "
                               "experts: train it with DDP (no config_file, or multi_gpu)")
-        if (self.sharding == "deepspeed" and self.algorithm.needs_reference
-                and self.cfg.model.finetune_type == "full"):
-            raise ConfigError(f"config_file: {self.cfg.config_file}: the frozen reference of a full fine-tune "
-                              "(train.kl_beta > 0) is not kept under DeepSpeed yet; use fsdp2, which keeps it "
-                              "sharded, or train.kl_beta: 0")
-        if self.sharding == "deepspeed" and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            train = self.cfg.train
-            copies = [k for k, on in (("train.ema_decay", train.ema_decay > 0),
-                                      ("the rollout weights of nft / awm", self.algorithm.uses_sampling_policy),
-                                      ("crd's weight snapshots", bool(self.algorithm.weight_snapshots)),
-                                      ("dgpo's fast old-policy EMA", bool(self.algorithm.step_snapshots)))
+
+    def _check_deepspeed_copies(self) -> None:
+        """The weight copies ZeRO-3 cannot keep (its partitioned parameters cannot be swapped for a copy),
+        refused from the config alone, before anything loads (the algorithm's needs do not depend on the
+        model)."""
+        if self.accelerator.distributed_type != DistributedType.DEEPSPEED:
+            return
+        cfg, train = self.cfg, self.cfg.train
+        algorithm = make_algorithm(train.trainer_type, train,
+                                   make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level))
+        if self.accelerator.state.deepspeed_plugin.zero_stage == 3:  # ZeRO-1/2 keep whole weights: copies work
+            reference = algorithm.needs_reference and cfg.model.finetune_type == "full"
+            copies = [k for k, on in (("the KL reference of a full fine-tune (train.kl_beta > 0)", reference),
+                                      ("train.ema_decay", train.ema_decay > 0),
+                                      ("the rollout weights of nft / awm", algorithm.uses_sampling_policy),
+                                      ("crd's weight snapshots", bool(algorithm.weight_snapshots)),
+                                      ("dgpo's fast old-policy EMA", bool(algorithm.step_snapshots)))
                       if on]
             if copies:
                 raise ConfigError(f"config_file: DeepSpeed ZeRO-3 partitions the weights inside its engine, where "
@@ -458,7 +488,7 @@ class Trainer:
             steps_per_call=train.steps_per_call, steps_before=self.global_step,
             step_snapshots={name: (self.snapshots[name], decay) for name, decay in self.step_snapshot_decays.items()})
         self.global_step += steps
-        finite = all_finite_everywhere(self.params) if self.sharding == "fsdp" else all_finite(self.params)
+        finite = all_finite_everywhere(self.params) if self.sharding != "ddp" else all_finite(self.params)
         if not finite:  # finite gradients, yet a step overflowed: stop before it spreads
             raise NonFiniteError(f"epoch {epoch}: an optimizer step made trained weights NaN or inf (mean "
                                  f"gradient norm {metrics.get('train/grad_norm', float('nan')):.3g}); lower "
@@ -616,26 +646,29 @@ class Trainer:
         out = checkpoint_dir(self.run_dir, self.epoch)
         try:
             read_state(out)  # this epoch is already saved (an interrupt right after a save): keep it
+            for folder in (gathered[3] if gathered else {}).values():
+                shutil.rmtree(folder, ignore_errors=True)
         except CheckpointError:
             state = {"epoch": self.epoch, "global_step": self.global_step, "model_type": self.cfg.model.model_type,
                      "history": self.history, "eval_history": self.eval_history,
                      "sharding": {"backend": self.sharding, "processes": self.accelerator.num_processes,
                                   "trained_values_per_process": self.held_per_process}}
             if gathered is None:
-                weights = None
+                weights, folders = None, {}
                 extra = {EMA_FILE: self.ema.state_dict()} if self.ema is not None else {}
                 extra.update({f"{name}.pt": snapshot.state_dict() for name, snapshot in self.snapshots.items()})
                 optimizer = None if self.cfg.log.save_model_only else self.optimizer
             else:
-                weights, optimizer, extra = gathered
+                weights, optimizer, extra, folders = gathered
             save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, optimizer, state, extra,
-                            self.cfg.model.target_components, weights=weights)
+                            self.cfg.model.target_components, weights=weights, folders=folders)
         self._plot_rewards()
         return out
 
-    def _gather_for_save(self) -> tuple[dict, dict | None, dict]:
-        """The full weights, optimizer state and weight copies of a sharded model (FSDP, DeepSpeed): a
-        collective, on every process; the tensors land on the main process."""
+    def _gather_for_save(self) -> tuple[dict, dict | None, dict, dict]:
+        """The full weights, optimizer state and weight copies of a sharded model (FSDP, DeepSpeed), and
+        the folders the checkpoint takes in (DeepSpeed's engine state, each process's part written beside
+        the checkpoint first): a collective, on every process; the tensors land on the main process."""
         (name, module), = self.trained.items()  # one trained network: _check_shardable
         wrapped = self.adapter.denoiser if self.sharding == "deepspeed" else module
         weights = {name: full_state_dict(wrapped, self.accelerator, self.sharding)}
@@ -644,7 +677,17 @@ class Trainer:
             optimizer = full_optimizer_state(module, getattr(self.optimizer, "optimizer", self.optimizer))
         extra = {EMA_FILE: self.ema.state_dict()} if self.ema is not None else {}
         extra.update({f"{n}.pt": snapshot.state_dict() for n, snapshot in self.snapshots.items()})
-        return weights, optimizer, extra
+        folders = {}
+        if not self.cfg.log.save_model_only and self.sharding == "deepspeed":
+            out = checkpoint_dir(self.run_dir, self.epoch)
+            staging = out.with_name(f".{out.name}.{DEEPSPEED_DIR}{PARTIAL}")
+            if self.accelerator.is_main_process:
+                shutil.rmtree(staging, ignore_errors=True)  # left by a process killed during an earlier save
+            self.accelerator.wait_for_everyone()
+            save_engine_state(self.adapter.denoiser, staging)
+            self.accelerator.wait_for_everyone()
+            folders[DEEPSPEED_DIR] = staging
+        return weights, optimizer, extra, folders
 
     def _plot_rewards(self) -> None:
         series: dict[str, list] = {}
