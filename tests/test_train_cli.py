@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,29 @@ from flow_factory.train import main
 TESTS_DIR = Path(__file__).resolve().parent
 
 
+_PORTS_HANDED_OUT: set[int] = set()
+_PORTS_LOCK = threading.Lock()  # tests launch runs side by side from threads
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a multi-process launch's rendezvous, never handed out twice in one test session. Taken
+    below Linux's ephemeral range (32768 and up), where no other process's outgoing connection (gloo opens
+    many) lands, and from a block of its own per pytest-xdist worker: ``bind(0)`` alone could give two
+    launches starting side by side the same port, whose processes would then join one another's run."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    block = range(20000 + 1000 * (worker % 12), 20000 + 1000 * (worker % 12 + 1))
+    with _PORTS_LOCK:
+        for port in block:
+            if port in _PORTS_HANDED_OUT:
+                continue
+            _PORTS_HANDED_OUT.add(port)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:  # in use by something else: the next one
+                    continue
+            return port
+    raise RuntimeError(f"no free port in {block.start}-{block.stop - 1}")
 
 
 def _run(tmp_path, config):

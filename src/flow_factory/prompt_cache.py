@@ -120,7 +120,9 @@ class PromptCache:
         absent = [v[0] for k, v in wanted.items() if k not in cache.index]
         if absent:
             raise RuntimeError(f"{cls.what} cache {cache.folder}: {len(absent)} entries missing after encoding "
-                               f"(e.g. {absent[0]!r}); is data.cache_dir shared by every process?")
+                               f"(e.g. {absent[0]!r}) on process {rank} of {world}, which encoded "
+                               f"{len(missing[rank::world])} of {len(missing)}; is data.cache_dir shared by "
+                               "every process?")
         return cache
 
     @classmethod
