@@ -114,14 +114,14 @@ def test_zero1_and_zero2_offload_train_an_epoch_as_one_process_does(tmp_path, ti
      r"copies of them yet \(the KL reference of a full fine-tune \(train.kl_beta > 0\)\); use fsdp2"),
 ])
 def test_what_zero3_does_not_keep_is_refused_from_the_config(tmp_path, train, model, message):
-    """ZeRO-3's weight copies are refused from the config and the launch's ZeRO stage alone (``_build``
+    """ZeRO-3's weight copies are refused from the config and the launch's ZeRO stage alone (the trainer
     checks them before the rewards or the pipeline load); ZeRO-2 keeps them."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
 
     from flow_factory.config import ConfigError, parse_config
-    from flow_factory.trainer.trainer import Trainer
+    from flow_factory.trainer.sharded import check_deepspeed_copies
 
     config = tiny_run_config(tmp_path, "sd3-5", tmp_path / "model", **train)
     config["model"].update(model)
@@ -131,12 +131,10 @@ def test_what_zero3_does_not_keep_is_refused_from_the_config(tmp_path, train, mo
         return SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
                                state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
 
-    trainer = SimpleNamespace(cfg=parse_config(config), accelerator=launched(3))
+    cfg = parse_config(config)
     with pytest.raises(ConfigError, match=f"config_file: DeepSpeed ZeRO-3 .*{message}"):
-        Trainer._check_deepspeed_copies(trainer)
-    trainer.accelerator = launched(2)  # ZeRO-2 keeps whole weights, so it keeps their copies
-    Trainer._check_deepspeed_copies(trainer)
+        check_deepspeed_copies(cfg, launched(3))
+    check_deepspeed_copies(cfg, launched(2))  # ZeRO-2 keeps whole weights, so it keeps their copies
     # under ZeRO-3, the same run without the key asking for the copy passes the check
     fine = {**train, "ema_decay": 0.0, "kl_beta": 0.0, "trainer_type": "grpo"}
-    trainer.cfg, trainer.accelerator = parse_config({**config, "train": {**config["train"], **fine}}), launched(3)
-    Trainer._check_deepspeed_copies(trainer)
+    check_deepspeed_copies(parse_config({**config, "train": {**config["train"], **fine}}), launched(3))

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ..advantages import combine_advantages
 from ..algorithms import make_algorithm
-from ..checkpoint import (PARTIAL, CheckpointError, check_fits, checkpoint_dir, find_checkpoint,
+from ..checkpoint import (CheckpointError, check_fits, checkpoint_dir, find_checkpoint,
                           load_checkpoint, read_state, save_checkpoint, write_atomic)
 from ..config import ConfigError
 from ..config.train import COUPLED_TRAINER_TYPES
@@ -38,15 +38,15 @@ from ..rewards.base import parse_dtype
 from ..sampling import (Rollouts, SamplingSettings, collect_rollouts, condition_size, load_split, sample_prompts,
                         split_size)
 from ..seeding import generator
-from ..sharding import (DEEPSPEED_DIR, DEEPSPEED_TAG, accelerator_kwargs, all_finite_everywhere, backend_of,
-                        fill_deepspeed_config, full_optimizer_state, full_state_dict, load_engine_state,
-                        load_frozen_models_whole, local, prepare_sharded, reshard_all, save_engine_state)
+from ..sharding import (accelerator_kwargs, all_finite_everywhere, backend_of, fill_deepspeed_config,
+                        load_frozen_models_whole, local, prepare_sharded, reshard_all)
 from ..timer import PhaseTimer
 from .ema import EMA_FILE, WeightCopy, ema_decay_at, load_ema
 from .interrupt import StopFlag, TrainingInterrupted
 from .optimize import optimize_epoch
 from .policy import AdapterPolicy
 from .run_folder import RunFolder, RunFolderError
+from .sharded import check_deepspeed_copies, check_shardable, gather_for_save, resume_engine_state
 from .tracking import check_backend, flat_hparams, log_media
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Trainer:
     def _build(self, resumed: dict) -> None:
         """The rewards, the model and what trains it; the resumed state (``resumed``: its trainer state)."""
         cfg, train, model = self.cfg, self.cfg.train, self.cfg.model
-        self._check_deepspeed_copies()
+        check_deepspeed_copies(cfg, self.accelerator)  # from the config, before anything loads
         self.rewards = RewardSet.from_configs(cfg.rewards, accelerator=self.accelerator)
         self.eval_rewards = (RewardSet.from_configs(cfg.eval_rewards, accelerator=self.accelerator)
                              if cfg.eval_rewards else self.rewards)
@@ -149,17 +149,18 @@ class Trainer:
             self.ddp = self.adapter.wrap_transformer(self.accelerator.prepare)
             self._load_weights(resumed)
         elif self.sharding == "fsdp":
-            self._check_shardable()
+            check_shardable(cfg, self.sharding, len(self.adapter.transformers))
             self._compile()
             self._prepare_sharded()
             self._make_weight_copies()  # of the shards: no process holds a full copy
             self._load_weights(resumed)  # every process keeps its shard of the checkpoint's full tensors
         else:  # DeepSpeed keeps master copies of the weights inside its engine: they must start from the checkpoint
-            self._check_shardable()
+            check_shardable(cfg, self.sharding, len(self.adapter.transformers))
             self._compile()
             self._load_weights(resumed, before_prepare=True)
             self._prepare_sharded()
-            self._load_engine_state(resumed)
+            if self.resume_from is not None:
+                resume_engine_state(self.adapter.denoiser, self.resume_from, resumed, self.accelerator.num_processes)
             self._make_weight_copies()
             self._load_copies()
         # what each process holds of the trained weights (the checkpoint records it): all of them unless sharded
@@ -179,7 +180,7 @@ class Trainer:
                     snapshot.copy_from_params()
         if self.resume_from is None:
             return
-        if before_prepare:  # the optimizer state comes with the engine's own (_load_engine_state)
+        if before_prepare:  # the optimizer state comes with the engine's own (resume_engine_state)
             load_checkpoint(self.resume_from, self.adapter, model.finetune_type, None, model.target_components)
         elif not load_checkpoint(self.resume_from, self.adapter, model.finetune_type, self.optimizer,
                                  model.target_components):
@@ -190,26 +191,6 @@ class Trainer:
         if not before_prepare:
             self._load_copies()
         logger.info("resuming from %s (%d epochs done)", self.resume_from, self.epoch)
-
-    def _load_engine_state(self, resumed: dict) -> None:
-        """DeepSpeed's partitions of the fp32 weights and AdamW's moments, from the checkpoint resumed
-        (``resumed``: its trainer state). Each process reads the partition of its rank, so only a run on
-        as many processes reads them; another restarts the optimizer from the consolidated weights."""
-        if self.resume_from is None:
-            return
-        folder = self.resume_from / DEEPSPEED_DIR
-        written_by = resumed.get("sharding", {}).get("processes")
-        if folder.is_dir() and written_by != self.accelerator.num_processes:
-            logger.warning("model.resume_path %s: its DeepSpeed state was written by %s processes and this run "
-                           "has %d; the optimizer restarts", self.resume_from, written_by,
-                           self.accelerator.num_processes)
-        elif folder.is_dir():
-            if not load_engine_state(self.adapter.denoiser, folder):
-                raise CheckpointError(f"model.resume_path: DeepSpeed found no engine state in {folder} "
-                                      f"(tag {DEEPSPEED_TAG})")
-        else:
-            logger.warning("model.resume_path %s holds no DeepSpeed state (%s/: saved by another backend or with "
-                           "log.save_model_only); the optimizer restarts", self.resume_from, DEEPSPEED_DIR)
 
     def _load_copies(self) -> None:
         """The EMA and the algorithm's snapshots of the checkpoint resumed (CRD's start from the start weights)."""
@@ -265,34 +246,6 @@ class Trainer:
                                     sampling_weights=self.ema if train.off_policy else self.rollout_weights,
                                     snapshots=self.snapshots, components=model.target_components,
                                     reference=reference)
-
-    def _check_shardable(self) -> None:
-        if len(self.adapter.transformers) > 1:
-            raise ConfigError(f"config_file: {self.cfg.config_file} shards with {self.sharding}, which prepares one "
-                              f"network per run; {self.cfg.model.model_type} has {len(self.adapter.transformers)} "
-                              "experts: train it with DDP (no config_file, or multi_gpu)")
-
-    def _check_deepspeed_copies(self) -> None:
-        """The weight copies ZeRO-3 cannot keep (its partitioned parameters cannot be swapped for a copy),
-        refused from the config alone, before anything loads (the algorithm's needs do not depend on the
-        model)."""
-        if self.accelerator.distributed_type != DistributedType.DEEPSPEED:
-            return
-        cfg, train = self.cfg, self.cfg.train
-        algorithm = make_algorithm(train.trainer_type, train,
-                                   make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level))
-        if self.accelerator.state.deepspeed_plugin.zero_stage == 3:  # ZeRO-1/2 keep whole weights: copies work
-            reference = algorithm.needs_reference and cfg.model.finetune_type == "full"
-            copies = [k for k, on in (("the KL reference of a full fine-tune (train.kl_beta > 0)", reference),
-                                      ("train.ema_decay", train.ema_decay > 0),
-                                      ("the rollout weights of nft / awm", algorithm.uses_sampling_policy),
-                                      ("crd's weight snapshots", bool(algorithm.weight_snapshots)),
-                                      ("dgpo's fast old-policy EMA", bool(algorithm.step_snapshots)))
-                      if on]
-            if copies:
-                raise ConfigError(f"config_file: DeepSpeed ZeRO-3 partitions the weights inside its engine, where "
-                                  f"ff-train cannot keep copies of them yet ({', '.join(copies)}); use fsdp2, "
-                                  "whose shards it copies, or zero2")
 
     def _prepare_sharded(self) -> None:
         """The trained transformer and its optimizer prepared together (``sharding.py``)."""
@@ -640,7 +593,7 @@ class Trainer:
     def save(self) -> Path | None:
         """Checkpoint the weights after ``self.epoch`` epochs (atomic: see checkpoint.py). A sharded model's
         full tensors are gathered first, by every process; the main process writes."""
-        gathered = self._gather_for_save() if self.sharding != "ddp" else None
+        gathered = gather_for_save(self) if self.sharding != "ddp" else None
         if not self.accelerator.is_main_process:
             return None
         out = checkpoint_dir(self.run_dir, self.epoch)
@@ -664,30 +617,6 @@ class Trainer:
                             self.cfg.model.target_components, weights=weights, folders=folders)
         self._plot_rewards()
         return out
-
-    def _gather_for_save(self) -> tuple[dict, dict | None, dict, dict]:
-        """The full weights, optimizer state and weight copies of a sharded model (FSDP, DeepSpeed), and
-        the folders the checkpoint takes in (DeepSpeed's engine state, each process's part written beside
-        the checkpoint first): a collective, on every process; the tensors land on the main process."""
-        (name, module), = self.trained.items()  # one trained network: _check_shardable
-        wrapped = self.adapter.denoiser if self.sharding == "deepspeed" else module
-        weights = {name: full_state_dict(wrapped, self.accelerator, self.sharding)}
-        optimizer = None
-        if not self.cfg.log.save_model_only and self.sharding == "fsdp":
-            optimizer = full_optimizer_state(module, getattr(self.optimizer, "optimizer", self.optimizer))
-        extra = {EMA_FILE: self.ema.state_dict()} if self.ema is not None else {}
-        extra.update({f"{n}.pt": snapshot.state_dict() for n, snapshot in self.snapshots.items()})
-        folders = {}
-        if not self.cfg.log.save_model_only and self.sharding == "deepspeed":
-            out = checkpoint_dir(self.run_dir, self.epoch)
-            staging = out.with_name(f".{out.name}.{DEEPSPEED_DIR}{PARTIAL}")
-            if self.accelerator.is_main_process:
-                shutil.rmtree(staging, ignore_errors=True)  # left by a process killed during an earlier save
-            self.accelerator.wait_for_everyone()
-            save_engine_state(self.adapter.denoiser, staging)
-            self.accelerator.wait_for_everyone()
-            folders[DEEPSPEED_DIR] = staging
-        return weights, optimizer, extra, folders
 
     def _plot_rewards(self) -> None:
         series: dict[str, list] = {}

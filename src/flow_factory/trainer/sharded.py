@@ -1,0 +1,96 @@
+"""What the trainer does differently when the launch shards the model (FSDP2, DeepSpeed ZeRO): the
+checks made before anything loads, DeepSpeed's engine state on resume, and the gathering of full
+tensors for a checkpoint. The sharding itself (wrapping, gathering one tensor) is ``sharding.py``."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from accelerate.utils import DistributedType
+
+from ..algorithms import make_algorithm
+from ..checkpoint import PARTIAL, CheckpointError, checkpoint_dir
+from ..config import ConfigError
+from ..dynamics import make_dynamics
+from ..sharding import (DEEPSPEED_DIR, DEEPSPEED_TAG, full_optimizer_state, full_state_dict, load_engine_state,
+                        save_engine_state)
+from .ema import EMA_FILE
+
+logger = logging.getLogger(__name__)
+
+
+def check_shardable(cfg, sharding: str, experts: int) -> None:
+    """A sharded launch prepares one network per run: a model of several experts trains with DDP."""
+    if sharding != "ddp" and experts > 1:
+        raise ConfigError(f"config_file: {cfg.config_file} shards with {sharding}, which prepares one network per "
+                          f"run; {cfg.model.model_type} has {experts} experts: train it with DDP (no config_file, "
+                          "or multi_gpu)")
+
+
+def check_deepspeed_copies(cfg, accelerator) -> None:
+    """The weight copies ZeRO-3 cannot keep (its partitioned parameters cannot be swapped for a copy),
+    refused from the config alone, before anything loads (the algorithm's needs do not depend on the
+    model). ZeRO-1/2 keep whole weights on every process, so their copies work."""
+    if (accelerator.distributed_type != DistributedType.DEEPSPEED
+            or accelerator.state.deepspeed_plugin.zero_stage != 3):
+        return
+    train = cfg.train
+    algorithm = make_algorithm(train.trainer_type, train,
+                               make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level))
+    reference = algorithm.needs_reference and cfg.model.finetune_type == "full"
+    copies = [k for k, on in (("the KL reference of a full fine-tune (train.kl_beta > 0)", reference),
+                              ("train.ema_decay", train.ema_decay > 0),
+                              ("the rollout weights of nft / awm", algorithm.uses_sampling_policy),
+                              ("crd's weight snapshots", bool(algorithm.weight_snapshots)),
+                              ("dgpo's fast old-policy EMA", bool(algorithm.step_snapshots)))
+              if on]
+    if copies:
+        raise ConfigError(f"config_file: DeepSpeed ZeRO-3 partitions the weights inside its engine, where ff-train "
+                          f"cannot keep copies of them yet ({', '.join(copies)}); use fsdp2, whose shards it "
+                          "copies, or zero2")
+
+
+def resume_engine_state(engine, checkpoint: Path, resumed: dict, processes: int) -> None:
+    """DeepSpeed's partitions of the fp32 weights and AdamW's moments, from ``checkpoint`` (``resumed``: its
+    trainer state). Each process reads the partition of its rank, so only a run on as many processes reads
+    them; another restarts the optimizer from the consolidated weights."""
+    folder = checkpoint / DEEPSPEED_DIR
+    written_by = resumed.get("sharding", {}).get("processes")
+    if folder.is_dir() and written_by != processes:
+        logger.warning("model.resume_path %s: its DeepSpeed state was written by %s processes and this run has %d; "
+                       "the optimizer restarts", checkpoint, written_by, processes)
+    elif folder.is_dir():
+        if not load_engine_state(engine, folder):
+            raise CheckpointError(f"model.resume_path: DeepSpeed found no engine state in {folder} "
+                                  f"(tag {DEEPSPEED_TAG})")
+    else:
+        logger.warning("model.resume_path %s holds no DeepSpeed state (%s/: saved by another backend or with "
+                       "log.save_model_only); the optimizer restarts", checkpoint, DEEPSPEED_DIR)
+
+
+def gather_for_save(trainer) -> tuple[dict, dict | None, dict, dict]:
+    """The full weights, optimizer state and weight copies of a sharded model (FSDP, DeepSpeed), and the
+    folders the checkpoint takes in (DeepSpeed's engine state, each process's part written beside the
+    checkpoint first): a collective, on every process; the tensors land on the main process."""
+    t, acc = trainer, trainer.accelerator
+    (name, module), = t.trained.items()  # one trained network: check_shardable
+    wrapped = t.adapter.denoiser if t.sharding == "deepspeed" else module
+    weights = {name: full_state_dict(wrapped, acc, t.sharding)}
+    optimizer = None
+    if not t.cfg.log.save_model_only and t.sharding == "fsdp":
+        optimizer = full_optimizer_state(module, getattr(t.optimizer, "optimizer", t.optimizer))
+    extra = {EMA_FILE: t.ema.state_dict()} if t.ema is not None else {}
+    extra.update({f"{n}.pt": snapshot.state_dict() for n, snapshot in t.snapshots.items()})
+    folders = {}
+    if not t.cfg.log.save_model_only and t.sharding == "deepspeed":
+        out = checkpoint_dir(t.run_dir, t.epoch)
+        staging = out.with_name(f".{out.name}.{DEEPSPEED_DIR}{PARTIAL}")
+        if acc.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a process killed during an earlier save
+        acc.wait_for_everyone()
+        save_engine_state(t.adapter.denoiser, staging)
+        acc.wait_for_everyone()
+        folders[DEEPSPEED_DIR] = staging
+    return weights, optimizer, extra, folders
