@@ -1,10 +1,10 @@
-"""DeepSpeed ZeRO on CPU: ``ff-train`` with ``config_file: zero1``, ``zero2``, ``zero2_offload`` or
-``zero3`` over 2 gloo processes, against one process (DESIGN invariant 4), with consolidated checkpoints
-that load in plain diffusers and exact resumes from DeepSpeed's own engine state.
+"""DeepSpeed ZeRO on CPU: ``ff-train`` with ``config_file: zero1``, ``zero2`` or ``zero3`` over 2 gloo
+processes, against one process (DESIGN invariant 4), with consolidated checkpoints that load in plain
+diffusers and exact resumes from DeepSpeed's own engine state.
 
-DeepSpeed compiles a small C++ communication op on first use (and CPU Adam for ``zero2_offload``), so
-these tests need ninja and a C++ compiler, and skip saying which is missing. They live apart from
-test_sharded_training.py (FSDP, multi-node) so that pytest-xdist runs the two files side by side."""
+DeepSpeed compiles a small C++ communication op on first use, so these tests need ninja and a C++
+compiler, and skip saying which is missing. They live apart from test_sharded_training.py (FSDP,
+multi-node) so that pytest-xdist runs the two files side by side."""
 
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -92,19 +92,16 @@ def test_zero3_full_fine_tuning_partitions_saves_whole_and_resumes_exactly(tmp_p
 
 
 @needs_deepspeed
-def test_zero1_and_zero2_offload_train_an_epoch_as_one_process_does(tmp_path, tiny_sd3_path, one_process):
-    """ZeRO-1 (only AdamW's state split) and ZeRO-2 with the optimizer offloaded to CPU memory (where
-    accelerate swaps AdamW for DeepSpeed's own CPU Adam, keeping its betas and epsilon): one epoch each,
-    side by side, compared with the one-process run's first epoch at the invariant-4 tolerance."""
-    names = ["zero1", "zero2_offload"]
-    with ThreadPoolExecutor(2) as pool:
-        states = list(pool.map(lambda name: _ff_train(tmp_path / name, tiny_sd3_path, 2, config_file=name,
-                                                      max_epochs=1), names))
-    for name, state in zip(names, states):
-        assert state["sharding"]["backend"] == "deepspeed" and state["sharding"]["processes"] == 2, name
-        relative, moved = _difference_over_movement(_lora(one_process, 1), _lora(tmp_path / name, 1))
-        assert moved > 1e-4, f"{name}: training did not move the LoRA (largest B entry {moved:.2e})"
-        assert relative <= TOLERANCE, f"1 process and {name} on 2 differ by {relative:.2e} (allowed {TOLERANCE:.2e})"
+def test_zero1_trains_an_epoch_as_one_process_does(tmp_path, tiny_sd3_path, one_process):
+    """ZeRO-1 (only AdamW's state split): one epoch, compared with the one-process run's first epoch at the
+    invariant-4 tolerance. ``zero2_offload`` is not run here: accelerate swaps AdamW for DeepSpeed's CPU
+    Adam there, whose C++ build takes minutes on a fresh machine; its config is checked in
+    test_launch_configs.py."""
+    state = _ff_train(tmp_path / "zero1", tiny_sd3_path, 2, config_file="zero1", max_epochs=1)
+    assert state["sharding"]["backend"] == "deepspeed" and state["sharding"]["processes"] == 2
+    relative, moved = _difference_over_movement(_lora(one_process, 1), _lora(tmp_path / "zero1", 1))
+    assert moved > 1e-4, f"training did not move the LoRA (largest B entry {moved:.2e})"
+    assert relative <= TOLERANCE, f"1 process and zero1 on 2 differ by {relative:.2e} (allowed {TOLERANCE:.2e})"
 
 
 @pytest.mark.parametrize("train, model, message", [
