@@ -371,18 +371,27 @@ def test_config_errors_name_the_key(model, train, message):
     assert str(error.value).startswith(message)
 
 
-def test_deepspeed_refuses_several_experts_and_fsdp2_takes_them(request, tmp_path):
-    """DeepSpeed builds one engine around one network; FSDP2 shards each expert (the run: below)."""
-    from flow_factory.trainer.sharded import check_shardable
+def test_deepspeed_refuses_several_experts_before_loading_and_fsdp2_takes_them(request, tmp_path):
+    """DeepSpeed builds one engine around one network: a launch under it stops on the folder's experts, before
+    the pipeline loads. FSDP2 shards each expert (the run: test_two_processes_make_the_same_update_as_one)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from flow_factory.trainer.sharded import check_experts_before_loading
 
     config = _config(tmp_path, request.getfixturevalue("tiny_wan22_path"), "grpo", ["transformer", "transformer_2"])
     config["config_file"] = "zero2"
+    cfg = parse_config(config)
     with pytest.raises(ConfigError, match=r"^config_file: zero2 runs DeepSpeed, which builds one engine around one "
                                           r"network per run; wan2_t2v has 2 experts: use fsdp2 \(each expert "
                                           r"sharded\), or multi_gpu \(DDP\)"):
-        check_shardable(parse_config(config), "deepspeed", 2)
-    check_shardable(parse_config(config), "fsdp", 2)
-    check_shardable(parse_config(config), "deepspeed", 1)
+        check_experts_before_loading(cfg, SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+    check_experts_before_loading(cfg, SimpleNamespace(distributed_type=DistributedType.FSDP))
+    # Wan2.1 (one expert) trains under DeepSpeed
+    wan21 = parse_config({**_config(tmp_path, request.getfixturevalue("tiny_wan_path"), "nft", ["transformer"]),
+                          "config_file": "zero2"})
+    check_experts_before_loading(wan21, SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
 
 
 def test_flow_factorys_wan22_example_keys_load():

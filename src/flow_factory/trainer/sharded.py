@@ -14,6 +14,8 @@ from ..algorithms import make_algorithm
 from ..checkpoint import PARTIAL, CheckpointError, checkpoint_dir
 from ..config import ConfigError
 from ..dynamics import make_dynamics
+from ..models import get_adapter_class
+from ..models.preflight import pipeline_folder, read_json
 from ..sharding import (DEEPSPEED_DIR, DEEPSPEED_TAG, full_optimizer_state, full_state_dict, load_engine_state,
                         optimized_model, save_engine_state)
 from .ema import EMA_FILE
@@ -29,6 +31,17 @@ def check_shardable(cfg, sharding: str, experts: int) -> None:
         raise ConfigError(f"config_file: {cfg.config_file} runs DeepSpeed, which builds one engine around one "
                           f"network per run; {cfg.model.model_type} has {experts} experts: use fsdp2 (each expert "
                           "sharded), or multi_gpu (DDP)")
+
+
+def check_experts_before_loading(cfg, accelerator) -> None:
+    """``check_shardable`` under DeepSpeed from a pipeline folder's model_index.json, before anything loads
+    (a hub id's experts are known once it has loaded: the trainer checks them then)."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    folder = pipeline_folder(cfg.model.model_name_or_path)
+    if folder is not None:
+        experts = get_adapter_class(cfg.model.model_type).experts(read_json(folder / "model_index.json"))
+        check_shardable(cfg, "deepspeed", len(experts))
 
 
 def check_deepspeed_copies(cfg, accelerator) -> None:

@@ -46,7 +46,8 @@ from .interrupt import StopFlag, TrainingInterrupted
 from .optimize import optimize_epoch
 from .policy import AdapterPolicy
 from .run_folder import RunFolder, RunFolderError
-from .sharded import check_deepspeed_copies, check_shardable, gather_for_save, resume_engine_state
+from .sharded import (check_deepspeed_copies, check_experts_before_loading, check_shardable, gather_for_save,
+                      resume_engine_state)
 from .tracking import check_backend, flat_hparams, log_media
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class Trainer:
         """The rewards, the model and what trains it; the resumed state (``resumed``: its trainer state)."""
         cfg, train, model = self.cfg, self.cfg.train, self.cfg.model
         check_deepspeed_copies(cfg, self.accelerator)  # from the config, before anything loads
+        check_experts_before_loading(cfg, self.accelerator)
         self.rewards = RewardSet.from_configs(cfg.rewards, accelerator=self.accelerator)
         self.eval_rewards = (RewardSet.from_configs(cfg.eval_rewards, accelerator=self.accelerator)
                              if cfg.eval_rewards else self.rewards)
