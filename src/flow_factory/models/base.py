@@ -238,6 +238,7 @@ class FlowAdapter:
         self._wrapped: dict[str, torch.nn.Module] = {}  # a transformer inside its DDP wrapper, by component
         # the experts whose forward is a collective (FSDP2 shards): every process calls them together
         self.lockstep_experts: frozenset[str] = frozenset()
+        self.idle_passes = 0  # the passes of a sharded expert over a row only because another process needed it
 
     @classmethod
     def from_pretrained(cls, path: str, device="cpu", dtype: torch.dtype = torch.float32) -> "FlowAdapter":

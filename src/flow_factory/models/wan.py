@@ -131,6 +131,7 @@ class WanT2VAdapter(FlowAdapter):
                 first = torch.zeros(1, dtype=torch.long, device=self.device)  # tied in with weight 0
                 idle = self._expert_velocity(name, x[first], t[first], index_cond(cond, first), guidance_scale, scale)
                 out = out + 0 * idle.sum()  # a zero gradient: the backward reduce-scatters with the others
+                self.idle_passes += 1
         return out
 
     def experts_at(self, sigmas: Tensor) -> list[str]:

@@ -579,6 +579,10 @@ class Trainer:
             adv = self.accelerator.gather(advantages)
             metrics.update({"advantage/mean": adv.mean().item(), "advantage/std": adv.std(unbiased=False).item(),
                             "advantage/abs_max": adv.abs().max().item()})
+        if self.adapter.lockstep_experts:  # what running sharded experts in lockstep cost this epoch, all processes
+            idle = torch.tensor([self.adapter.idle_passes], device=self.accelerator.device)
+            metrics["sharding/idle_expert_passes"] = int(self.accelerator.gather(idle).sum())
+            self.adapter.idle_passes = 0
         seconds = dict(self.timer.seconds)
         total = seconds.pop("epoch")
         seconds["other"] = total - sum(seconds.values())
