@@ -189,6 +189,7 @@ def test_two_machines_simulated_over_loopback_make_the_same_update_as_one_proces
     nodes = tmp_path / "nodes"
     state = _ff_train(nodes, tiny_sd3_path, 2, config_file="multi_node", machines=2)
     total = sum(v.numel() for v in _lora(nodes).values())
-    assert state["sharding"] == {"backend": "ddp", "processes": 2, "trained_values_per_process": [total, total]}
+    assert state["sharding"] == {"backend": "ddp", "processes": 2, "trained_values_per_process": [total, total],
+                                 "by_component": {"transformer": [total, total]}}
     relative, moved = _difference_over_movement(_lora(one_process), _lora(nodes))
     assert moved > 1e-4 and relative <= TOLERANCE, (relative, moved)

@@ -371,6 +371,29 @@ def test_config_errors_name_the_key(model, train, message):
     assert str(error.value).startswith(message)
 
 
+def test_deepspeed_refuses_several_experts_before_loading_and_fsdp2_takes_them(request, tmp_path):
+    """DeepSpeed builds one engine around one network: a launch under it stops on the folder's experts, before
+    the pipeline loads. FSDP2 shards each expert (the run: test_two_processes_make_the_same_update_as_one)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from flow_factory.trainer.sharded import check_experts_before_loading
+
+    config = _config(tmp_path, request.getfixturevalue("tiny_wan22_path"), "grpo", ["transformer", "transformer_2"])
+    config["config_file"] = "zero2"
+    cfg = parse_config(config)
+    with pytest.raises(ConfigError, match=r"^config_file: zero2 runs DeepSpeed, which builds one engine around one "
+                                          r"network per run; wan2_t2v has 2 experts: use fsdp2 \(each expert "
+                                          r"sharded\), or multi_gpu \(DDP\)"):
+        check_experts_before_loading(cfg, SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+    check_experts_before_loading(cfg, SimpleNamespace(distributed_type=DistributedType.FSDP))
+    # Wan2.1 (one expert) trains under DeepSpeed
+    wan21 = parse_config({**_config(tmp_path, request.getfixturevalue("tiny_wan_path"), "nft", ["transformer"]),
+                          "config_file": "zero2"})
+    check_experts_before_loading(wan21, SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+
+
 def test_flow_factorys_wan22_example_keys_load():
     """The model, train and eval keys of Flow-Factory's Wan2.2 examples (examples/*/wan22_t2v.yaml)."""
     from test_config import minimal
@@ -423,13 +446,25 @@ class MeanBrightness(PointwiseRewardModel):
 
 
 def test_two_processes_make_the_same_update_as_one(request, tmp_path):
-    """A two-expert model is not wrapped in DDP (a micro-step may not call an expert on every process);
-    its gradients are averaged in trainer/optimize.py. DESIGN invariant 4 holds all the same: 1 and 2
-    processes, both experts trained at a step of each, end with the same LoRAs up to float32 rounding."""
+    """DESIGN invariant 4 for a two-expert model, under DDP and under FSDP2. DDP leaves the experts
+    unwrapped (a micro-step may not call an expert on every process) and trainer/optimize.py averages
+    their gradients; FSDP2 shards each expert as its own root and runs a sharded expert on every process
+    whenever one needs it (its forward all-gathers, its backward reduce-scatters: models/wan.py).
+
+    GRPO (both experts trained at a step of each): 1 and 2 DDP processes end with the same LoRAs up to
+    float32 rounding. NFT draws a training sigma per sample, so a micro-batch often holds both experts'
+    rows on one process and one expert's on the other: FSDP2 there makes DDP's update and EMA (NFT's
+    draws are seeded per process, so its 2-process runs compare with each other, not with one process).
+    The FSDP2 checkpoint holds each expert's LoRA whole, each process having held part of it; it loads
+    with WanPipeline's own load_lora_weights; stopped after epoch 1 and resumed, the run ends at the
+    uninterrupted run's LoRAs."""
     import os
+    import re
     import subprocess
     import sys
+    from concurrent.futures import ThreadPoolExecutor
 
+    from diffusers import WanPipeline
     from test_train_cli import LINEAR_STEP, TESTS_DIR, U, _difference_over_movement, _free_port
 
     path = request.getfixturevalue("tiny_wan22_path")
@@ -439,24 +474,72 @@ def test_two_processes_make_the_same_update_as_one(request, tmp_path):
     # every trained step, both CFG halves, every token of the text (512) and video (2 x 4 x 4 / 4) streams
     tolerance = 2 * (epochs * samples * steps * 2 * (512 + 8)) * U
 
-    def train(folder, processes):
-        config = _config(folder, path, "grpo", both, max_epochs=epochs, group_size=4, **LINEAR_STEP)
+    def checkpoint(folder, epoch=epochs):
+        return folder / "saves" / "run" / "checkpoints" / f"epoch_{epoch}"
+
+    def lora(folder, epoch=epochs):
+        return {f"{c}/{k}": v for c in both for k, v in load_file(checkpoint(folder, epoch) / lora_weight_name(c)).items()}
+
+    def train(folder, trainer_type, processes, config_file=None, resume=None):
+        config = _config(folder, path, trainer_type, both, max_epochs=epochs, group_size=4, ema_decay=0.5,
+                         **LINEAR_STEP)
         config["rewards"] = [{"name": "brightness", "reward_model": "test_wan22.MeanBrightness"}]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+        if config_file:
+            config["config_file"] = config_file
+        if resume:
+            config["model"]["resume_path"] = str(resume)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
         command = [sys.executable, "-m", "flow_factory.train", str(write_config(folder, config)),
                    "--num_processes", str(processes), "--main_process_port", str(_free_port())]
         result = subprocess.run(command, env=env, timeout=400, capture_output=True, text=True)
-        assert result.returncode == 0, f"{processes} process(es): exit {result.returncode}\n{result.stderr[-4000:]}"
-        ckpt = folder / "saves" / "run" / "checkpoints" / f"epoch_{epochs}"
-        return {f"{c}/{k}": v for c in both for k, v in load_file(ckpt / lora_weight_name(c)).items()}
+        assert result.returncode == 0, f"{folder.name}: exit {result.returncode}\n{result.stderr[-4000:]}"
+        return json.loads((checkpoint(folder) / "trainer_state.json").read_text())["sharding"]
 
-    from concurrent.futures import ThreadPoolExecutor
+    def assert_same_update(reference, other):
+        for expert in both:
+            part = lambda weights: {k: v for k, v in weights.items() if k.startswith(f"{expert}/")}  # noqa: E731
+            relative, moved = _difference_over_movement(part(lora(reference)), part(lora(other)))
+            assert moved > 1e-4, f"{other.name}, {expert}: training did not move its LoRA"
+            assert relative <= tolerance, (f"{reference.name} and {other.name}, {expert}: differ by {relative:.2e} "
+                                           "of the movement")
+        return moved
 
-    with ThreadPoolExecutor(2) as pool:  # side by side: the one-process run takes the core the other leaves
-        one, two = pool.map(train, [tmp_path / "p1", tmp_path / "p2"], [1, 2])
-    for expert in both:
-        part = lambda lora: {k: v for k, v in lora.items() if k.startswith(f"{expert}/")}  # noqa: E731
-        relative, moved = _difference_over_movement(part(one), part(two))
-        assert moved > 1e-4, f"{expert}: training did not move its LoRA"
-        assert relative <= tolerance, f"{expert}: 1 and 2 processes differ by {relative:.2e} of the movement"
+    runs = {"p1": ("grpo", 1, None), "ddp": ("grpo", 2, None), "nft_ddp": ("nft", 2, None),
+            "nft_fsdp": ("nft", 2, "fsdp2")}
+    with ThreadPoolExecutor(2) as pool:  # side by side: a one-process run takes the core the other leaves
+        started = {name: pool.submit(train, tmp_path / name, *run) for name, run in runs.items()}
+        held = {name: run.result() for name, run in started.items()}
+        fsdp = tmp_path / "nft_fsdp"
+        resumed = pool.submit(train, tmp_path / "resumed", "nft", 2, "fsdp2", checkpoint(fsdp, 1))
+        assert_same_update(tmp_path / "p1", tmp_path / "ddp")
+        moved = assert_same_update(tmp_path / "nft_ddp", fsdp)
+        # the EMA of both experts' shards, gathered, is the EMA of DDP's whole weights
+        ema_ddp, ema_fsdp = (torch.load(checkpoint(f) / "ema.pt")["weights"] for f in (tmp_path / "nft_ddp", fsdp))
+        assert [w.shape for w in ema_ddp] == [w.shape for w in ema_fsdp]
+        assert max(float((a - b).abs().max()) for a, b in zip(ema_ddp, ema_fsdp)) <= tolerance * moved
+
+        # the case FSDP2's lockstep is for happened: a process ran an expert its own batch did not need
+        history = json.loads((fsdp / "saves" / "run" / "history.json").read_text())["train"]
+        assert sum(epoch["sharding/idle_expert_passes"] for epoch in history) > 0
+        # FSDP2 really sharded each expert: each process held part of its LoRA, the two together all of it
+        assert held["nft_fsdp"]["backend"] == "fsdp" and held["nft_ddp"]["backend"] == "ddp"
+        for expert in both:
+            total = sum(v.numel() for k, v in lora(fsdp).items() if k.startswith(f"{expert}/"))
+            assert held["nft_ddp"]["by_component"][expert] == [total, total]
+            shares = held["nft_fsdp"]["by_component"][expert]
+            assert sum(shares) == total and all(0 < n < total for n in shares), (expert, shares)
+
+        # WanPipeline's own loading takes both experts' LoRAs, every tensor as saved
+        pipe = WanPipeline.from_pretrained(path)
+        pipe.load_lora_weights(checkpoint(fsdp), weight_name=lora_weight_name("transformer"), adapter_name="high")
+        pipe.load_lora_weights(checkpoint(fsdp), weight_name=lora_weight_name("transformer_2"), adapter_name="low",
+                               load_into_transformer_2=True)
+        loaded = {f"{c}/transformer." + re.sub(r"\.(high|low)\.", ".", n): p.detach() for c in both
+                  for n, p in getattr(pipe, c).named_parameters() if "lora_" in n}
+        assert loaded.keys() == lora(fsdp).keys()
+        assert all(torch.equal(loaded[k], v) for k, v in lora(fsdp).items())
+
+        resumed.result()
+        for key, value in lora(fsdp).items():
+            assert torch.allclose(lora(tmp_path / "resumed")[key], value, rtol=0, atol=1e-6), key

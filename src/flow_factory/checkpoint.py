@@ -39,7 +39,7 @@ import torch
 from .guards import check_pipeline_finite, nonfinite_tensors
 from .models.lora import (LORA_WEIGHT_NAME, load_lora_into, load_lora_state, lora_module_state, lora_weight_name,
                           save_lora)
-from .sharding import is_sharded, load_full_optimizer_state, load_full_state_dict
+from .sharding import is_sharded, load_full_optimizer_state, load_full_state_dict, optimized_model
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -267,8 +267,8 @@ def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=Non
         return False
     saved = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
     if sharded:  # saved gathered, keyed by parameter name (sharding.py)
-        (module,) = (adapter.transformers[name] for name in components)
-        load_full_optimizer_state(module, getattr(optimizer, "optimizer", optimizer), saved)
+        model = optimized_model({name: adapter.transformers[name] for name in components})
+        load_full_optimizer_state(model, getattr(optimizer, "optimizer", optimizer), saved)
     else:
         optimizer.load_state_dict(saved)
     return True

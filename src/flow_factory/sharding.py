@@ -108,15 +108,36 @@ def shard_on_cpu(transformer: nn.Module) -> nn.Module:
     return transformer
 
 
-def prepare_sharded(accelerator, backend: str, transformer: nn.Module, make_optimizer):
-    """The transformer and its optimizer (``make_optimizer(params)``) prepared for ``backend`` in one call;
-    returns (what the forward calls, the optimizer)."""
+def prepare_sharded(accelerator, backend: str, transformers: dict[str, nn.Module], make_optimizer):
+    """The trained networks (a multi-expert model's experts, by component) and one optimizer over all of
+    them (``make_optimizer(params)``), prepared for ``backend``; returns (what the forward calls, by
+    component; the optimizer). Each network is its own FSDP2 root: the experts are called apart."""
     from accelerate.utils import DistributedType
 
     if backend == "fsdp" and accelerator.distributed_type != DistributedType.FSDP:  # CPU: accelerate will not
-        shard_on_cpu(transformer)
-        return transformer, make_optimizer(trainable(transformer))
-    return accelerator.prepare(transformer, make_optimizer(trainable(transformer)))
+        for transformer in transformers.values():
+            shard_on_cpu(transformer)
+        return dict(transformers), make_optimizer([p for t in transformers.values() for p in trainable(t)])
+    # accelerate prepares one model per call, with an optimizer over its parameters (it re-points that
+    # optimizer at the shards); the experts' optimizers then become param groups of the first one
+    prepared, optimizers = {}, []
+    for name, transformer in transformers.items():
+        prepared[name], optimizer = accelerator.prepare(transformer, make_optimizer(trainable(transformer)))
+        optimizers.append(optimizer)
+    first = optimizers[0]
+    for other in optimizers[1:]:  # no state yet: AdamW's groups move over as they are
+        for group in other.optimizer.param_groups:
+            first.optimizer.add_param_group(group)
+        accelerator._optimizers.remove(other)
+    return prepared, first
+
+
+def optimized_model(trained: dict[str, nn.Module]) -> nn.Module:
+    """The trained networks as the one module ``torch.distributed.checkpoint`` keys an optimizer's state by:
+    the network itself (parameter names as its own), or several experts under their component names."""
+    if len(trained) == 1:
+        return next(iter(trained.values()))
+    return nn.ModuleDict(trained)
 
 
 def trainable(module: nn.Module) -> list[nn.Parameter]:

@@ -236,6 +236,9 @@ class FlowAdapter:
             if module is not None:
                 module.requires_grad_(False)
         self._wrapped: dict[str, torch.nn.Module] = {}  # a transformer inside its DDP wrapper, by component
+        # the experts whose forward is a collective (FSDP2 shards): every process calls them together
+        self.lockstep_experts: frozenset[str] = frozenset()
+        self.idle_passes = 0  # the passes of a sharded expert over a row only because another process needed it
 
     @classmethod
     def from_pretrained(cls, path: str, device="cpu", dtype: torch.dtype = torch.float32) -> "FlowAdapter":
@@ -275,6 +278,26 @@ class FlowAdapter:
         wrapped = wrap(self.transformer)
         self._wrapped = {"transformer": wrapped} if wrapped is not self.transformer else {}
         return True
+
+    def use_prepared(self, prepared: Mapping[str, torch.nn.Module], sharded: bool) -> None:
+        """The trained networks as a sharded launch prepared them (by component): DeepSpeed's engine wraps
+        its network; FSDP2 shards in place, and ``sharded`` experts' forwards become collectives."""
+        self._wrapped = {name: module for name, module in prepared.items() if module is not self.transformers[name]}
+        if sharded and len(self.transformers) > 1:
+            self.lockstep_experts = frozenset(prepared)
+
+    def experts_called_anywhere(self, called: Mapping[str, bool]) -> dict[str, bool]:
+        """Which experts a velocity call runs: those it needs (``called``), and a sharded expert that another
+        process needs now (its forward all-gathers the weights, its backward reduce-scatters the gradients,
+        so no process may skip it). One small all-reduce, only while experts are sharded."""
+        if not self.lockstep_experts:
+            return dict(called)
+        import torch.distributed as dist
+
+        names = list(called)
+        anywhere = torch.tensor([float(called[n]) for n in names], device=self.device)
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+        return {n: called[n] or (n in self.lockstep_experts and bool(anywhere[i])) for i, n in enumerate(names)}
 
     @contextmanager
     def swapped_transformers(self, modules: Mapping[str, torch.nn.Module]):

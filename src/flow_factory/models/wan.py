@@ -116,13 +116,22 @@ class WanT2VAdapter(FlowAdapter):
             * self.pipeline.scheduler.config.num_train_timesteps
         high = self.high_noise(t)
         scale_2 = guidance_scale if self.guidance_scale_2 is None else self.guidance_scale_2
-        if high.all() or not high.any():
-            name, scale = ("transformer", guidance_scale) if high.all() else ("transformer_2", scale_2)
-            return self._expert_velocity(name, x, t, cond, guidance_scale, scale)
+        parts = {"transformer": (high, guidance_scale), "transformer_2": (~high, scale_2)}
+        called = self.experts_called_anywhere({name: bool(rows.any()) for name, (rows, _) in parts.items()})
+        if sum(called.values()) == 1:
+            (name,) = (name for name, on in called.items() if on)
+            return self._expert_velocity(name, x, t, cond, guidance_scale, parts[name][1])
         out = torch.empty(latents.shape, dtype=torch.float32, device=self.device)
-        for name, rows, scale in (("transformer", high, guidance_scale), ("transformer_2", ~high, scale_2)):
+        for name, (rows, scale) in parts.items():
             rows = rows.nonzero().squeeze(1)
-            out[rows] = self._expert_velocity(name, x[rows], t[rows], index_cond(cond, rows), guidance_scale, scale)
+            if len(rows):
+                out[rows] = self._expert_velocity(name, x[rows], t[rows], index_cond(cond, rows), guidance_scale,
+                                                  scale)
+            elif called[name]:  # a sharded expert another process calls now: a pass over one row of this batch,
+                first = torch.zeros(1, dtype=torch.long, device=self.device)  # tied in with weight 0
+                idle = self._expert_velocity(name, x[first], t[first], index_cond(cond, first), guidance_scale, scale)
+                out = out + 0 * idle.sum()  # a zero gradient: the backward reduce-scatters with the others
+                self.idle_passes += 1
         return out
 
     def experts_at(self, sigmas: Tensor) -> list[str]:

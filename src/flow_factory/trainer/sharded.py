@@ -14,19 +14,34 @@ from ..algorithms import make_algorithm
 from ..checkpoint import PARTIAL, CheckpointError, checkpoint_dir
 from ..config import ConfigError
 from ..dynamics import make_dynamics
+from ..models import get_adapter_class
+from ..models.preflight import pipeline_folder, read_json
 from ..sharding import (DEEPSPEED_DIR, DEEPSPEED_TAG, full_optimizer_state, full_state_dict, load_engine_state,
-                        save_engine_state)
+                        optimized_model, save_engine_state)
 from .ema import EMA_FILE
 
 logger = logging.getLogger(__name__)
 
 
 def check_shardable(cfg, sharding: str, experts: int) -> None:
-    """A sharded launch prepares one network per run: a model of several experts trains with DDP."""
-    if sharding != "ddp" and experts > 1:
-        raise ConfigError(f"config_file: {cfg.config_file} shards with {sharding}, which prepares one network per "
-                          f"run; {cfg.model.model_type} has {experts} experts: train it with DDP (no config_file, "
-                          "or multi_gpu)")
+    """DeepSpeed builds one engine per run around one network, and its backward reduces gradients in
+    collectives every process must join: a model of several experts (a micro-step may call only one of
+    them on some process) trains under FSDP2, each expert its own root, or DDP."""
+    if sharding == "deepspeed" and experts > 1:
+        raise ConfigError(f"config_file: {cfg.config_file} runs DeepSpeed, which builds one engine around one "
+                          f"network per run; {cfg.model.model_type} has {experts} experts: use fsdp2 (each expert "
+                          "sharded), or multi_gpu (DDP)")
+
+
+def check_experts_before_loading(cfg, accelerator) -> None:
+    """``check_shardable`` under DeepSpeed from a pipeline folder's model_index.json, before anything loads
+    (a hub id's experts are known once it has loaded: the trainer checks them then)."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    folder = pipeline_folder(cfg.model.model_name_or_path)
+    if folder is not None:
+        experts = get_adapter_class(cfg.model.model_type).experts(read_json(folder / "model_index.json"))
+        check_shardable(cfg, "deepspeed", len(experts))
 
 
 def check_deepspeed_copies(cfg, accelerator) -> None:
@@ -75,12 +90,13 @@ def gather_for_save(trainer) -> tuple[dict, dict | None, dict, dict]:
     folders the checkpoint takes in (DeepSpeed's engine state, each process's part written beside the
     checkpoint first): a collective, on every process; the tensors land on the main process."""
     t, acc = trainer, trainer.accelerator
-    (name, module), = t.trained.items()  # one trained network: check_shardable
-    wrapped = t.adapter.denoiser if t.sharding == "deepspeed" else module
-    weights = {name: full_state_dict(wrapped, acc, t.sharding)}
+    # every trained expert in turn, each a collective; DeepSpeed's engine wraps its one network
+    weights = {name: full_state_dict(t.adapter.denoiser_for(name) if t.sharding == "deepspeed" else module, acc,
+                                     t.sharding)
+               for name, module in t.trained.items()}
     optimizer = None
     if not t.cfg.log.save_model_only and t.sharding == "fsdp":
-        optimizer = full_optimizer_state(module, getattr(t.optimizer, "optimizer", t.optimizer))
+        optimizer = full_optimizer_state(optimized_model(t.trained), getattr(t.optimizer, "optimizer", t.optimizer))
     extra = {EMA_FILE: t.ema.state_dict()} if t.ema is not None else {}
     extra.update({f"{n}.pt": snapshot.state_dict() for n, snapshot in t.snapshots.items()})
     folders = {}

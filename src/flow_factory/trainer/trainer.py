@@ -46,7 +46,8 @@ from .interrupt import StopFlag, TrainingInterrupted
 from .optimize import optimize_epoch
 from .policy import AdapterPolicy
 from .run_folder import RunFolder, RunFolderError
-from .sharded import check_deepspeed_copies, check_shardable, gather_for_save, resume_engine_state
+from .sharded import (check_deepspeed_copies, check_experts_before_loading, check_shardable, gather_for_save,
+                      resume_engine_state)
 from .tracking import check_backend, flat_hparams, log_media
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class Trainer:
         """The rewards, the model and what trains it; the resumed state (``resumed``: its trainer state)."""
         cfg, train, model = self.cfg, self.cfg.train, self.cfg.model
         check_deepspeed_copies(cfg, self.accelerator)  # from the config, before anything loads
+        check_experts_before_loading(cfg, self.accelerator)
         self.rewards = RewardSet.from_configs(cfg.rewards, accelerator=self.accelerator)
         self.eval_rewards = (RewardSet.from_configs(cfg.eval_rewards, accelerator=self.accelerator)
                              if cfg.eval_rewards else self.rewards)
@@ -149,7 +151,6 @@ class Trainer:
             self.ddp = self.adapter.wrap_transformer(self.accelerator.prepare)
             self._load_weights(resumed)
         elif self.sharding == "fsdp":
-            check_shardable(cfg, self.sharding, len(self.adapter.transformers))
             self._compile()
             self._prepare_sharded()
             self._make_weight_copies()  # of the shards: no process holds a full copy
@@ -164,8 +165,11 @@ class Trainer:
             self._make_weight_copies()
             self._load_copies()
         # what each process holds of the trained weights (the checkpoint records it): all of them unless sharded
-        held = torch.tensor([sum(local(p).numel() for p in self.params)], device=self.accelerator.device)
-        self.held_per_process = self.accelerator.gather(held).tolist()
+        held = torch.tensor([sum(local(p).numel() for p in module.parameters() if p.requires_grad)
+                             for module in self.trained.values()], device=self.accelerator.device)
+        held = self.accelerator.gather(held).reshape(self.accelerator.num_processes, len(self.trained))
+        self.held_per_process = held.sum(1).tolist()
+        self.held_per_component = dict(zip(self.trained, held.T.tolist()))
 
     def _load_weights(self, resumed: dict, before_prepare: bool = False) -> None:
         """The weights of ``model.resume_type``'s start, or of the checkpoint resumed, with the optimizer
@@ -248,19 +252,15 @@ class Trainer:
                                     reference=reference)
 
     def _prepare_sharded(self) -> None:
-        """The trained transformer and its optimizer prepared together (``sharding.py``)."""
+        """The trained networks (each expert its own FSDP2 root) and one optimizer over them, prepared
+        together (``sharding.py``)."""
         acc = self.accelerator
         if self.sharding == "deepspeed":
             fill_deepspeed_config(acc.state.deepspeed_plugin, self.cfg.train.per_device_batch_size,
                                   self.cfg.gradient_accumulation, self.cfg.train.max_grad_norm, acc.num_processes)
-        prepared = {}
-
-        def wrap(transformer):
-            wrapped, prepared["optimizer"] = prepare_sharded(acc, self.sharding, transformer, self._make_optimizer)
-            return wrapped
-
-        self.ddp = self.adapter.wrap_transformer(wrap)
-        self.optimizer = prepared["optimizer"]
+        prepared, self.optimizer = prepare_sharded(acc, self.sharding, self.trained, self._make_optimizer)
+        self.adapter.use_prepared(prepared, sharded=self.sharding == "fsdp")
+        self.ddp = True  # the backend syncs the gradients: optimize_epoch must not average them again
         # FSDP2 replaced every parameter with its shard (a DTensor): what trains from here on
         self.params = [p for module in self.trained.values() for p in module.parameters() if p.requires_grad]
 
@@ -579,6 +579,10 @@ class Trainer:
             adv = self.accelerator.gather(advantages)
             metrics.update({"advantage/mean": adv.mean().item(), "advantage/std": adv.std(unbiased=False).item(),
                             "advantage/abs_max": adv.abs().max().item()})
+        if self.adapter.lockstep_experts:  # what running sharded experts in lockstep cost this epoch, all processes
+            idle = torch.tensor([self.adapter.idle_passes], device=self.accelerator.device)
+            metrics["sharding/idle_expert_passes"] = int(self.accelerator.gather(idle).sum())
+            self.adapter.idle_passes = 0
         seconds = dict(self.timer.seconds)
         total = seconds.pop("epoch")
         seconds["other"] = total - sum(seconds.values())
@@ -605,7 +609,8 @@ class Trainer:
             state = {"epoch": self.epoch, "global_step": self.global_step, "model_type": self.cfg.model.model_type,
                      "history": self.history, "eval_history": self.eval_history,
                      "sharding": {"backend": self.sharding, "processes": self.accelerator.num_processes,
-                                  "trained_values_per_process": self.held_per_process}}
+                                  "trained_values_per_process": self.held_per_process,
+                                  "by_component": self.held_per_component}}
             if gathered is None:
                 weights, folders = None, {}
                 extra = {EMA_FILE: self.ema.state_dict()} if self.ema is not None else {}
