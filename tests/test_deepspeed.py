@@ -9,9 +9,7 @@ multi-node) so that pytest-xdist runs the two files side by side."""
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import torch
-from helpers_runs import tiny_run_config
 from test_sharded_training import (_assert_a_plain_diffusers_lora, _checkpoint, _ff_train, _lora, _transformer,
                                    needs_deepspeed, one_process)  # noqa: F401 (one_process: a fixture)
 from test_train_cli import EPOCHS, TOLERANCE, _difference_over_movement
@@ -54,12 +52,12 @@ def test_zero2_lora_on_two_processes_equals_one_process_and_saves_a_diffusers_lo
 def test_zero3_full_fine_tuning_partitions_saves_whole_and_resumes_exactly(tmp_path, tiny_sd3_path):
     """ZeRO-3 partitions the transformer's weights too: each process held part of them, the update equals
     one process's, the gathered checkpoint loads with ``from_pretrained``, and a run stopped after epoch 1
-    and resumed (the weights from the checkpoint, AdamW's moments from DeepSpeed's engine state) ends
-    where the uninterrupted run ended."""
+    and resumed (the weights from the checkpoint, AdamW's moments from DeepSpeed's engine state, the EMA
+    of the partitions from ema.pt) ends where the uninterrupted run ended."""
     from diffusers import SD3Transformer2DModel
 
     full = {"finetune_type": "full"}
-    step = {"learning_rate": 1e7, "ema_decay": 0.0}  # lr / eps = 0.1: full weights move a little; ZeRO-3 keeps no EMA
+    step = {"learning_rate": 1e7}  # lr / eps = 0.1: full weights move a little; the EMA of the partitions too
     one, zero3 = tmp_path / "p1", tmp_path / "zero3"
     with ThreadPoolExecutor(2) as pool:  # side by side: the one-process run takes the core the other leaves
         reference = pool.submit(_ff_train, one, tiny_sd3_path, 1, model=full, **step)
@@ -90,6 +88,9 @@ def test_zero3_full_fine_tuning_partitions_saves_whole_and_resumes_exactly(tmp_p
     c = _transformer(resumed)
     for key, value in b.items():
         assert torch.allclose(c[key], value, rtol=0, atol=1e-6), key
+    # the EMA of the partitions, gathered into ema.pt and handed back to each process's partition on resume
+    ema_zero3, ema_resumed = (torch.load(_checkpoint(f, EPOCHS) / "ema.pt")["weights"] for f in (zero3, resumed))
+    assert max(float((x - y).abs().max()) for x, y in zip(ema_zero3, ema_resumed)) <= 1e-6
 
 
 @needs_deepspeed
@@ -103,36 +104,3 @@ def test_zero1_trains_an_epoch_as_one_process_does(tmp_path, tiny_sd3_path, one_
     relative, moved = _difference_over_movement(_lora(one_process, 1), _lora(tmp_path / "zero1", 1))
     assert moved > 1e-4, f"training did not move the LoRA (largest B entry {moved:.2e})"
     assert relative <= TOLERANCE, f"1 process and zero1 on 2 differ by {relative:.2e} (allowed {TOLERANCE:.2e})"
-
-
-@pytest.mark.parametrize("train, model, message", [
-    ({"ema_decay": 0.5}, {}, r"copies of them yet \(train.ema_decay\); use fsdp2"),
-    ({"trainer_type": "nft", "ema_decay": 0.0}, {}, r"copies of them yet \(the rollout weights of nft / awm\)"),
-    ({"kl_beta": 1.0, "ema_decay": 0.0}, {"finetune_type": "full"},
-     r"copies of them yet \(the KL reference of a full fine-tune \(train.kl_beta > 0\)\); use fsdp2"),
-])
-def test_what_zero3_does_not_keep_is_refused_from_the_config(tmp_path, train, model, message):
-    """ZeRO-3's weight copies are refused from the config and the launch's ZeRO stage alone (the trainer
-    checks them before the rewards or the pipeline load); ZeRO-2 keeps them."""
-    from types import SimpleNamespace
-
-    from accelerate.utils import DistributedType
-
-    from flow_factory.config import ConfigError, parse_config
-    from flow_factory.trainer.sharded import check_deepspeed_copies
-
-    config = tiny_run_config(tmp_path, "sd3-5", tmp_path / "model", **train)
-    config["model"].update(model)
-    config["config_file"] = "zero3"
-
-    def launched(stage):
-        return SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
-                               state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
-
-    cfg = parse_config(config)
-    with pytest.raises(ConfigError, match=f"config_file: DeepSpeed ZeRO-3 .*{message}"):
-        check_deepspeed_copies(cfg, launched(3))
-    check_deepspeed_copies(cfg, launched(2))  # ZeRO-2 keeps whole weights, so it keeps their copies
-    # under ZeRO-3, the same run without the key asking for the copy passes the check
-    fine = {**train, "ema_decay": 0.0, "kl_beta": 0.0, "trainer_type": "grpo"}
-    check_deepspeed_copies(parse_config({**config, "train": {**config["train"], **fine}}), launched(3))

@@ -150,12 +150,14 @@ def _transformer(folder, epoch=EPOCHS) -> dict:
     return SD3Transformer2DModel.from_pretrained(_checkpoint(folder, epoch) / "transformer").state_dict()
 
 
-@pytest.mark.parametrize("config_file", ["fsdp2", pytest.param("zero2", marks=needs_deepspeed)])
+@pytest.mark.parametrize("config_file", ["fsdp2", pytest.param("zero2", marks=needs_deepspeed),
+                                         pytest.param("zero3", marks=needs_deepspeed)])
 def test_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path, tiny_sd3_path, config_file):
-    """Full fine-tuning with the KL to the starting weights: under FSDP the reference is a copy of each
-    process's shards, under ZeRO-2 of the whole weights every process holds, swapped in for the reference's
-    forward. The second epoch's KL gradient depends on it, so a reference that did not reach the forward
-    would show as a different update."""
+    """Full fine-tuning with the KL to the starting weights and an EMA: under FSDP the reference is a copy of
+    each process's shards, under ZeRO-2 of the whole weights every process holds, under ZeRO-3 of each
+    process's partitions, swapped in for the reference's forward. The second epoch's KL gradient depends
+    on it, so a reference that did not reach the forward would show as a different update; the EMA of the
+    shards or partitions, gathered, is the one process's."""
     from diffusers import SD3Transformer2DModel
 
     full = {"finetune_type": "full"}
@@ -168,10 +170,11 @@ def test_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path,
         state = _ff_train(fsdp, tiny_sd3_path, 2, config_file=config_file, model=full, **step)
         reference.result()
     held = state["sharding"]["trained_values_per_process"]
-    if config_file == "fsdp2":  # each process held part of the weights
-        assert state["sharding"]["backend"] == "fsdp" and all(0 < n < sum(held) for n in held)
-    else:  # ZeRO-2 splits the optimizer state and the gradients, not the weights
-        assert state["sharding"]["backend"] == "deepspeed" and held[0] == held[1]
+    assert state["sharding"]["backend"] == {"fsdp2": "fsdp"}.get(config_file, "deepspeed")
+    if config_file == "zero2":  # ZeRO-2 splits the optimizer state and the gradients, not the weights
+        assert held[0] == held[1]
+    else:  # each process held part of the weights
+        assert all(0 < n < sum(held) for n in held)
 
     start = SD3Transformer2DModel.from_pretrained(tiny_sd3_path, subfolder="transformer").state_dict()
     a, b = _transformer(one), _transformer(fsdp)  # the consolidated checkpoint loads with from_pretrained
@@ -180,6 +183,9 @@ def test_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path,
     difference = max(float((b[k] - a[k]).abs().max()) for k in a)
     assert moved > 1e-4, f"training did not move the weights ({moved:.2e})"
     assert difference <= TOLERANCE * moved, f"{config_file} differs by {difference / moved:.2e} of the movement"
+    ema_one, ema_sharded = (torch.load(_checkpoint(f, EPOCHS) / "ema.pt")["weights"] for f in (one, fsdp))
+    assert [w.shape for w in ema_one] == [w.shape for w in ema_sharded]
+    assert max(float((x - y).abs().max()) for x, y in zip(ema_one, ema_sharded)) <= TOLERANCE * moved
 
 
 def test_two_machines_simulated_over_loopback_make_the_same_update_as_one_process(tmp_path, tiny_sd3_path,

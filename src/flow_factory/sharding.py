@@ -165,6 +165,12 @@ def gather_full(shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The full tensor of which ``shard`` is this process's part, sharded as parameter ``like`` (collective)."""
     from torch.distributed.tensor import DTensor
 
+    if hasattr(like, "ds_id"):  # ZeRO-3: equal flat partitions in rank order, the last one padded
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, shard.contiguous())
+        return torch.cat(parts)[:like.ds_numel].view(like.ds_shape)
     if not isinstance(like, DTensor):
         return shard
     spread = DTensor.from_local(shard.to(like.device), like.device_mesh, like.placements, shape=like.shape,
@@ -176,6 +182,12 @@ def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This process's part of ``full``, sharded as parameter ``like`` (every process holds ``full``)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    if hasattr(like, "ds_id"):  # ZeRO-3: this rank's slice of the flat tensor, padded as the partitions are
+        import torch.distributed as dist
+
+        size = like.ds_tensor.numel()
+        flat = torch.nn.functional.pad(full.reshape(-1), (0, size * dist.get_world_size() - full.numel()))
+        return flat[dist.get_rank() * size:(dist.get_rank() + 1) * size].to(like.ds_tensor.device)
     if not isinstance(like, DTensor):
         return full
     return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
@@ -250,6 +262,17 @@ def reshard_all(modules) -> None:
         for sub in module.modules():
             if isinstance(sub, FSDPModule):
                 sub.reshard()
+
+
+def release_gathered(params) -> None:
+    """Free ZeRO-3's gathered weights of ``params`` (the small ones it keeps gathered, ``ds_persist``,
+    included), so the next forward gathers the partitions as they are now: after weights were swapped
+    into the partitions in place."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    available = [p for p in params if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE]
+    if available:
+        available[0].partition(param_list=available)
 
 
 def all_finite_everywhere(params: list) -> bool:

@@ -10,10 +10,8 @@ from pathlib import Path
 
 from accelerate.utils import DistributedType
 
-from ..algorithms import make_algorithm
 from ..checkpoint import PARTIAL, CheckpointError, checkpoint_dir
 from ..config import ConfigError
-from ..dynamics import make_dynamics
 from ..models import get_adapter_class
 from ..models.preflight import pipeline_folder, read_json
 from ..sharding import (DEEPSPEED_DIR, DEEPSPEED_TAG, full_optimizer_state, full_state_dict, load_engine_state,
@@ -42,29 +40,6 @@ def check_experts_before_loading(cfg, accelerator) -> None:
     if folder is not None:
         experts = get_adapter_class(cfg.model.model_type).experts(read_json(folder / "model_index.json"))
         check_shardable(cfg, "deepspeed", len(experts))
-
-
-def check_deepspeed_copies(cfg, accelerator) -> None:
-    """The weight copies ZeRO-3 cannot keep (its partitioned parameters cannot be swapped for a copy),
-    refused from the config alone, before anything loads (the algorithm's needs do not depend on the
-    model). ZeRO-1/2 keep whole weights on every process, so their copies work."""
-    if (accelerator.distributed_type != DistributedType.DEEPSPEED
-            or accelerator.state.deepspeed_plugin.zero_stage != 3):
-        return
-    train = cfg.train
-    algorithm = make_algorithm(train.trainer_type, train,
-                               make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level))
-    reference = algorithm.needs_reference and cfg.model.finetune_type == "full"
-    copies = [k for k, on in (("the KL reference of a full fine-tune (train.kl_beta > 0)", reference),
-                              ("train.ema_decay", train.ema_decay > 0),
-                              ("the rollout weights of nft / awm", algorithm.uses_sampling_policy),
-                              ("crd's weight snapshots", bool(algorithm.weight_snapshots)),
-                              ("dgpo's fast old-policy EMA", bool(algorithm.step_snapshots)))
-              if on]
-    if copies:
-        raise ConfigError(f"config_file: DeepSpeed ZeRO-3 partitions the weights inside its engine, where ff-train "
-                          f"cannot keep copies of them yet ({', '.join(copies)}); use fsdp2, whose shards it "
-                          "copies, or zero2")
 
 
 def resume_engine_state(engine, checkpoint: Path, resumed: dict, processes: int) -> None:

@@ -39,15 +39,14 @@ from ..sampling import (Rollouts, SamplingSettings, collect_rollouts, condition_
                         split_size)
 from ..seeding import generator
 from ..sharding import (accelerator_kwargs, all_finite_everywhere, backend_of, fill_deepspeed_config,
-                        load_frozen_models_whole, local, prepare_sharded, reshard_all)
+                        load_frozen_models_whole, local, prepare_sharded, release_gathered, reshard_all)
 from ..timer import PhaseTimer
 from .ema import EMA_FILE, WeightCopy, ema_decay_at, load_ema
 from .interrupt import StopFlag, TrainingInterrupted
 from .optimize import optimize_epoch
 from .policy import AdapterPolicy
 from .run_folder import RunFolder, RunFolderError
-from .sharded import (check_deepspeed_copies, check_experts_before_loading, check_shardable, gather_for_save,
-                      resume_engine_state)
+from .sharded import check_experts_before_loading, check_shardable, gather_for_save, resume_engine_state
 from .tracking import check_backend, flat_hparams, log_media
 
 logger = logging.getLogger(__name__)
@@ -106,7 +105,6 @@ class Trainer:
     def _build(self, resumed: dict) -> None:
         """The rewards, the model and what trains it; the resumed state (``resumed``: its trainer state)."""
         cfg, train, model = self.cfg, self.cfg.train, self.cfg.model
-        check_deepspeed_copies(cfg, self.accelerator)  # from the config, before anything loads
         check_experts_before_loading(cfg, self.accelerator)
         self.rewards = RewardSet.from_configs(cfg.rewards, accelerator=self.accelerator)
         self.eval_rewards = (RewardSet.from_configs(cfg.eval_rewards, accelerator=self.accelerator)
@@ -228,7 +226,13 @@ class Trainer:
         # EMA of the trained weights (train.ema_decay > 0), and for NFT / AWM the weights the
         # rollout sampled with: the EMA itself when off_policy, else a copy taken at sampling time
         ema_device = None if train.ema_device == "same" else train.ema_device
-        reshard = (lambda: reshard_all(self.trained.values())) if self.sharding == "fsdp" else None
+        # a sharded model's copies are of its shards or partitions, swapped in place: the gathered weights are
+        # freed around a swap so that the next forward gathers the swapped ones
+        reshard = None
+        if self.sharding == "fsdp":
+            reshard = lambda: reshard_all(self.trained.values())  # noqa: E731
+        elif self.sharding == "deepspeed" and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            reshard = lambda: release_gathered(self.params)  # noqa: E731
         copy = lambda device: WeightCopy(self.params, device, before_swap=reshard)  # noqa: E731
         self.ema = copy(ema_device) if train.ema_decay > 0 else None
         self.rollout_weights = (copy(ema_device) if self.algorithm.uses_sampling_policy and not train.off_policy
