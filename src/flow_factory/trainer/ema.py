@@ -59,10 +59,10 @@ def ema_decay_at(schedule: str, step: int, decay: float, total_steps: int, flat_
 class WeightCopy:
     """A float32 copy of ``params`` on ``device`` that can be blended in or swapped in.
 
-    Of a sharded parameter (an FSDP2 DTensor) it copies this process's shard; ``state_dict``
-    gathers the full tensors (every process calls it) and ``load_state_dict`` keeps each
-    process's shard of them. ``before_swap`` runs before and after a swap: FSDP frees the
-    gathered weights there, so the next forward gathers the swapped shards."""
+    Of a sharded parameter (an FSDP2 DTensor, a ZeRO-3 partition) it copies this process's part;
+    ``state_dict`` gathers the full tensors (every process calls it) and ``load_state_dict``
+    keeps each process's part of them. ``before_swap`` runs before and after a swap: it frees
+    the weights FSDP or ZeRO-3 gathered, so the next forward gathers the swapped parts."""
 
     def __init__(self, params: list[torch.nn.Parameter], device: torch.device | str | None = None,
                  before_swap=None):
