@@ -186,6 +186,12 @@ def test_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path,
     ema_one, ema_sharded = (torch.load(_checkpoint(f, EPOCHS) / "ema.pt")["weights"] for f in (one, fsdp))
     assert [w.shape for w in ema_one] == [w.shape for w in ema_sharded]
     assert max(float((x - y).abs().max()) for x, y in zip(ema_one, ema_sharded)) <= TOLERANCE * moved
+    if config_file == "fsdp2":  # stopped after epoch 1 and resumed into shards (ZeRO's resumes: test_deepspeed.py)
+        resumed = tmp_path / "resumed"
+        _ff_train(resumed, tiny_sd3_path, 2, config_file=config_file,
+                  model={**full, "resume_path": str(_checkpoint(fsdp, 1))}, **step)
+        c = _transformer(resumed)
+        assert all(torch.allclose(c[k], b[k], rtol=0, atol=1e-6) for k in b)
 
 
 def test_two_machines_simulated_over_loopback_make_the_same_update_as_one_process(tmp_path, tiny_sd3_path,
