@@ -10,8 +10,9 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from test_sharded_training import (_assert_a_plain_diffusers_lora, _checkpoint, _ff_train, _lora, _transformer,
-                                   needs_deepspeed, one_process)  # noqa: F401 (one_process: a fixture)
+from test_sharded_training import (_assert_a_plain_diffusers_lora, _assert_the_full_update_of_one_process,
+                                   _checkpoint, _ff_train, _lora, _transformer, needs_deepspeed,
+                                   one_process)  # noqa: F401 (one_process: a fixture)
 from test_train_cli import EPOCHS, TOLERANCE, _difference_over_movement
 
 
@@ -73,12 +74,7 @@ def test_zero3_full_fine_tuning_partitions_saves_whole_and_resumes_exactly(tmp_p
     # each partition is padded to the same size: together they hold every value and at most one pad per tensor
     assert all(0 < n < total for n in held) and total <= sum(held) < total + 2 * len(start), (held, total)
 
-    a, b = _transformer(one), _transformer(zero3)  # the gathered checkpoint loads with from_pretrained
-    assert a.keys() == b.keys() == start.keys()
-    moved = max(float((a[k] - start[k]).abs().max()) for k in a)
-    difference = max(float((b[k] - a[k]).abs().max()) for k in a)
-    assert moved > 1e-4, f"training did not move the weights ({moved:.2e})"
-    assert difference <= TOLERANCE * moved, f"ZeRO-3 differs by {difference / moved:.2e} of the movement"
+    b, _ = _assert_the_full_update_of_one_process(one, zero3, start, "ZeRO-3")
 
     resumed = tmp_path / "resumed"
     _ff_train(resumed, tiny_sd3_path, 2, config_file="zero3", model={**full, "resume_path": str(_checkpoint(zero3, 1))},

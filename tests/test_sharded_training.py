@@ -150,6 +150,18 @@ def _transformer(folder, epoch=EPOCHS) -> dict:
     return SD3Transformer2DModel.from_pretrained(_checkpoint(folder, epoch) / "transformer").state_dict()
 
 
+def _assert_the_full_update_of_one_process(one, sharded, start: dict, name: str) -> tuple[dict, float]:
+    """The sharded run's consolidated ``transformer/`` (it loads with ``from_pretrained``) made the one-process
+    run's update, at the invariant-4 tolerance; returns its weights and how far the one-process run moved."""
+    a, b = _transformer(one), _transformer(sharded)
+    assert a.keys() == b.keys() == start.keys()
+    moved = max(float((a[k] - start[k]).abs().max()) for k in a)
+    difference = max(float((b[k] - a[k]).abs().max()) for k in a)
+    assert moved > 1e-4, f"training did not move the weights ({moved:.2e})"
+    assert difference <= TOLERANCE * moved, f"{name} differs by {difference / moved:.2e} of the movement"
+    return b, moved
+
+
 @pytest.mark.parametrize("config_file", ["fsdp2", pytest.param("zero2", marks=needs_deepspeed),
                                          pytest.param("zero3", marks=needs_deepspeed)])
 def test_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path, tiny_sd3_path, config_file):
@@ -177,12 +189,7 @@ def test_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path,
         assert all(0 < n < sum(held) for n in held)
 
     start = SD3Transformer2DModel.from_pretrained(tiny_sd3_path, subfolder="transformer").state_dict()
-    a, b = _transformer(one), _transformer(fsdp)  # the consolidated checkpoint loads with from_pretrained
-    assert a.keys() == b.keys() == start.keys()
-    moved = max(float((a[k] - start[k]).abs().max()) for k in a)
-    difference = max(float((b[k] - a[k]).abs().max()) for k in a)
-    assert moved > 1e-4, f"training did not move the weights ({moved:.2e})"
-    assert difference <= TOLERANCE * moved, f"{config_file} differs by {difference / moved:.2e} of the movement"
+    b, moved = _assert_the_full_update_of_one_process(one, fsdp, start, config_file)
     ema_one, ema_sharded = (torch.load(_checkpoint(f, EPOCHS) / "ema.pt")["weights"] for f in (one, fsdp))
     assert [w.shape for w in ema_one] == [w.shape for w in ema_sharded]
     assert max(float((x - y).abs().max()) for x, y in zip(ema_one, ema_sharded)) <= TOLERANCE * moved
