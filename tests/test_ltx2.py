@@ -2,6 +2,9 @@
 soundtrack for the rewards that ask for it. (Its ODE rollout equals LTX2Pipeline's, video and audio, in
 test_adapters.py; the ratio is 1 under every SDE in test_on_policy.py; ff-train in test_train_cli.py.)"""
 
+import json
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -200,3 +203,51 @@ def test_flow_factorys_ltx2_example_keys_load():
         parse_config(minimal(model=model, train=train, eval={"audio_guidance_scale": 7.0}))
     with pytest.raises(ConfigError, match="train.num_frames: ltx2_t2av needs 8k \\+ 1 frames"):
         parse_config(minimal(model=model, train={**train, "num_frames": 40}))
+
+
+def test_ff_sample_puts_each_samples_soundtrack_in_its_mp4_or_beside_its_gif(tmp_path, tiny_ltx2_path):
+    """Sample i's mp4 carries the soundtrack its ODE latent decodes to (``decode_audio``), at its rate and length,
+    within AAC's error (some 6 % of the signal's RMS here); with --video-format gif it is a WAV file beside the
+    GIF, equal to 16-bit rounding, which tells the two samples apart (the tiny vocoder's soundtracks differ by
+    up to 77 levels, under AAC's error). The grid stays silent."""
+    import av
+    import numpy as np
+    import wave
+
+    from flow_factory.sample import main as ff_sample
+    from flow_factory.sampling import sample_prompts
+
+    prompts = ["a dog barking", "rain on a roof"]
+    args = [str(tiny_ltx2_path), "--model-type", "ltx2_t2av", "--prompts", *prompts, "--steps", "2",
+            "--resolution", str(SIZE), "--num-frames", str(FRAMES), "--seed", "3"]
+    assert ff_sample([*args, "--out", str(tmp_path / "mp4")]) == 0
+    settings = SamplingSettings(SIZE, SIZE, FRAMES, num_steps=2, guidance_scale=1.0, batch_size=8, seed=3)
+    rollouts = sample_prompts(load_adapter("ltx2_t2av", tiny_ltx2_path), [PromptItem(p) for p in prompts],
+                              replace(settings, keep_audio=True))
+    expected, rate = rollouts.audio.numpy(), rollouts.audio_sample_rate
+    assert expected.shape == (2, 2, 5280) and rate == 16000
+
+    def soundtrack(path):
+        with av.open(str(path)) as container:
+            stream = container.streams.audio[0]
+            return np.concatenate([f.to_ndarray() for f in container.decode(stream)], 1), stream.sample_rate
+
+    def rms(a, b):
+        return float(np.sqrt(np.mean((a - b) ** 2)))
+
+    for i in range(2):
+        decoded, decoded_rate = soundtrack(tmp_path / "mp4" / f"{i:04d}.mp4")
+        decoded = decoded[:, :expected.shape[2]]
+        assert decoded_rate == 16000 and decoded.shape == expected[i].shape
+        assert rms(decoded, expected[i]) < 0.15 * np.sqrt(np.mean(expected[i] ** 2))
+    with av.open(str(tmp_path / "mp4" / "grid.mp4")) as container:
+        assert not container.streams.audio
+
+    assert ff_sample([*args, "--out", str(tmp_path / "gif"), "--video-format", "gif"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "gif" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["file"], r["audio"]) for r in rows] == [("0000.gif", "0000.wav"), ("0001.gif", "0001.wav")]
+    with wave.open(str(tmp_path / "gif" / "0001.wav")) as f:
+        assert (f.getnchannels(), f.getframerate()) == (2, 16000)
+        pcm = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2").reshape(-1, 2).T
+    assert np.abs(pcm / 32767 - np.clip(expected[1], -1, 1)).max() <= 0.5 / 32767 + 1e-6
+    assert np.abs(pcm / 32767 - np.clip(expected[0], -1, 1)).max() > 10 / 32767

@@ -7,7 +7,9 @@
 Writes ``DIR/NNNN.png`` (one per sample; a video as ``NNNN.mp4``, H.264, or with ``--video-format gif``
 an animated ``NNNN.gif``), ``DIR/grid.png`` (every sample with its prompt, beside its condition images;
 ``grid.mp4`` / ``grid.gif`` for videos) and
-``DIR/samples.jsonl`` (``{"index", "prompt", "seed", "file"}`` a line). A conditioned model
+``DIR/samples.jsonl`` (``{"index", "prompt", "seed", "file"}`` a line). A model with audio (LTX-2) puts
+each sample's soundtrack in its mp4 as AAC, or beside its GIF as ``NNNN.wav`` (the line's ``audio``);
+the grid stays silent. A conditioned model
 (flux1-kontext, wan2_i2v, wan2_v2v) takes its condition files from a jsonl prompt file's rows (``image``, relative to
 the file's folder's ``images/``; ``video``, to its ``videos/``); video-to-video regenerates the last ``--strength``
 part of the steps.
@@ -27,8 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ff-sample", description=__doc__.split("\n")[0])
     p.add_argument("model", help="a diffusers pipeline folder (or hub id)")
     p.add_argument("--model-type", default="sd3-5",
-                   help="the adapter: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2, flux2-klein, flux1-kontext, "
-                   "wan2_i2v, wan2_v2v, or your adapter class's dotted path")
+                   help="the adapter: sd3-5, flux1, flux1-kontext, flux2, flux2-klein, qwen-image, "
+                   "qwen-image-edit-plus, z-image, wan2_t2v, wan2_i2v, wan2_v2v, hunyuanvideo15, ltx2_t2av, or your "
+                   "adapter class's dotted path")
     p.add_argument("--checkpoint", help="an ff-train checkpoint folder (LoRA or full transformer)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", nargs="+", help="prompts, one sample each")
@@ -123,7 +126,8 @@ def main(argv=None) -> int:
         adapter.strength = args.strength
     size = args.condition_image_size
     settings = SamplingSettings(args.resolution, args.resolution, args.num_frames, args.steps, args.guidance_scale,
-                                args.batch_size, args.seed, condition_size=None if size is None else (size, size))
+                                args.batch_size, args.seed, condition_size=None if size is None else (size, size),
+                                keep_audio=True)
     rollouts = sample_prompts(adapter, items, settings)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,12 +136,17 @@ def main(argv=None) -> int:
     pictures = videos_to_pil(media) if adapter.is_video else images_to_pil(media)
     fps = getattr(adapter, "frame_rate", VIDEO_FPS)
     for i, (item, picture) in enumerate(zip(items, pictures)):
-        if adapter.is_video:  # every frame, as an mp4 or an animated GIF
-            name = save_video(picture, out / f"{i:04d}", args.video_format, fps).name
+        row = {"index": i, "prompt": item.prompt, "seed": args.seed}
+        if adapter.is_video:  # every frame, as an mp4 or an animated GIF; a soundtrack in the mp4 or beside the GIF
+            audio = None if rollouts.audio is None else rollouts.audio[i]
+            row["file"] = save_video(picture, out / f"{i:04d}", args.video_format, fps, audio,
+                                     rollouts.audio_sample_rate).name
+            if audio is not None and args.video_format != "mp4":
+                row["audio"] = f"{i:04d}.wav"
         else:
-            name = f"{i:04d}.png"
-            picture.save(out / name)
-        rows.append({"index": i, "prompt": item.prompt, "seed": args.seed, "file": name})
+            row["file"] = f"{i:04d}.png"
+            picture.save(out / row["file"])
+        rows.append(row)
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     conditions = rollouts.conditions.per_sample() if rollouts.conditions else None
     grid = save_grid(sample_grid(media, [it.prompt for it in items], conditions=conditions), out / "grid",

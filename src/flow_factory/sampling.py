@@ -47,6 +47,7 @@ class SamplingSettings:
     offload: bool = False  # keep the trajectory and conditioning in CPU memory until a micro-batch needs them
     keep_states: tuple[int, ...] | None = None  # the trajectory states kept (0 noise .. T final); None = all
     condition_size: tuple[int, int] | None = None  # (height, width) of condition images; None = the model's choice
+    keep_audio: bool = False  # a model with audio: keep every soundtrack (ff-sample), not only a reward's
 
     @property
     def geometry(self) -> tuple:
@@ -112,6 +113,8 @@ class Rollouts(KeptStates):
     rewards: dict[str, Tensor] | None = None  # raw score per reward name, (N,)
     latent_steps: list[int] | None = None  # the states ``latents`` holds; None: all T + 1
     conditions: ConditionMedia | None = None  # a conditioned model's condition media, as it saw them
+    audio: Tensor | None = None  # a model with audio: soundtracks (N, channels, samples), when kept
+    audio_sample_rate: int | None = None
 
 
 @torch.no_grad()
@@ -130,8 +133,9 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
     # async rewards start on each batch as soon as it is decoded; the rest score at the end
     job = reward_set.start(group_ids) if reward_set is not None else None
     media_key = "videos" if adapter.is_video else "images"
-    # a soundtrack is decoded only for a reward that asks for it
-    wants_audio = reward_set is not None and "audio" in reward_set.required_fields
+    # a soundtrack is decoded only for a reward that asks for it, or to be kept
+    keep_audio = s.keep_audio and adapter.has_audio
+    wants_audio = keep_audio or (reward_set is not None and "audio" in reward_set.required_fields)
     chunks = []
     for start in range(0, len(items), s.batch_size):
         batch = items[start:start + s.batch_size]
@@ -164,7 +168,7 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
             if wants_audio:
                 waveforms, rate = adapter.decode_audio(traj.final)
                 audio = {"audios": waveforms.float().cpu(), "audio_sample_rate": rate}
-        chunks.append((traj, cond, media, conditions))
+        chunks.append((traj, cond, media, conditions, audio.get("audios")))
         if job is not None:
             with timer.phase("reward"):
                 shown = conditions or ConditionMedia()
@@ -186,6 +190,8 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
         latent_steps=trajs[0].latent_steps,
         conditions=ConditionMedia.concat([c[3] for c in chunks]) if adapter.condition_inputs else None,
     )
+    if keep_audio:
+        rollouts.audio, rollouts.audio_sample_rate = torch.cat([c[4] for c in chunks]), audio["audio_sample_rate"]
     if job is not None:
         with timer.phase("reward"):
             # on the adapter's device: the Trainer gathers them across processes

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from .audio import write_wav
 from .video import write_mp4
 
 CAPTION_LINES = 4
@@ -78,14 +79,18 @@ def gif_bytes(frames: list[Image.Image], fps: int = VIDEO_FPS) -> bytes:
     return out.getvalue()
 
 
-def save_video(frames: list[Image.Image], path: str | Path, video_format: str = "mp4", fps: int = VIDEO_FPS) -> Path:
+def save_video(frames: list[Image.Image], path: str | Path, video_format: str = "mp4", fps: int = VIDEO_FPS,
+               audio=None, sample_rate: int | None = None) -> Path:
     """``frames`` as ``path`` with the suffix of ``video_format`` (``VIDEO_FORMATS``), written atomically;
-    returns the path written."""
+    returns the path written. ``audio`` (channels, samples) at ``sample_rate``: the soundtrack, inside an
+    mp4, or beside a GIF (which holds no sound) as ``path`` with .wav."""
     if video_format not in VIDEO_FORMATS:
         raise ValueError(f"video format {video_format!r}: expected one of {', '.join(VIDEO_FORMATS)}")
     path = Path(path).with_suffix(f".{video_format}")
     if video_format == "mp4":
-        return write_mp4(frames, path, fps)
+        return write_mp4(frames, path, fps, audio, sample_rate)
+    if audio is not None:
+        write_wav(audio, path.with_suffix(".wav"), sample_rate)
     tmp = path.with_name(f".{path.name}.partial")
     tmp.write_bytes(gif_bytes(frames, fps))
     tmp.replace(path)

@@ -4,7 +4,8 @@
 GIF, ...). ``write_mp4`` writes H.264 in yuv420p at CRF 18, the codec and pixel format every
 browser, tracker (wandb, swanlab) and player decodes; CRF 18 is x264's "visually lossless"
 setting. yuv420p stores colour at half resolution in both directions, so an odd width or height
-is padded by one row or column (a copy of the last one) to the even size it needs. PyAV is
+is padded by one row or column (a copy of the last one) to the even size it needs. A soundtrack
+(``audio.soundtrack``) goes in as AAC, FFmpeg's own encoder, at its default 128 kbit/s. PyAV is
 imported when a video is first read or written, not with the package.
 """
 
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from .audio import soundtrack
 
 CRF = 18  # x264's constant quality: 0 lossless, 23 its default, 18 visually lossless
 
@@ -98,13 +101,16 @@ def _even(frame: np.ndarray) -> np.ndarray:
     return np.pad(frame, ((0, h % 2), (0, w % 2), (0, 0)), mode="edge") if h % 2 or w % 2 else frame
 
 
-def write_mp4(frames: list[Image.Image], path: str | Path, fps: float) -> Path:
-    """``frames`` (RGB images of one size) as an H.264 mp4 at ``fps``, written beside ``path`` and renamed
-    onto it: ``path`` holds the old file or the whole new one, never a part. Returns ``path``."""
+def write_mp4(frames: list[Image.Image], path: str | Path, fps: float, audio=None,
+              sample_rate: int | None = None) -> Path:
+    """``frames`` (RGB images of one size) as an H.264 mp4 at ``fps``, with ``audio`` (channels, samples) at
+    ``sample_rate`` as its soundtrack when given, written beside ``path`` and renamed onto it: ``path``
+    holds the old file or the whole new one, never a part. Returns ``path``."""
     import av
 
     if not frames:
         raise ValueError("write_mp4: no frames")
+    sound = None if audio is None else soundtrack(audio, sample_rate)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.partial")
     for i, frame in enumerate(frames):
@@ -119,9 +125,17 @@ def write_mp4(frames: list[Image.Image], path: str | Path, fps: float) -> Path:
             stream.height, stream.width = arrays[0].shape[:2]
             stream.pix_fmt = "yuv420p"
             stream.options = {"crf": str(CRF)}
+            if sound is not None:
+                aac = container.add_stream("aac", rate=int(sample_rate))
+                aac.layout = "stereo" if len(sound) == 2 else "mono"
             for array in arrays:
                 container.mux(stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")))
             container.mux(stream.encode())  # the frames the encoder still holds
+            if sound is not None:  # one frame of every sample: the encoder cuts it into AAC's frames
+                frame = av.AudioFrame.from_ndarray(sound, format="fltp", layout=aac.layout.name)
+                frame.sample_rate, frame.pts = int(sample_rate), 0
+                container.mux(aac.encode(frame))
+                container.mux(aac.encode())
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
