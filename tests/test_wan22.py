@@ -371,27 +371,36 @@ def test_config_errors_name_the_key(model, train, message):
     assert str(error.value).startswith(message)
 
 
-def test_deepspeed_refuses_several_experts_before_loading_and_fsdp2_takes_them(request, tmp_path):
-    """DeepSpeed builds one engine around one network: a launch under it stops on the folder's experts, before
-    the pipeline loads. FSDP2 shards each expert (the run: test_two_processes_make_the_same_update_as_one)."""
+def test_zero3_refuses_several_experts_before_loading_and_zero2_and_fsdp2_take_them(request, tmp_path):
+    """ZeRO-3 gathers one network's partitions in the order it traced, and the experts are called apart: a
+    ZeRO-3 launch stops on the folder's experts, before the pipeline loads, as Flow-Factory's Wan2.2 examples
+    say. ZeRO-1/2 take the experts bundled into one engine, FSDP2 each expert sharded (the runs:
+    test_two_processes_make_the_same_update_as_one)."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
 
     from flow_factory.trainer.sharded import check_experts_before_loading
 
+    def launch(kind, zero_stage=None):
+        plugin = None if zero_stage is None else SimpleNamespace(zero_stage=zero_stage)
+        return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=plugin))
+
     config = _config(tmp_path, request.getfixturevalue("tiny_wan22_path"), "grpo", ["transformer", "transformer_2"])
-    config["config_file"] = "zero2"
+    config["config_file"] = "zero3"
     cfg = parse_config(config)
-    with pytest.raises(ConfigError, match=r"^config_file: zero2 runs DeepSpeed, which builds one engine around one "
-                                          r"network per run; wan2_t2v has 2 experts: use fsdp2 \(each expert "
-                                          r"sharded\), or multi_gpu \(DDP\)"):
-        check_experts_before_loading(cfg, SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
-    check_experts_before_loading(cfg, SimpleNamespace(distributed_type=DistributedType.FSDP))
-    # Wan2.1 (one expert) trains under DeepSpeed
+    with pytest.raises(ConfigError, match=r"^config_file: zero3 runs DeepSpeed ZeRO-3, which partitions one network "
+                                          r"and gathers it in the order it traced; wan2_t2v has 2 experts, called "
+                                          r"apart: use zero2 \(the experts in one engine\), fsdp2 \(each expert "
+                                          r"sharded\) or multi_gpu \(DDP\)"):
+        check_experts_before_loading(cfg, launch(DistributedType.DEEPSPEED, 3))
+    for stage in (1, 2):
+        check_experts_before_loading(cfg, launch(DistributedType.DEEPSPEED, stage))
+    check_experts_before_loading(cfg, launch(DistributedType.FSDP))
+    # Wan2.1 (one expert) trains under ZeRO-3
     wan21 = parse_config({**_config(tmp_path, request.getfixturevalue("tiny_wan_path"), "nft", ["transformer"]),
-                          "config_file": "zero2"})
-    check_experts_before_loading(wan21, SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+                          "config_file": "zero3"})
+    check_experts_before_loading(wan21, launch(DistributedType.DEEPSPEED, 3))
 
 
 def test_flow_factorys_wan22_example_keys_load():
@@ -446,18 +455,21 @@ class MeanBrightness(PointwiseRewardModel):
 
 
 def test_two_processes_make_the_same_update_as_one(request, tmp_path):
-    """DESIGN invariant 4 for a two-expert model, under DDP and under FSDP2. DDP leaves the experts
-    unwrapped (a micro-step may not call an expert on every process) and trainer/optimize.py averages
-    their gradients; FSDP2 shards each expert as its own root and runs a sharded expert on every process
-    whenever one needs it (its forward all-gathers, its backward reduce-scatters: models/wan.py).
+    """DESIGN invariant 4 for a two-expert model, under DDP, FSDP2 and DeepSpeed ZeRO-2. DDP leaves the
+    experts unwrapped (a micro-step may not call an expert on every process) and trainer/optimize.py
+    averages their gradients; FSDP2 shards each expert as its own root, ZeRO-2 takes both in one engine
+    (sharding.BundledExperts), and both run a trained expert on every process whenever one needs it (FSDP2's
+    forward all-gathers and its backward reduce-scatters, ZeRO-2's backward reduces gradients in buckets
+    every process fills alike: models/wan.py).
 
     GRPO (both experts trained at a step of each): 1 and 2 DDP processes end with the same LoRAs up to
     float32 rounding. NFT draws a training sigma per sample, so a micro-batch often holds both experts'
-    rows on one process and one expert's on the other: FSDP2 there makes DDP's update and EMA (NFT's
-    draws are seeded per process, so its 2-process runs compare with each other, not with one process).
-    The FSDP2 checkpoint holds each expert's LoRA whole, each process having held part of it; it loads
-    with WanPipeline's own load_lora_weights; stopped after epoch 1 and resumed, the run ends at the
-    uninterrupted run's LoRAs."""
+    rows on one process and one expert's on the other: FSDP2 and ZeRO-2 there make DDP's update and EMA
+    (NFT's draws are seeded per process, so its 2-process runs compare with each other, not with one
+    process); so does ZeRO-2 training the high-noise expert alone, where a micro-step on the frozen expert
+    has no gradient on any process. The FSDP2 checkpoint holds each expert's LoRA whole, each process
+    having held part of it; it loads with WanPipeline's own load_lora_weights; stopped after epoch 1 and
+    resumed, the run ends at the uninterrupted run's LoRAs."""
     import os
     import re
     import subprocess
@@ -478,10 +490,11 @@ def test_two_processes_make_the_same_update_as_one(request, tmp_path):
         return folder / "saves" / "run" / "checkpoints" / f"epoch_{epoch}"
 
     def lora(folder, epoch=epochs):
-        return {f"{c}/{k}": v for c in both for k, v in load_file(checkpoint(folder, epoch) / lora_weight_name(c)).items()}
+        return {f"{c}/{k}": v for c in both if (checkpoint(folder, epoch) / lora_weight_name(c)).exists()
+                for k, v in load_file(checkpoint(folder, epoch) / lora_weight_name(c)).items()}
 
-    def train(folder, trainer_type, processes, config_file=None, resume=None):
-        config = _config(folder, path, trainer_type, both, max_epochs=epochs, group_size=4, ema_decay=0.5,
+    def train(folder, trainer_type, processes, config_file=None, resume=None, components=both):
+        config = _config(folder, path, trainer_type, components, max_epochs=epochs, group_size=4, ema_decay=0.5,
                          **LINEAR_STEP)
         config["rewards"] = [{"name": "brightness", "reward_model": "test_wan22.MeanBrightness"}]
         if config_file:
@@ -496,8 +509,8 @@ def test_two_processes_make_the_same_update_as_one(request, tmp_path):
         assert result.returncode == 0, f"{folder.name}: exit {result.returncode}\n{result.stderr[-4000:]}"
         return json.loads((checkpoint(folder) / "trainer_state.json").read_text())["sharding"]
 
-    def assert_same_update(reference, other):
-        for expert in both:
+    def assert_same_update(reference, other, components=both):
+        for expert in components:
             part = lambda weights: {k: v for k, v in weights.items() if k.startswith(f"{expert}/")}  # noqa: E731
             relative, moved = _difference_over_movement(part(lora(reference)), part(lora(other)))
             assert moved > 1e-4, f"{other.name}, {expert}: training did not move its LoRA"
@@ -506,29 +519,37 @@ def test_two_processes_make_the_same_update_as_one(request, tmp_path):
         return moved
 
     runs = {"p1": ("grpo", 1, None), "ddp": ("grpo", 2, None), "nft_ddp": ("nft", 2, None),
-            "nft_fsdp": ("nft", 2, "fsdp2")}
+            "nft_fsdp": ("nft", 2, "fsdp2"), "nft_zero2": ("nft", 2, "zero2"),
+            # the high-noise expert trained alone: micro-steps on the frozen one have no gradient anywhere
+            "nft_ddp_one": ("nft", 2, None, None, ["transformer"]),
+            "nft_zero2_one": ("nft", 2, "zero2", None, ["transformer"])}
     with ThreadPoolExecutor(2) as pool:  # side by side: a one-process run takes the core the other leaves
         started = {name: pool.submit(train, tmp_path / name, *run) for name, run in runs.items()}
         held = {name: run.result() for name, run in started.items()}
-        fsdp = tmp_path / "nft_fsdp"
+        fsdp, zero2 = tmp_path / "nft_fsdp", tmp_path / "nft_zero2"
         resumed = pool.submit(train, tmp_path / "resumed", "nft", 2, "fsdp2", checkpoint(fsdp, 1))
         assert_same_update(tmp_path / "p1", tmp_path / "ddp")
-        moved = assert_same_update(tmp_path / "nft_ddp", fsdp)
-        # the EMA of both experts' shards, gathered, is the EMA of DDP's whole weights
-        ema_ddp, ema_fsdp = (torch.load(checkpoint(f) / "ema.pt")["weights"] for f in (tmp_path / "nft_ddp", fsdp))
-        assert [w.shape for w in ema_ddp] == [w.shape for w in ema_fsdp]
-        assert max(float((a - b).abs().max()) for a, b in zip(ema_ddp, ema_fsdp)) <= tolerance * moved
+        # DeepSpeed steps inside the backward: a step's last micro-step without a gradient must still step
+        assert_same_update(tmp_path / "nft_ddp_one", tmp_path / "nft_zero2_one", ["transformer"])
+        for sharded in (fsdp, zero2):
+            moved = assert_same_update(tmp_path / "nft_ddp", sharded)
+            # the EMA of both experts' shards, gathered, is the EMA of DDP's whole weights
+            ema_ddp, ema = (torch.load(checkpoint(f) / "ema.pt")["weights"] for f in (tmp_path / "nft_ddp", sharded))
+            assert [w.shape for w in ema_ddp] == [w.shape for w in ema]
+            assert max(float((a - b).abs().max()) for a, b in zip(ema_ddp, ema)) <= tolerance * moved
+            # the case the lockstep is for happened: a process ran an expert its own batch did not need
+            history = json.loads((sharded / "saves" / "run" / "history.json").read_text())["train"]
+            assert sum(epoch["sharding/idle_expert_passes"] for epoch in history) > 0
 
-        # the case FSDP2's lockstep is for happened: a process ran an expert its own batch did not need
-        history = json.loads((fsdp / "saves" / "run" / "history.json").read_text())["train"]
-        assert sum(epoch["sharding/idle_expert_passes"] for epoch in history) > 0
-        # FSDP2 really sharded each expert: each process held part of its LoRA, the two together all of it
-        assert held["nft_fsdp"]["backend"] == "fsdp" and held["nft_ddp"]["backend"] == "ddp"
+        # FSDP2 really sharded each expert: each process held part of its LoRA, the two together all of it;
+        # ZeRO-2 keeps whole weights (it partitions the optimizer's state and the gradients)
+        assert [held[n]["backend"] for n in ("nft_ddp", "nft_fsdp", "nft_zero2")] == ["ddp", "fsdp", "deepspeed"]
         for expert in both:
             total = sum(v.numel() for k, v in lora(fsdp).items() if k.startswith(f"{expert}/"))
-            assert held["nft_ddp"]["by_component"][expert] == [total, total]
+            assert held["nft_ddp"]["by_component"][expert] == held["nft_zero2"]["by_component"][expert] == [total] * 2
             shares = held["nft_fsdp"]["by_component"][expert]
             assert sum(shares) == total and all(0 < n < total for n in shares), (expert, shares)
+        assert (checkpoint(zero2) / "deepspeed").is_dir()
 
         # WanPipeline's own loading takes both experts' LoRAs, every tensor as saved
         pipe = WanPipeline.from_pretrained(path)

@@ -22,13 +22,16 @@ whole weights on every process; ZeRO-3's parameters are partitions (``ds_tensor`
 one at a time for a checkpoint. A checkpoint loads into the plain model before the engine is
 built (its fp32 master copies start from it), and the engine's own state (each process's
 partition of the master weights and AdamW's moments) is saved and restored by DeepSpeed
-itself: ``save_engine_state`` / ``load_engine_state``.
+itself: ``save_engine_state`` / ``load_engine_state``. DeepSpeed builds one engine per run, so a
+model's several trained experts go into it as one network (``BundledExperts``), as Flow-Factory
+bundles them; ZeRO-3 is refused for them (``trainer/sharded.py``).
 """
 
 from __future__ import annotations
 
 import os
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 from torch import nn
@@ -108,16 +111,35 @@ def shard_on_cpu(transformer: nn.Module) -> nn.Module:
     return transformer
 
 
+class BundledExperts(nn.Module):
+    """A model's trained experts as the one network a DeepSpeed engine wraps: ``forward(..., expert=name)``
+    runs the expert named, so each expert is still called alone, through the engine."""
+
+    def __init__(self, experts: dict[str, nn.Module]):
+        super().__init__()
+        self.experts = nn.ModuleDict(experts)
+
+    def forward(self, *args, expert: str, **kwargs):
+        return self.experts[expert](*args, **kwargs)
+
+
 def prepare_sharded(accelerator, backend: str, transformers: dict[str, nn.Module], make_optimizer):
     """The trained networks (a multi-expert model's experts, by component) and one optimizer over all of
     them (``make_optimizer(params)``), prepared for ``backend``; returns (what the forward calls, by
-    component; the optimizer). Each network is its own FSDP2 root: the experts are called apart."""
+    component; the optimizer; DeepSpeed's engine, else None). Each network is its own FSDP2 root: the
+    experts are called apart; DeepSpeed's one engine takes several experts bundled."""
     from accelerate.utils import DistributedType
 
     if backend == "fsdp" and accelerator.distributed_type != DistributedType.FSDP:  # CPU: accelerate will not
         for transformer in transformers.values():
             shard_on_cpu(transformer)
-        return dict(transformers), make_optimizer([p for t in transformers.values() for p in trainable(t)])
+        return dict(transformers), make_optimizer([p for t in transformers.values() for p in trainable(t)]), None
+    if backend == "deepspeed":
+        network = next(iter(transformers.values())) if len(transformers) == 1 else BundledExperts(transformers)
+        engine, optimizer = accelerator.prepare(network, make_optimizer(trainable(network)))
+        if len(transformers) == 1:
+            return {name: engine for name in transformers}, optimizer, engine
+        return {name: partial(engine, expert=name) for name in transformers}, optimizer, engine
     # accelerate prepares one model per call, with an optimizer over its parameters (it re-points that
     # optimizer at the shards); the experts' optimizers then become param groups of the first one
     prepared, optimizers = {}, []
@@ -129,7 +151,7 @@ def prepare_sharded(accelerator, backend: str, transformers: dict[str, nn.Module
         for group in other.optimizer.param_groups:
             first.optimizer.add_param_group(group)
         accelerator._optimizers.remove(other)
-    return prepared, first
+    return prepared, first, None
 
 
 def optimized_model(trained: dict[str, nn.Module]) -> nn.Module:

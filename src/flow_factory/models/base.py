@@ -19,7 +19,7 @@ turns them into conditioning tensors (VAE latents, image-encoder states), once p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
@@ -236,7 +236,7 @@ class FlowAdapter:
             if module is not None:
                 module.requires_grad_(False)
         self._wrapped: dict[str, torch.nn.Module] = {}  # a transformer inside its DDP wrapper, by component
-        # the experts whose forward is a collective (FSDP2 shards): every process calls them together
+        # the experts every process calls together (FSDP2 or DeepSpeed: their forward or backward is a collective)
         self.lockstep_experts: frozenset[str] = frozenset()
         self.idle_passes = 0  # the passes of a sharded expert over a row only because another process needed it
 
@@ -279,17 +279,19 @@ class FlowAdapter:
         self._wrapped = {"transformer": wrapped} if wrapped is not self.transformer else {}
         return True
 
-    def use_prepared(self, prepared: Mapping[str, torch.nn.Module], sharded: bool) -> None:
+    def use_prepared(self, prepared: Mapping[str, Callable]) -> None:
         """The trained networks as a sharded launch prepared them (by component): DeepSpeed's engine wraps
-        its network; FSDP2 shards in place, and ``sharded`` experts' forwards become collectives."""
+        them; FSDP2 shards in place. Either way a trained expert's forward or backward becomes a collective
+        (FSDP2 gathers weights and reduce-scatters gradients, ZeRO reduces gradients in buckets that every
+        process must fill alike), so every process runs it whenever one does."""
         self._wrapped = {name: module for name, module in prepared.items() if module is not self.transformers[name]}
-        if sharded and len(self.transformers) > 1:
+        if len(self.transformers) > 1:
             self.lockstep_experts = frozenset(prepared)
 
     def experts_called_anywhere(self, called: Mapping[str, bool]) -> dict[str, bool]:
-        """Which experts a velocity call runs: those it needs (``called``), and a sharded expert that another
-        process needs now (its forward all-gathers the weights, its backward reduce-scatters the gradients,
-        so no process may skip it). One small all-reduce, only while experts are sharded."""
+        """Which experts a velocity call runs: those it needs (``called``), and a lockstep expert that another
+        process needs now (``use_prepared``: no process may skip it). One small all-reduce, only while
+        experts run in lockstep."""
         if not self.lockstep_experts:
             return dict(called)
         import torch.distributed as dist

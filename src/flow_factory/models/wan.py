@@ -127,7 +127,7 @@ class WanT2VAdapter(FlowAdapter):
             if len(rows):
                 out[rows] = self._expert_velocity(name, x[rows], t[rows], index_cond(cond, rows), guidance_scale,
                                                   scale)
-            elif called[name]:  # a sharded expert another process calls now: a pass over one row of this batch,
+            elif called[name]:  # a lockstep expert another process calls now: a pass over one row of this batch,
                 first = torch.zeros(1, dtype=torch.long, device=self.device)  # tied in with weight 0
                 idle = self._expert_velocity(name, x[first], t[first], index_cond(cond, first), guidance_scale, scale)
                 out = out + 0 * idle.sum()  # a zero gradient: the backward reduce-scatters with the others

@@ -76,11 +76,14 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                 with nullcontext() if syncs or not defer_sync else acc.no_sync(denoiser), acc.autocast():
                     loss, metrics = algorithm.loss(policy, batch)
                     # no gradient when only a frozen expert denoised the batch (Wan2.2 training one expert)
-                    if loss.requires_grad and deepspeed:
+                    if deepspeed:
                         # DeepSpeed's engine divides by its gradient_accumulation_steps (= accumulation)
-                        # and steps, clipping, when told this micro-step ends the accumulation
+                        # and steps, clipping, in the backward of the micro-step told it ends the accumulation;
+                        # so a micro-step without a gradient (on every process: the experts run in lockstep)
+                        # backs a zero through the trained weights, and the engine still counts and steps
+                        tied = loss if loss.requires_grad else loss + 0 * sum(p.sum() for p in params)
                         acc.gradient_state._set_sync_gradients(syncs)
-                        acc.backward(loss * parts)
+                        acc.backward(tied * parts)
                     elif loss.requires_grad:
                         acc.backward(loss * parts / accumulation)
                 micro += parts

@@ -21,25 +21,25 @@ from .ema import EMA_FILE
 logger = logging.getLogger(__name__)
 
 
-def check_shardable(cfg, sharding: str, experts: int) -> None:
-    """DeepSpeed builds one engine per run around one network, and its backward reduces gradients in
-    collectives every process must join: a model of several experts (a micro-step may call only one of
-    them on some process) trains under FSDP2, each expert its own root, or DDP."""
-    if sharding == "deepspeed" and experts > 1:
-        raise ConfigError(f"config_file: {cfg.config_file} runs DeepSpeed, which builds one engine around one "
-                          f"network per run; {cfg.model.model_type} has {experts} experts: use fsdp2 (each expert "
-                          "sharded), or multi_gpu (DDP)")
+def check_shardable(cfg, accelerator, experts: int) -> None:
+    """A model of several experts trains under ZeRO-1/2 with its trained experts bundled into DeepSpeed's one
+    engine (``sharding.BundledExperts``), as Flow-Factory does. ZeRO-3 is refused for it, as there: it
+    gathers each partitioned module in the order it traced, and the experts are called apart."""
+    plugin = accelerator.state.deepspeed_plugin
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and experts > 1 and plugin.zero_stage == 3:
+        raise ConfigError(f"config_file: {cfg.config_file} runs DeepSpeed ZeRO-3, which partitions one network and "
+                          f"gathers it in the order it traced; {cfg.model.model_type} has {experts} experts, called "
+                          "apart: use zero2 (the experts in one engine), fsdp2 (each expert sharded) or multi_gpu "
+                          "(DDP)")
 
 
 def check_experts_before_loading(cfg, accelerator) -> None:
-    """``check_shardable`` under DeepSpeed from a pipeline folder's model_index.json, before anything loads
-    (a hub id's experts are known once it has loaded: the trainer checks them then)."""
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return
+    """``check_shardable`` from a pipeline folder's model_index.json, before anything loads (a hub id's
+    experts are known once it has loaded: the trainer checks them then)."""
     folder = pipeline_folder(cfg.model.model_name_or_path)
-    if folder is not None:
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and folder is not None:
         experts = get_adapter_class(cfg.model.model_type).experts(read_json(folder / "model_index.json"))
-        check_shardable(cfg, "deepspeed", len(experts))
+        check_shardable(cfg, accelerator, len(experts))
 
 
 def resume_engine_state(engine, checkpoint: Path, resumed: dict, processes: int) -> None:
@@ -65,10 +65,8 @@ def gather_for_save(trainer) -> tuple[dict, dict | None, dict, dict]:
     folders the checkpoint takes in (DeepSpeed's engine state, each process's part written beside the
     checkpoint first): a collective, on every process; the tensors land on the main process."""
     t, acc = trainer, trainer.accelerator
-    # every trained expert in turn, each a collective; DeepSpeed's engine wraps its one network
-    weights = {name: full_state_dict(t.adapter.denoiser_for(name) if t.sharding == "deepspeed" else module, acc,
-                                     t.sharding)
-               for name, module in t.trained.items()}
+    # every trained expert in turn, each a collective (DeepSpeed's engine wraps the modules themselves)
+    weights = {name: full_state_dict(module, acc, t.sharding) for name, module in t.trained.items()}
     optimizer = None
     if not t.cfg.log.save_model_only and t.sharding == "fsdp":
         optimizer = full_optimizer_state(optimized_model(t.trained), getattr(t.optimizer, "optimizer", t.optimizer))
@@ -81,7 +79,7 @@ def gather_for_save(trainer) -> tuple[dict, dict | None, dict, dict]:
         if acc.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)  # left by a process killed during an earlier save
         acc.wait_for_everyone()
-        save_engine_state(t.adapter.denoiser, staging)
+        save_engine_state(t.engine, staging)
         acc.wait_for_everyone()
         folders[DEEPSPEED_DIR] = staging
     return weights, optimizer, extra, folders

@@ -138,6 +138,7 @@ class Trainer:
         self.params = self._make_trainable()
         self._check_trained_steps()
         self.sharding = backend_of(self.accelerator)  # ddp (one process too), fsdp or deepspeed
+        self.engine = None  # DeepSpeed's, once prepared
         self.epoch, self.global_step = 0, 0
         self.history: list[dict] = []  # one record of training metrics per epoch
         self.eval_history: list[dict] = []  # eval rewards, keyed by epochs completed
@@ -154,12 +155,12 @@ class Trainer:
             self._make_weight_copies()  # of the shards: no process holds a full copy
             self._load_weights(resumed)  # every process keeps its shard of the checkpoint's full tensors
         else:  # DeepSpeed keeps master copies of the weights inside its engine: they must start from the checkpoint
-            check_shardable(cfg, self.sharding, len(self.adapter.transformers))
+            check_shardable(cfg, self.accelerator, len(self.adapter.transformers))
             self._compile()
             self._load_weights(resumed, before_prepare=True)
             self._prepare_sharded()
             if self.resume_from is not None:
-                resume_engine_state(self.adapter.denoiser, self.resume_from, resumed, self.accelerator.num_processes)
+                resume_engine_state(self.engine, self.resume_from, resumed, self.accelerator.num_processes)
             self._make_weight_copies()
             self._load_copies()
         # what each process holds of the trained weights (the checkpoint records it): all of them unless sharded
@@ -262,8 +263,9 @@ class Trainer:
         if self.sharding == "deepspeed":
             fill_deepspeed_config(acc.state.deepspeed_plugin, self.cfg.train.per_device_batch_size,
                                   self.cfg.gradient_accumulation, self.cfg.train.max_grad_norm, acc.num_processes)
-        prepared, self.optimizer = prepare_sharded(acc, self.sharding, self.trained, self._make_optimizer)
-        self.adapter.use_prepared(prepared, sharded=self.sharding == "fsdp")
+        prepared, self.optimizer, self.engine = prepare_sharded(acc, self.sharding, self.trained,
+                                                                self._make_optimizer)
+        self.adapter.use_prepared(prepared)
         self.ddp = True  # the backend syncs the gradients: optimize_epoch must not average them again
         # FSDP2 replaced every parameter with its shard (a DTensor): what trains from here on
         self.params = [p for module in self.trained.values() for p in module.parameters() if p.requires_grad]
@@ -583,7 +585,7 @@ class Trainer:
             adv = self.accelerator.gather(advantages)
             metrics.update({"advantage/mean": adv.mean().item(), "advantage/std": adv.std(unbiased=False).item(),
                             "advantage/abs_max": adv.abs().max().item()})
-        if self.adapter.lockstep_experts:  # what running sharded experts in lockstep cost this epoch, all processes
+        if self.adapter.lockstep_experts:  # what running the experts in lockstep cost this epoch, all processes
             idle = torch.tensor([self.adapter.idle_passes], device=self.accelerator.device)
             metrics["sharding/idle_expert_passes"] = int(self.accelerator.gather(idle).sum())
             self.adapter.idle_passes = 0
