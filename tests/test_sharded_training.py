@@ -48,8 +48,15 @@ def _ff_train(folder, model_path, processes: int, **run) -> dict:
     """``ff-train`` in its own processes, as the invariant-4 test runs it; returns the run's last trainer state."""
     config, results = _launch(folder, model_path, processes, **run)
     for (_, err), code in results:
-        assert code == 0, f"{processes} process(es): exit {code}\n{err[-4000:]}"
+        assert code == 0, f"{processes} process(es): exit {code}\n{_each_process_error(err)}{err[-4000:]}"
     return json.loads((_checkpoint(folder, config["train"]["max_epochs"]) / "trainer_state.json").read_text())
+
+
+def _each_process_error(err: str) -> str:
+    """Every process's exception line: a launch's stderr interleaves the processes, and its tail may show
+    only the last one to fail."""
+    lines = [line for line in err.splitlines() if re.match(r"\[rank\d+\]: \w*(Error|Exception)\b", line)]
+    return "".join(f"{line}\n" for line in lines) + "...\n" if lines else ""
 
 
 def _launch(folder, model_path, processes: int, config_file=None, model=None, machines: int = 1,
