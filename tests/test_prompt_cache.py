@@ -2,6 +2,8 @@
 it is never stale and never corrupt, and training with it is training without it."""
 
 import logging
+import os
+import threading
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from helpers_runs import TINY_MODELS, tiny_run_config
 
 from flow_factory.config import parse_config
 from flow_factory.models import load_adapter
+from flow_factory import prompt_cache
 from flow_factory.prompt_cache import PromptCache, encoder_fingerprint
 from flow_factory.trainer import Trainer
 
@@ -112,6 +115,43 @@ def test_force_reprocess_encodes_everything_again(tmp_path, tiny_sd3_path):
     first = {p.name for p in _build(adapter, tmp_path, 4.5).folder.glob("*.safetensors")}
     shards = list(_build(adapter, tmp_path, 4.5, batch_size=5, force=True).folder.glob("*.safetensors"))
     assert len(shards) == 1 and shards[0].name not in first  # one batch of 5 now, the old shards gone
+
+
+def _shown_late(adapter, staging, cache_folder, items, delay_s):
+    """Process 0's share of ``items`` (every second one), encoded into ``staging`` and moved into the cache
+    folder ``delay_s`` seconds from now: what a process sees of a shard another machine wrote just before
+    the barrier, on a shared file system whose directory cache lists it late."""
+    shards = PromptCache.build(adapter, items[0::2], staging, 2).folder.glob("*.safetensors")
+    timer = threading.Timer(delay_s, lambda: [os.replace(s, cache_folder / s.name) for s in list(shards)])
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize("shows", [True, False])
+def test_a_process_waits_a_bounded_time_for_the_shards_of_the_others(tmp_path, tiny_sd3_path, monkeypatch, shows):
+    """Process 1 of 2 encodes its share, and once past the barrier reads the whole cache, waiting for process
+    0's shards to show in the folder; if they never do, the error says how many entries are missing and
+    where, after a bounded wait."""
+    monkeypatch.setattr(prompt_cache, "VISIBLE_WITHIN_S", 30.0 if shows else 0.5)
+    adapter = load_adapter("sd3-5", tiny_sd3_path)
+    items = [(p, n, 4.5) for p, n in PAIRS]
+    folder = tmp_path / "shared" / encoder_fingerprint(adapter)
+    folder.mkdir(parents=True)
+    timer = _shown_late(adapter, tmp_path / "staging", folder, items, 1.0 if shows else 3600.0)
+    try:
+        if not shows:
+            with pytest.raises(RuntimeError, match=r"3 entries missing after encoding \(e.g. 'a red circle'\) on "
+                               r"process 1 of 2, which encoded 2 of 5, after waiting 0.5 s .* is data.cache_dir "
+                               r"shared by every process\?"):
+                PromptCache.build(adapter, items, tmp_path / "shared", 2, share=(1, 2, False))
+            return
+        cache = PromptCache.build(adapter, items, tmp_path / "shared", 2, share=(1, 2, False))
+    finally:
+        timer.cancel()
+    assert len(list(folder.glob("000-*.safetensors"))) == 2 and len(list(folder.glob("001-*.safetensors"))) == 1
+    reference = _build(adapter, tmp_path / "one_process", 4.5)  # the same prompts, encoded by one process
+    got, expected = cache.lookup(PAIRS, True, "cpu"), reference.lookup(PAIRS, True, "cpu")
+    assert expected.keys() == got.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 def _one_epoch_weights(tmp_path, model_path, **data):

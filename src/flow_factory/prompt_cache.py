@@ -14,7 +14,8 @@ entry by a hash of its prompt, negative prompt and CFG flag. Never corrupt: a sh
 written beside its final name and renamed once complete, and its name carries the
 sha256 of its bytes, checked when the cache is opened; a shard that does not match is
 removed (with a warning) and its prompts are encoded again. With several processes each
-encodes its share of what is missing, and all read the shards once every process is done.
+encodes its share of what is missing, and all read the shards once every process is done (waiting a
+bounded time for a shared file system to list the others' shards).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +38,10 @@ from .models.base import Conditioning, pad_cat
 logger = logging.getLogger(__name__)
 FORMAT = 1  # bump when what a shard holds changes
 SAMPLED_VALUES = 4096  # values of each weight tensor that enter the fingerprint
+# how long a process waits, after the barrier, for the others' shards to show in the folder: a shared
+# file system (NFS, data.preprocess_parallelism: global) may list a file written on another machine
+# only after its directory cache expires (NFS's acdirmax is 60 s by default)
+VISIBLE_WITHIN_S = 90.0
 
 
 def encoder_fingerprint(adapter) -> str:
@@ -116,14 +122,29 @@ class PromptCache:
         missing = [v for k, v in wanted.items() if k not in cache.index]
         cache._encode(adapter, missing[rank::world], batch_size, f"{rank:03d}", show=main)
         barrier()
-        cache.scan()
-        absent = [v[0] for k, v in wanted.items() if k not in cache.index]
+        absent = cache._await_entries(wanted)
         if absent:
             raise RuntimeError(f"{cls.what} cache {cache.folder}: {len(absent)} entries missing after encoding "
                                f"(e.g. {absent[0]!r}) on process {rank} of {world}, which encoded "
-                               f"{len(missing[rank::world])} of {len(missing)}; is data.cache_dir shared by "
-                               "every process?")
+                               f"{len(missing[rank::world])} of {len(missing)}, after waiting "
+                               f"{VISIBLE_WITHIN_S:g} s for the other processes' shards to show; is "
+                               "data.cache_dir shared by every process?")
         return cache
+
+    def _await_entries(self, wanted: dict) -> list:
+        """Scan until every entry of ``wanted`` is indexed or ``VISIBLE_WITHIN_S`` has passed; what is still
+        absent (the entries' first fields: their prompts or rows)."""
+        deadline = time.monotonic() + VISIBLE_WITHIN_S
+        self.scan()
+        absent = [v[0] for k, v in wanted.items() if k not in self.index]
+        if absent:
+            logger.info("%s cache: %d entries encoded by other processes are not in %s yet; waiting up to %g s "
+                        "for them to show", self.what, len(absent), self.folder, VISIBLE_WITHIN_S)
+        while absent and time.monotonic() < deadline:
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            self.scan()
+            absent = [v[0] for k, v in wanted.items() if k not in self.index]
+        return absent
 
     @classmethod
     def open(cls, adapter, root) -> "PromptCache | None":
