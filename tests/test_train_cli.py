@@ -28,8 +28,7 @@ def _free_port() -> int:
     """A port for a multi-process launch's rendezvous, never handed out twice in one test session. Taken
     below Linux's ephemeral range (32768 and up), where no other process's outgoing connection (gloo opens
     many) lands, and from a block of its own per pytest-xdist worker: ``bind(0)`` alone could give two
-    launches starting side by side the same port, whose processes would then join one another's run (seen:
-    "prompt cache ... entries missing after encoding" on one process of a run)."""
+    launches starting side by side the same port, whose processes would then join one another's run."""
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
     block = range(20000 + 1000 * (worker % 12), 20000 + 1000 * (worker % 12 + 1))
     start = random.randrange(len(block))  # another pytest session on this machine starts elsewhere in the block

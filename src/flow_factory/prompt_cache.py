@@ -14,8 +14,9 @@ entry by a hash of its prompt, negative prompt and CFG flag. Never corrupt: a sh
 written beside its final name and renamed once complete, and its name carries the
 sha256 of its bytes, checked when the cache is opened; a shard that does not match is
 removed (with a warning) and its prompts are encoded again. With several processes each
-encodes its share of what is missing, and all read the shards once every process is done (waiting a
-bounded time for a shared file system to list the others' shards).
+entry has one owner (by its place in the list), which encodes it if it is missing, and all read
+the shards once every process is done (waiting a bounded time for a shared file system to list the
+others' shards).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class PromptCache:
     def _build(cls, adapter, fingerprint: str, wanted: dict, root, batch_size: int, force: bool,
                share: tuple[int, int, bool], barrier) -> "PromptCache":
         """The cache under ``root/fingerprint`` holding every entry of ``wanted`` (key -> what ``_encode``
-        encodes for it), each process encoding its share of the missing ones."""
+        encodes for it), each process encoding the missing ones it owns."""
         rank, world, main = share
         cache = cls(Path(root).expanduser() / fingerprint)
         if main:
@@ -119,16 +120,20 @@ class PromptCache:
             cache.scan(check=True, remove=True)  # once, here: what is written later is complete by construction
         barrier()
         cache.scan()
-        missing = [v for k, v in wanted.items() if k not in cache.index]
-        cache._encode(adapter, missing[rank::world], batch_size, f"{rank:03d}", show=main)
+        # each entry has one owner, by its place in `wanted`, whatever this scan saw: a process that scans
+        # after another has already written sees fewer entries missing, and shares cut from the lists each
+        # process saw would leave some entries to nobody
+        mine = [v for i, (k, v) in enumerate(wanted.items()) if i % world == rank and k not in cache.index]
+        seen_missing = sum(k not in cache.index for k in wanted)
+        cache._encode(adapter, mine, batch_size, f"{rank:03d}", show=main)
         barrier()
         absent = cache._await_entries(wanted)
         if absent:
             raise RuntimeError(f"{cls.what} cache {cache.folder}: {len(absent)} entries missing after encoding "
-                               f"(e.g. {absent[0]!r}) on process {rank} of {world}, which encoded "
-                               f"{len(missing[rank::world])} of {len(missing)}, after waiting "
-                               f"{VISIBLE_WITHIN_S:g} s for the other processes' shards to show; is "
-                               "data.cache_dir shared by every process?")
+                               f"(e.g. {absent[0]!r}) on process {rank} of {world}, which saw {seen_missing} of "
+                               f"{len(wanted)} missing and encoded the {len(mine)} it owns, then waited "
+                               f"{VISIBLE_WITHIN_S:g} s for the other processes' shards to show; is data.cache_dir "
+                               "shared by every process?")
         return cache
 
     def _await_entries(self, wanted: dict) -> list:
@@ -138,8 +143,8 @@ class PromptCache:
         self.scan()
         absent = [v[0] for k, v in wanted.items() if k not in self.index]
         if absent:
-            logger.info("%s cache: %d entries encoded by other processes are not in %s yet; waiting up to %g s "
-                        "for them to show", self.what, len(absent), self.folder, VISIBLE_WITHIN_S)
+            logger.warning("%s cache: %d entries encoded by other processes are not in %s yet; waiting up to %g s "
+                           "for them to show", self.what, len(absent), self.folder, VISIBLE_WITHIN_S)
         while absent and time.monotonic() < deadline:
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
             self.scan()
