@@ -118,12 +118,13 @@ def test_force_reprocess_encodes_everything_again(tmp_path, tiny_sd3_path):
     assert len(shards) == 1 and shards[0].name not in first  # one batch of 5 now, the old shards gone
 
 
-def _shown_late(adapter, staging, cache_folder, items, delay_s):
-    """Process 0's share of ``items`` (every second one), encoded into ``staging`` and moved into the cache
+def _shown_late(adapter, staging, cache_folder, delay_s):
+    """Process 0's share of PAIRS (every second one), encoded into ``staging`` and moved into the cache
     folder ``delay_s`` seconds from now: what a process sees of a shard another machine wrote just before
     the barrier, on a shared file system whose directory cache lists it late."""
-    shards = PromptCache.build(adapter, items[0::2], staging, 2).folder.glob("*.safetensors")
-    timer = threading.Timer(delay_s, lambda: [os.replace(s, cache_folder / s.name) for s in list(shards)])
+    items = [(p, n, 4.5) for p, n in PAIRS[0::2]]
+    shards = sorted(PromptCache.build(adapter, items, staging, 2).folder.glob("*.safetensors"))
+    timer = threading.Timer(delay_s, lambda: [os.replace(s, cache_folder / s.name) for s in shards])
     timer.start()
     return timer
 
@@ -135,18 +136,17 @@ def test_a_process_waits_a_bounded_time_for_the_shards_of_the_others(tmp_path, t
     where, after a bounded wait."""
     monkeypatch.setattr(prompt_cache, "VISIBLE_WITHIN_S", 30.0 if shows else 0.5)
     adapter = load_adapter("sd3-5", tiny_sd3_path)
-    items = [(p, n, 4.5) for p, n in PAIRS]
     folder = tmp_path / "shared" / encoder_fingerprint(adapter)
     folder.mkdir(parents=True)
-    timer = _shown_late(adapter, tmp_path / "staging", folder, items, 1.0 if shows else 3600.0)
+    timer = _shown_late(adapter, tmp_path / "staging", folder, 1.0 if shows else 3600.0)
     try:
         if not shows:
             with pytest.raises(RuntimeError, match=r"3 entries missing after encoding \(e.g. 'a red circle'\) on "
                                r"process 1 of 2, which saw 5 of 5 missing and encoded the 2 it owns, then "
                                r"waited 0.5 s .* is data.cache_dir shared by every process\?"):
-                PromptCache.build(adapter, items, tmp_path / "shared", 2, share=(1, 2, False))
+                _build(adapter, tmp_path / "shared", 4.5, share=(1, 2, False))
             return
-        cache = PromptCache.build(adapter, items, tmp_path / "shared", 2, share=(1, 2, False))
+        cache = _build(adapter, tmp_path / "shared", 4.5, share=(1, 2, False))
     finally:
         timer.cancel()
     assert len(list(folder.glob("000-*.safetensors"))) == 2 and len(list(folder.glob("001-*.safetensors"))) == 1
@@ -163,7 +163,6 @@ def test_two_processes_encode_every_entry_once_when_one_scans_after_the_other_wr
     once, by one process. (Shares cut from what each process saw left an entry to nobody.)"""
     monkeypatch.setattr(prompt_cache, "VISIBLE_WITHIN_S", 2.0)  # every shard is written before the barrier
     adapter = load_adapter("sd3-5", tiny_sd3_path)
-    items = [(p, n, 4.5) for p, n in PAIRS]
     both, written = threading.Barrier(2, timeout=60), threading.Event()
     calls = {0: 0, 1: 0}
 
@@ -179,8 +178,7 @@ def test_two_processes_encode_every_entry_once_when_one_scans_after_the_other_wr
 
     def process(rank):
         try:
-            caches[rank] = PromptCache.build(adapter, items, tmp_path, 2, share=(rank, 2, rank == 0),
-                                             barrier=lambda: barrier(rank))
+            caches[rank] = _build(adapter, tmp_path, 4.5, share=(rank, 2, rank == 0), barrier=lambda: barrier(rank))
         except BaseException as e:  # noqa: BLE001 (handed to the test's thread)
             errors.append(e)
             both.abort()

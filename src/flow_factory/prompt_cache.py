@@ -22,6 +22,7 @@ others' shards).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -140,16 +141,15 @@ class PromptCache:
         """Scan until every entry of ``wanted`` is indexed or ``VISIBLE_WITHIN_S`` has passed; what is still
         absent (the entries' first fields: their prompts or rows)."""
         deadline = time.monotonic() + VISIBLE_WITHIN_S
-        self.scan()
-        absent = [v[0] for k, v in wanted.items() if k not in self.index]
-        if absent:
-            logger.warning("%s cache: %d entries encoded by other processes are not in %s yet; waiting up to %g s "
-                           "for them to show", self.what, len(absent), self.folder, VISIBLE_WITHIN_S)
-        while absent and time.monotonic() < deadline:
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        for attempt in itertools.count():
             self.scan()
             absent = [v[0] for k, v in wanted.items() if k not in self.index]
-        return absent
+            if not absent or time.monotonic() >= deadline:
+                return absent
+            if attempt == 0:
+                logger.warning("%s cache: %d entries encoded by other processes are not in %s yet; waiting up to "
+                               "%g s for them to show", self.what, len(absent), self.folder, VISIBLE_WITHIN_S)
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     @classmethod
     def open(cls, adapter, root) -> "PromptCache | None":
