@@ -14,7 +14,43 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # in the same order, and a test's subprocesses (ff-train runs) leave the other core to the suite
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# bf16 runs (FF_CPU_MIXED_PRECISION, switched on by the tests that run in a GPU's precision) need this cap on
+# CPUs whose AMX bf16 kernels crash; it must be set before torch runs any kernel
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+# FF_TEST_DEVICE: the device the invariant tests run on (cpu; cuda on a GPU, as bench/gpu_check.py runs them,
+# in bf16). With cpu, a GPU is hidden, so that the trainer's runs are the same on every machine.
+TEST_DEVICE = os.environ.setdefault("FF_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Each test's Accelerator starts anew: accelerate keeps one state per process and refuses another
+    mixed_precision afterwards (the tests run float32, bf16 and fp16 in one worker)."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture
+def gpu_precision(monkeypatch):
+    """Runs in this test honour ``mixed_precision`` (bf16 or fp16 autocast) on this CPU, as on a GPU."""
+    monkeypatch.setenv("FF_CPU_MIXED_PRECISION", "1")
+
+
+@pytest.fixture
+def test_precision():
+    """(device, load dtype, autocast factory) of the invariant tests: float32 on cpu, bf16 autocast on a GPU."""
+    import torch
+
+    from flow_factory.precision import Precision
+
+    precision = Precision.of("no" if TEST_DEVICE == "cpu" else "bf16", TEST_DEVICE)
+    return torch.device(TEST_DEVICE), precision.load, precision.autocast
 
 
 def _build(tmp_path_factory, model_type: str):

@@ -1,6 +1,8 @@
 """A small stand-in for an epoch's rollouts, for the algorithms' micro-batch tests; the on-policy check
 (invariant 1) that the adapter, conditioned-model and compile tests share."""
 
+from contextlib import nullcontext
+
 import torch
 
 from flow_factory.algorithms.base import TrainBatch
@@ -32,12 +34,15 @@ def perturb_lora(transformer, scale: float = 0.05, which: str = "lora_B", seed: 
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
-def assert_on_policy(algorithm, policy, traj, cond, backward: bool = False) -> None:
+def assert_on_policy(algorithm, policy, traj, cond, backward: bool = False, autocast=nullcontext) -> None:
     """At every stochastic step of ``traj``, the importance ratio of the policy that sampled it is 1
-    (within 1e-6); ``backward``: each step's loss is backpropagated too."""
+    (within 1e-6); ``backward``: each step's loss is backpropagated too; ``autocast``: the networks'
+    precision, as in sampling."""
     for step in traj.sde_steps:
-        batch = TrainBatch.at_step(traj.latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond, step)
-        loss, metrics = algorithm.loss(policy, batch)
+        advantages = torch.tensor([1.0, -1.0], device=traj.latents.device)
+        batch = TrainBatch.at_step(traj.latents, traj.log_probs, advantages, traj.sigmas, cond, step)
+        with autocast():
+            loss, metrics = algorithm.loss(policy, batch)
         assert abs(metrics["ratio_min"].item() - 1) < 1e-6 and abs(metrics["ratio_max"].item() - 1) < 1e-6, \
             (step, metrics)
         if backward:

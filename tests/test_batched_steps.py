@@ -108,7 +108,9 @@ def test_merged_steps_give_the_per_step_loss_and_gradient(tiny_sd3_path, case):
     per_step, per_step_grads, _, calls = _loss_and_grads(algorithm, policy, rollouts, params, 1)
     merged, merged_grads, _, merged_calls = _loss_and_grads(algorithm, policy, rollouts, params, 100)
     assert merged_calls == 1 and calls > 1
-    assert merged == pytest.approx(per_step, rel=1e-5, abs=1e-7)
+    # a merged call's matmuls have other shapes, so other blocking and float32 rounding (2e-5 relative seen
+    # on some CPUs for DPO's and DGPO's losses, whose beta amplifies the difference of two errors)
+    assert merged == pytest.approx(per_step, rel=2e-4, abs=1e-7)
     scale = max(g.abs().max().item() for g in per_step_grads)
     assert scale > 0
     for a, b in zip(per_step_grads, merged_grads):

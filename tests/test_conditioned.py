@@ -386,7 +386,8 @@ def _pipeline_latents(model_type, path, lora_dir, source):
 
 @pytest.mark.parametrize("trainer_type", ["grpo", "nft"])
 @pytest.mark.parametrize("model_type", list(CONDITIONED_MODELS))
-def test_ff_train_runs_from_a_conditioned_dataset(request, tmp_path, model_type, trainer_type):
+def test_ff_train_runs_from_a_conditioned_dataset(request, tmp_path, model_type, trainer_type, gpu_precision):
+    """In a GPU's precision (bf16 autocast, fp16 trajectories); the LoRA loads in the pipeline."""
     path = request.getfixturevalue(CONDITIONED_MODELS[model_type][0])
     videos = "videos" in get_adapter_class(model_type).condition_inputs
     sizes = dict(strength=0.7) if videos else dict(condition_image_size=[48, 80])  # a video is encoded as generated

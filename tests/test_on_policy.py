@@ -25,8 +25,12 @@ TRAIN = TrainConfig(kl_type="v-based")  # defaults: clip_range 1e-4, adv_clip_ra
 
 @pytest.mark.parametrize("dynamics_name", ["Flow-SDE", "Dance-SDE", "CPS"])
 @pytest.mark.parametrize("model_type,path_fixture,size,frames,guidance", ADAPTERS)
-def test_on_policy_ratio_is_one(request, model_type, path_fixture, size, frames, guidance, dynamics_name):
-    adapter = load_adapter(model_type, request.getfixturevalue(path_fixture))
+def test_on_policy_ratio_is_one(request, model_type, path_fixture, size, frames, guidance, dynamics_name,
+                                test_precision):
+    """On a GPU (FF_TEST_DEVICE=cuda) in bf16 too: the ratio is still exactly 1, since training recomputes each
+    step from the very values sampled, through the same calls in the same precision."""
+    device, dtype, autocast = test_precision
+    adapter = load_adapter(model_type, request.getfixturevalue(path_fixture), device, dtype)
     apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
     perturb_lora(adapter.transformer)
     dynamics = adapter.sampling_dynamics(make_dynamics(dynamics_name, 0.7))  # as the trainer makes it
@@ -36,10 +40,10 @@ def test_on_policy_ratio_is_one(request, model_type, path_fixture, size, frames,
     cond = adapter.encode(["a red cube", "a blue ball"], None, guidance)
     noise = adapter.initial_noise(2, size, size, torch.Generator().manual_seed(1), num_frames=frames)
     sigmas = adapter.sigmas(3, size, size, frames)
-    traj = sample_trajectory(adapter, dynamics, cond, noise, sigmas, guidance,
-                             generator=torch.Generator().manual_seed(2))
+    traj = sample_trajectory(adapter, dynamics, cond, noise.to(device), sigmas, guidance,
+                             generator=torch.Generator().manual_seed(2), autocast=autocast)
     assert traj.sde_steps == [0, 1, 2]
-    assert_on_policy(algorithm, policy, traj, cond)
+    assert_on_policy(algorithm, policy, traj, cond, autocast=autocast)
 
 
 @pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16])

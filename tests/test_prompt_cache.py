@@ -253,7 +253,10 @@ def test_text_encoders_move_to_the_cpu_after_caching_by_default(tmp_path, tiny_s
     trainer.close()
 
 
-def test_ff_eval_reads_the_runs_cache_and_matches_its_evaluation(tmp_path, tiny_sd3_path, monkeypatch):
+def test_ff_eval_reads_the_runs_cache_and_matches_its_evaluation(tmp_path, tiny_sd3_path, monkeypatch,
+                                                                 gpu_precision):
+    """In a GPU's precision (bf16): ff-eval samples in the run's mixed_precision, or its cache would not even
+    match (the text encoders' dtype is in its fingerprint)."""
     from flow_factory.evaluate import evaluate_config
 
     config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path, max_epochs=1)

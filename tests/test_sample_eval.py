@@ -58,6 +58,21 @@ def test_ff_sample_writes_images_grid_and_index(tmp_path, tiny_sd3_path, capsys)
     assert diff.max() <= 1
 
 
+def test_ff_sample_samples_in_the_precision_it_is_given(tmp_path, tiny_sd3_path, capsys, gpu_precision):
+    """--mixed-precision as ff-train's mixed_precision (on this CPU under FF_CPU_MIXED_PRECISION): bf16 autocast
+    draws other pixels than float32 from the same seed."""
+    def sample(precision):
+        out = tmp_path / precision
+        assert ff_sample([str(tiny_sd3_path), "--prompts", PROMPTS[0], "--out", str(out), "--steps", "3",
+                          "--mixed-precision", precision]) == 0
+        return np.asarray(Image.open(out / "0000.png")).astype(int)
+
+    bf16, fp32 = sample("bf16"), sample("no")
+    err = capsys.readouterr().err
+    assert "ff-sample: precision: bf16 autocast on cpu" in err and "ff-sample: precision: float32 on cpu" in err
+    assert not np.array_equal(bf16, fp32)
+
+
 def test_ff_sample_reads_a_prompt_file_and_names_a_bad_one(tmp_path, tiny_sd3_path, capsys):
     (tmp_path / "p.txt").write_text("a photo of a circle\n\na photo of a square\n")
     assert ff_sample([str(tiny_sd3_path), "--prompt-file", str(tmp_path / "p.txt"), "--out", str(tmp_path / "o")]) == 2

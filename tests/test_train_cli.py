@@ -76,7 +76,9 @@ GUARDED = ("sd3-5", "flux1", "wan2_t2v", "ltx2_t2av")
 
 @pytest.mark.parametrize("model_type,trainer_type,epochs",
                          [(m, "grpo", 2) for m in TINY_MODELS] + [(m, "grpo-guard", 2) for m in GUARDED])
-def test_ff_train_runs_and_writes_a_loadable_lora(request, tmp_path, model_type, trainer_type, epochs):
+def test_ff_train_runs_and_writes_a_loadable_lora(request, tmp_path, model_type, trainer_type, epochs,
+                                                  gpu_precision):
+    """In a GPU's precision: bf16 autocast (the config's default), fp16 trajectories (the default)."""
     path = request.getfixturevalue(TINY_MODELS[model_type][0])
     extra = {"clip_range": 1e-5} if trainer_type == "grpo-guard" else {}
     config = tiny_run_config(tmp_path, model_type, path, trainer_type=trainer_type, max_epochs=epochs, **extra)
@@ -104,10 +106,10 @@ def test_ff_train_runs_and_writes_a_loadable_lora(request, tmp_path, model_type,
 
 @pytest.mark.parametrize("model_type", ["qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15",
                                         "ltx2_t2av"])
-def test_ff_train_nft_writes_a_loadable_lora(request, tmp_path, model_type):
+def test_ff_train_nft_writes_a_loadable_lora(request, tmp_path, model_type, gpu_precision):
     """A decoupled algorithm end to end on the families after the first three (Qwen-Image's and Z-Image's
-    prompts keep their own lengths: the epoch's conditioning concatenates across batches); the LoRA loads in
-    the pipeline and changes its output."""
+    prompts keep their own lengths: the epoch's conditioning concatenates across batches), in bf16 autocast;
+    the LoRA loads in the pipeline and changes its output."""
     path = request.getfixturevalue(TINY_MODELS[model_type][0])
     config = tiny_run_config(tmp_path, model_type, path, trainer_type="nft", max_epochs=2, num_train_timesteps=1)
     config["scheduler"] = {"dynamics_type": "ODE", "noise_level": 0.0}
@@ -122,9 +124,12 @@ def test_ff_train_nft_writes_a_loadable_lora(request, tmp_path, model_type):
     assert not torch.allclose(base, tuned, atol=1e-6), "the trained LoRA does not change the output"
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["per-step", "steps-in-one-call"])
-def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_sd3_path, batched):
-    """Invariant 5; also with the window's 2 steps trained in one transformer call."""
+@pytest.mark.parametrize("batched", [False, True], ids=["per-step-bf16", "steps-in-one-call"])
+def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_sd3_path, batched, monkeypatch):
+    """Invariant 5, in bf16 autocast with fp16 trajectories (a GPU's precision); also in float32 with the
+    window's 2 steps trained in one transformer call."""
+    if not batched:
+        monkeypatch.setenv("FF_CPU_MIXED_PRECISION", "1")
     extra = dict(steps_per_call="all") if batched else {}
 
     def config(folder, epochs):

@@ -274,12 +274,13 @@ def load_checkpoint(path: str | Path, adapter, finetune_type: str, optimizer=Non
     return True
 
 
-def load_for_sampling(model_type: str, model_path, checkpoint=None, device=None):
+def load_for_sampling(model_type: str, model_path, checkpoint=None, device=None, dtype=torch.float32):
     """The adapter of the pipeline at ``model_path``, in eval mode, with ``checkpoint`` applied.
 
     ``checkpoint``: a folder holding ``pytorch_lora_weights.safetensors`` (loaded with the
     pipeline's own ``load_lora_weights``) or ``transformer/`` (full weights), as ``ff-train``
-    writes them under ``checkpoints/epoch_N`` (checked complete when it holds a trainer state).
+    writes them under ``checkpoints/epoch_N`` (checked complete when it holds a trainer state). ``dtype``:
+    the pipeline's load dtype (``precision.Precision.load``).
     """
     from .models import load_adapter
 
@@ -287,7 +288,7 @@ def load_for_sampling(model_type: str, model_path, checkpoint=None, device=None)
     ckpt = Path(checkpoint) if checkpoint is not None else None
     if ckpt is not None and (ckpt / STATE_FILE).exists():
         read_state(ckpt)  # before the model loads: an incomplete save is named, not half-applied
-    adapter = load_adapter(model_type, model_path, device)
+    adapter = load_adapter(model_type, model_path, device, dtype)
     if ckpt is not None:
         _apply_weights(adapter, ckpt)
     check_pipeline_finite(adapter.pipeline, f"{model_path}" + (f" with checkpoint {ckpt}" if ckpt else ""))

@@ -22,6 +22,7 @@ each step from the very values the rollout used, and the on-policy ratio stays 1
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,7 @@ def sample_trajectory(
     shared_rows: Tensor | None = None,
     storage_dtype: torch.dtype | None = None,
     keep_states: list[int] | None = None,
+    autocast=nullcontext,
 ) -> Trajectory:
     """Integrate from ``noise`` along ``sigmas``. ``sde_steps=None``: every step uses ``dynamics``.
 
@@ -87,7 +89,9 @@ def sample_trajectory(
     ``shared_rows`` (B,): rows with equal ids have equal ``noise`` and ``cond``; the steps
     before the first stochastic one are then integrated once per id. ``storage_dtype``: the
     trajectory is kept (and integrated) at that precision; None = float32. ``keep_states``: the
-    states (0 the noise .. T the final latent) the trajectory keeps; None = all.
+    states (0 the noise .. T the final latent) the trajectory keeps; None = all. ``autocast``: the
+    context the network's calls run under (mixed precision); the rest (the dynamics, log-probs and
+    the trajectory's storage) runs outside it, in float32 and the storage dtype (precision.py).
     """
     keep = (lambda t: t) if storage_dtype is None else (lambda t: t.to(storage_dtype))
 
@@ -112,7 +116,8 @@ def sample_trajectory(
         if groups is not None and i == prefix:
             x, latents, log_probs, means = _expand(expand, x, latents, log_probs, means)
             cond, groups = full_cond, None
-        v = adapter.velocity(x, sigmas[i], cond, guidance_scale)
+        with autocast():
+            v = adapter.velocity(x, sigmas[i], cond, guidance_scale)
         step_dynamics = solver if (i in stochastic or not dynamics.stochastic) else ode
         # noise is drawn on the CPU generator so a seed means the same thing on any device
         step_noise = None

@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a two-expert model's low-noise expert (Wan2.2 A14B); default: --guidance-scale")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="bf16",
+                   help="autocast precision on a GPU, as ff-train's mixed_precision (default bf16); a CPU samples in "
+                   "float32 unless FF_CPU_MIXED_PRECISION=1")
     return p.parse_args(argv)
 
 
@@ -107,14 +110,20 @@ def main(argv=None) -> int:
         print("ff-sample: no prompts given", file=sys.stderr)
         return 2
 
+    import torch
+
     from .checkpoint import CheckpointError, load_for_sampling
     from .guards import NonFiniteError
     from .media import VIDEO_FPS, sample_grid, save_grid, save_video
     from .rewards.base import images_to_pil, videos_to_pil
     from .sampling import SamplingSettings, sample_prompts
 
+    from .precision import Precision, run_mixed_precision
+
+    precision = Precision.of(run_mixed_precision(args.mixed_precision), "cuda" if torch.cuda.is_available() else "cpu")
+    print(f"ff-sample: {precision.describe()}", file=sys.stderr)
     try:
-        adapter = load_for_sampling(args.model_type, args.model, args.checkpoint)
+        adapter = load_for_sampling(args.model_type, args.model, args.checkpoint, dtype=precision.load)
     except (CheckpointError, NonFiniteError) as e:
         print(f"ff-sample: {e}", file=sys.stderr)
         return 2
@@ -128,7 +137,7 @@ def main(argv=None) -> int:
     settings = SamplingSettings(args.resolution, args.resolution, args.num_frames, args.steps, args.guidance_scale,
                                 args.batch_size, args.seed, condition_size=None if size is None else (size, size),
                                 keep_audio=True)
-    rollouts = sample_prompts(adapter, items, settings)
+    rollouts = sample_prompts(adapter, items, settings, autocast=precision.autocast)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     media = rollouts.media

@@ -59,7 +59,8 @@ class Config(Section):
     main_process_ip: str | None = setting(None, "address of machine 0 (needed with num_machines > 1)")
     main_process_port: int = setting(29500, "port of the main process for distributed setup", ge=1, le=65535)
     mixed_precision: Literal["no", "fp16", "bf16"] = setting(
-        "bf16", "autocast precision on a GPU: no, fp16 or bf16 (a CPU-only run computes in float32)")
+        "bf16", "autocast precision on a GPU: no, fp16 or bf16 (a CPU-only run computes in float32 unless "
+        "FF_CPU_MIXED_PRECISION=1)")
     seed: int = setting(42, "global seed; train.seed overrides it when set")
 
     data: DataConfig = setting(description="prompt data")

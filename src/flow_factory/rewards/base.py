@@ -52,23 +52,15 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from ..config.base import DTYPE_NAMES
+from ..precision import dtype_of
 from ..hparams import RewardArguments
 
 MEDIA_FIELDS = ("image", "video", "condition_images", "condition_videos", "audio")
 KNOWN_FIELDS = ("prompt", *MEDIA_FIELDS, "audio_sample_rate", "metadata")
 
 
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
-    """``"bf16"``, ``"bfloat16"``, ``"torch.float32"`` or a torch.dtype -> torch.dtype."""
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_NAMES)}")
-    return getattr(torch, DTYPE_NAMES[key])
+# ``"bf16"``, ``"bfloat16"``, ``"torch.float32"`` or a torch.dtype -> torch.dtype (precision.py's rule)
+parse_dtype = dtype_of
 
 
 @dataclass

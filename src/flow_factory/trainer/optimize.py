@@ -4,7 +4,10 @@ The algorithm says which samples train together (``training_units``) and what
 micro-batches a chunk of them makes (``micro_batches``: one per trained SDE step for
 GRPO, one per drawn training timestep for NFT / AWM / DPO); this loop shuffles,
 accumulates gradients, clips, steps, and aggregates the metrics. A step whose gradient
-norm is NaN or inf is skipped and counted by the ``NonFiniteGuard`` (``flow_factory/guards.py``).
+norm is NaN or inf is skipped and counted by the ``NonFiniteGuard`` (``flow_factory/guards.py``). Under
+fp16, a step whose every loss was finite but whose scaled gradients overflowed is the gradient
+scaler's to skip (it lowers its scale and the weights stay as they were): counted as
+``overflow_skipped_steps``, not held against the run.
 
 Up to ``steps_per_call`` consecutive micro-batches of a chunk are merged into one
 (``merge_batches``: one transformer call for several steps). A merged batch stands for its
@@ -16,7 +19,10 @@ Gradients sync across processes through the DDP wrapper ``denoiser``; a multi-ex
 is not wrapped (``FlowAdapter.wrap_transformer``), so with ``denoiser=None`` this loop
 averages them itself before the optimizer step. FSDP2 reduce-scatters every backward into the
 sharded gradients. DeepSpeed's engine accumulates, clips and steps
-inside ``backward`` at the end of an accumulation; the optimizer's own step is then a no-op.
+inside ``backward`` at the end of an accumulation; the optimizer's own step is then a no-op. The engine
+skips a step whose reduced gradients hold NaN or inf itself (its overflow check, a flag reduced over the
+processes; ``fill_deepspeed_config`` keeps it on under bf16), and this loop counts that skip as it counts
+the other backends' (``engine.was_step_applied()``).
 A lockstep algorithm (DGPO) shuffles and draws alike on every process, so the processes train
 the parts of one global micro-batch together.
 
@@ -50,6 +56,8 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
     optimizer steps skipped for a non-finite gradient."""
     acc = accelerator
     deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+    engine = acc.deepspeed_engine_wrapped.engine if deepspeed else None
+    scaled = acc.scaler is not None or (deepspeed and engine.fp16_enabled())  # fp16: a loss scaler skips overflows
     # DDP skips the all-reduce of micro-steps that do not step. FSDP2 reduce-scatters every backward
     # instead (deferring would keep whole gradients on every process); DeepSpeed knows its boundary itself
     defer_sync = isinstance(denoiser, torch.nn.parallel.DistributedDataParallel)
@@ -57,7 +65,8 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
     batch_size = algorithm.units_per_chunk(batch_size)
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
-    micro, steps, skipped = 0, 0, 0
+    micro, steps, skipped, overflowed = 0, 0, 0, 0
+    losses_finite = True  # every loss of the accumulation so far (fp16: tells the data's inf from an overflow)
     rank = 0 if algorithm.lockstep else acc.process_index  # which process's draws this one makes
     for inner in range(num_inner_epochs):
         order = (torch.randperm(len(units), generator=generator("shuffle", seed, epoch, inner, rank))
@@ -88,23 +97,38 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                         acc.backward(loss * parts / accumulation)
                 micro += parts
                 metrics["loss"] = loss.detach()
+                losses_finite = losses_finite and bool(torch.isfinite(loss.detach()))
                 if syncs:
                     if denoiser is None and acc.num_processes > 1:
                         average_gradients(params)
                     metrics["grad_norm"] = grad_norm = _norm(acc.clip_grad_norm_(params, max_grad_norm))
-                    if deepspeed or torch.isfinite(grad_norm):  # DeepSpeed's engine has stepped already
-                        optimizer.step()
+                    # DeepSpeed's engine has stepped already, unless its overflow check found the reduced
+                    # gradients (or their norm) NaN or inf: then it skipped the step, alike on every process
+                    stepped = engine.was_step_applied() if deepspeed else bool(torch.isfinite(grad_norm))
+                    if stepped:
+                        optimizer.step()  # a no-op under DeepSpeed
                         for name, (snapshot, decay_of) in (step_snapshots or {}).items():
                             metrics[f"{name}_decay"] = decay = decay_of(steps_before + steps)
                             snapshot.update(decay)
                         steps += 1
                         guard.passed()
+                    elif scaled and _everywhere(acc, losses_finite):
+                        # fp16: finite losses whose scaled gradients overflowed. The scaler skips the step
+                        # (the weights are untouched) and lowers its scale: not a lost update. (DeepSpeed's
+                        # own scaler has skipped it already, and lowers its scale for the data's NaN too)
+                        optimizer.step()
+                        overflowed += 1
                     else:
                         skipped += 1
+                        if acc.scaler is not None:  # the data's NaN or inf: skipped, the loss scale kept
+                            scale = acc.scaler.get_scale()
+                            optimizer.step()  # the scaler skips it, and must close its step to unscale again
+                            acc.scaler.update(scale)
                         optimizer.zero_grad(set_to_none=True)  # before a raise, too
                         guard.skip(f"epoch {epoch}: optimizer step with a non-finite gradient norm "
                                    f"(loss {float(loss.detach()):.4g})")
                     optimizer.zero_grad(set_to_none=True)
+                    losses_finite = True
                 for k, v in metrics.items():
                     v = float(v)
                     if not math.isfinite(v):
@@ -121,7 +145,18 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
         acc.gradient_state._set_sync_gradients(True)
     out = {f"train/{k}": (v / counts[k] if k in counts else v) for k, v in sums.items()}
     out["train/skipped_updates"] = skipped
+    if scaled:
+        out["train/overflow_skipped_steps"] = overflowed
+    if acc.scaler is not None:
+        out["train/loss_scale"] = float(acc.scaler.get_scale())
     return out, steps
+
+
+def _everywhere(acc, flag: bool) -> bool:
+    """``flag`` on every process (all of them reach this together: the gradient norm is a global one)."""
+    if acc.num_processes == 1:
+        return flag
+    return bool(acc.reduce(torch.tensor([float(not flag)], device=acc.device), "sum").item() == 0)
 
 
 def _norm(grad_norm) -> torch.Tensor:

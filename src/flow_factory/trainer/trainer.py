@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import shutil
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from ..checkpoint import (CheckpointError, check_fits, checkpoint_dir, find_chec
                           load_checkpoint, read_state, save_checkpoint, write_atomic)
 from ..config import ConfigError
 from ..config.train import COUPLED_TRAINER_TYPES
-from ..data import EpochSampler, MissingPromptFile, process_share
+from ..data import EpochSampler, MissingPromptFile, process_share, share_slice
 from ..dynamics import make_dynamics
 from ..dynamics.window import choose_sde_steps
 from ..guards import NonFiniteError, NonFiniteGuard, all_finite, check_pipeline_finite, nonfinite_rewards
@@ -32,11 +33,11 @@ from ..media import VIDEO_FPS, caption, plot_curves, sample_grid, save_grid
 from ..models import get_adapter_class, load_adapter
 from ..models.lora import apply_lora, component_targets
 from ..models.preflight import check_before_loading, check_experts, check_reward_inputs
+from ..precision import Precision, avoid_cudnn_attention, enable_cpu_fp16, run_mixed_precision
 from ..prompt_cache import ConditionCache, PromptCache
 from ..rewards import RewardSet
-from ..rewards.base import parse_dtype
-from ..sampling import (Rollouts, SamplingSettings, collect_rollouts, condition_size, load_split, sample_prompts,
-                        split_size)
+from ..sampling import (Rollouts, SamplingSettings, collect_rollouts, condition_size, gather_scores, load_split,
+                        sample_prompts, split_size)
 from ..seeding import generator
 from ..sharding import (accelerator_kwargs, all_finite_everywhere, backend_of, fill_deepspeed_config,
                         load_frozen_models_whole, local, prepare_sharded, release_gathered, reshard_all)
@@ -50,6 +51,7 @@ from .sharded import check_experts_before_loading, check_shardable, gather_for_s
 from .tracking import check_backend, flat_hparams, log_media
 
 logger = logging.getLogger(__name__)
+SCALER_FILE = "grad_scaler.pt"  # fp16's gradient scaler (its loss scale and growth tracker)
 
 
 class Trainer:
@@ -59,10 +61,18 @@ class Trainer:
         check_before_loading(cfg)  # the pipeline folder fits model_type and resolution: reads JSON only
         self.backend = check_backend(cfg.log.logging_backend)
         on_cpu = not torch.cuda.is_available()
-        precision = "no" if on_cpu else cfg.mixed_precision  # bf16 kernels crash some CPUs; fp32 there
+        mixed_precision = run_mixed_precision(cfg.mixed_precision)  # "no" on CPU unless FF_CPU_MIXED_PRECISION
         save_dir = Path(cfg.log.save_dir).expanduser()
-        self.accelerator = Accelerator(mixed_precision=precision, log_with=self.backend,
+        self.accelerator = Accelerator(mixed_precision=mixed_precision, log_with=self.backend,
                                        project_dir=str(save_dir / cfg.log.run_name), **accelerator_kwargs(on_cpu))
+        if on_cpu and mixed_precision == "fp16":
+            enable_cpu_fp16(self.accelerator)  # accelerate runs fp16 on GPUs only
+        if not on_cpu:
+            avoid_cudnn_attention()
+        self.precision = Precision.of(mixed_precision, self.accelerator.device, model.master_weight_dtype,
+                                      train.latent_storage_dtype)
+        if self.accelerator.is_main_process:
+            print(f"ff-train: {self.precision.describe()}", file=sys.stderr, flush=True)
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
             load_frozen_models_whole()  # before the rewards and the pipeline load
         # a default run name holds a timestamp each process drew itself: the main process's wins
@@ -112,10 +122,8 @@ class Trainer:
         check_reward_inputs(self.rewards, model.model_type, "rewards")
         check_reward_inputs(self.eval_rewards, model.model_type, "eval_rewards")
 
-        precision = self.accelerator.mixed_precision  # "no" on CPU, whatever the config says
-        dtype = parse_dtype("float32" if precision == "no" else precision)
-        self.latent_storage_dtype = parse_dtype(train.latent_storage_dtype or dtype)
-        self.adapter = load_adapter(model.model_type, model.model_name_or_path, self.accelerator.device, dtype)
+        self.adapter = load_adapter(model.model_type, model.model_name_or_path, self.accelerator.device,
+                                    self.precision.load)
         # a hub id's experts are known only now (a folder's were checked before loading)
         check_experts(self.adapter.experts(self.adapter.pipeline.config), cfg, model.model_name_or_path)
         self.adapter.guidance_scale_2 = train.guidance_scale_2
@@ -189,6 +197,9 @@ class Trainer:
                                  model.target_components):
             logger.warning("model.resume_path %s holds no optimizer state (saved with log.save_model_only); "
                            "the optimizer restarts", self.resume_from)
+        scaler_state = Path(self.resume_from) / SCALER_FILE
+        if self.accelerator.scaler is not None and scaler_state.exists():
+            self.accelerator.scaler.load_state_dict(torch.load(scaler_state, map_location="cpu", weights_only=True))
         self.epoch, self.global_step = resumed["epoch"], resumed["global_step"]
         self.history, self.eval_history = resumed.get("history", []), resumed.get("eval_history", [])
         if not before_prepare:
@@ -356,9 +367,8 @@ class Trainer:
             params += [p for p in transformer.parameters() if p.requires_grad]
             if self.cfg.train.enable_gradient_checkpointing:
                 transformer.enable_gradient_checkpointing()
-        master = parse_dtype(model.master_weight_dtype)
         for p in params:  # trainable weights keep their own precision (fp32 by default) under mixed precision
-            p.data = p.data.to(master)
+            p.data = p.data.to(self.precision.master)
         return params
 
     def _check_trained_steps(self) -> None:
@@ -382,9 +392,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ phases
     def _local_share(self, n: int) -> slice:
-        per_rank = n // self.accelerator.num_processes
-        start = self.accelerator.process_index * per_rank
-        return slice(start, start + per_rank)
+        """This process's contiguous share of ``n`` (``data.share_slice``, the rule ``ff-eval`` and the
+        epoch's samples follow): every one of the ``n`` on one process, even when they do not split evenly."""
+        return share_slice(n, self.accelerator.process_index, self.accelerator.num_processes)
 
     def sample_epoch(self, epoch: int) -> Rollouts:
         cfg, train, acc = self.cfg, self.cfg.train, self.accelerator
@@ -399,7 +409,7 @@ class Trainer:
                                          cfg.scheduler.num_sde_steps, generator("window", cfg.scheduler.seed, epoch))
         settings = self._train_settings(sde_steps=sde_steps, same_latent=train.same_latent,
                                         record_means=self.algorithm.records_step_means,
-                                        storage_dtype=self.latent_storage_dtype, offload=train.offload_samples_to_cpu,
+                                        storage_dtype=self.precision.storage, offload=train.offload_samples_to_cpu,
                                         conditioning_guidance_scale=train.conditioning_guidance_scale,
                                         keep_states=tuple(self.algorithm.kept_states(cfg.rollout_steps,
                                                                                      sde_steps)))
@@ -485,9 +495,10 @@ class Trainer:
             if ev.strength is not None:
                 self.adapter.strength = train_strength
         scores = rollouts.rewards
-        means = {f"eval/reward/{k}": self.accelerator.gather(v).mean().item() for k, v in scores.items()}
+        # the mean over every test prompt once, whatever the shares' sizes
+        means = {f"eval/reward/{k}": v.mean().item() for k, v in gather_scores(scores).items()}
         self.eval_history.append({"epoch": epoch, **means})
-        if self.accelerator.is_main_process:
+        if self.accelerator.is_main_process:  # its grid: its own share, the first test prompts
             shown = min(16, len(rollouts.prompts))
             captions = [caption(rollouts.prompts[i], {k: v[i].item() for k, v in scores.items()})
                         for i in range(shown)]
@@ -589,6 +600,9 @@ class Trainer:
             idle = torch.tensor([self.adapter.idle_passes], device=self.accelerator.device)
             metrics["sharding/idle_expert_passes"] = int(self.accelerator.gather(idle).sum())
             self.adapter.idle_passes = 0
+        if self.accelerator.device.type == "cuda":  # what the epoch's busiest moment held, on this process
+            metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.accelerator.device)
         seconds = dict(self.timer.seconds)
         total = seconds.pop("epoch")
         seconds["other"] = total - sum(seconds.values())
@@ -624,6 +638,8 @@ class Trainer:
                 optimizer = None if self.cfg.log.save_model_only else self.optimizer
             else:
                 weights, optimizer, extra, folders = gathered
+            if self.accelerator.scaler is not None and optimizer is not None:  # fp16: the loss scale resumes too
+                extra[SCALER_FILE] = self.accelerator.scaler.state_dict()
             save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, optimizer, state, extra,
                             self.cfg.model.target_components, weights=weights, folders=folders)
         self._plot_rewards()
