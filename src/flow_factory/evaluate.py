@@ -9,6 +9,10 @@ Prints a table (reward, mean, std, min, max, n) and writes it as JSON with each
 sample's prompt and scores, from which a benchmark can make its own tables (the
 repository's scripts/shapebench_families.py: ShapeBench's per family); ``--grid`` also
 saves a sample grid PNG.
+
+On several processes (``accelerate launch --num_processes N -m flow_factory.evaluate ...``) each
+samples its contiguous share of the prompts (``data.share_slice``, the Trainer's eval's rule) and the
+table and JSON hold every prompt once, as one process's do; the grid shows the main process's share.
 """
 
 from __future__ import annotations
@@ -47,24 +51,40 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
 
 
 def evaluate_config(cfg, checkpoint=None):
-    """(summary, rollouts) of ``cfg``'s eval rewards on its test prompts."""
-    from .rewards import RewardSet
-    from .checkpoint import load_for_sampling
-    from .models import get_adapter_class
-    from .prompt_cache import ConditionCache, PromptCache
-    from .sampling import SamplingSettings, load_split, sample_prompts, split_size
+    """(summary over every test prompt, this process's rollouts) of ``cfg``'s eval rewards on its test
+    prompts; on several processes each samples its share (``data.share_slice``)."""
+    import torch
+    from accelerate import Accelerator
 
+    from .checkpoint import load_for_sampling
+    from .data import share_slice
+    from .models import get_adapter_class
+    from .precision import Precision, avoid_cudnn_attention, run_mixed_precision
+    from .prompt_cache import ConditionCache, PromptCache
+    from .rewards import RewardSet
+    from .sampling import SamplingSettings, gather_scores, load_split, sample_prompts, split_size
+    from .sharding import accelerator_kwargs
+
+    # this process's rank and device; made before the rewards, whose default one would not join the other
+    # processes of a launch on CPU. The run's precision (mixed_precision), so the numbers are the run's eval's
+    mixed_precision = run_mixed_precision(cfg.mixed_precision)
+    acc = Accelerator(mixed_precision=mixed_precision, **accelerator_kwargs(not torch.cuda.is_available()))
+    precision = Precision.of(mixed_precision, acc.device)
+    if acc.device.type == "cuda":
+        avoid_cudnn_attention()  # as the run's eval
     ev = cfg.eval
     adapter_cls = get_adapter_class(cfg.model.model_type)
     items = load_split(cfg, "test", adapter_cls)  # as the Trainer's eval: the same checks and size
     size = split_size(cfg, "eval", items, adapter_cls)
     items = items[: ev.num_samples] if ev.num_samples else items
-    rewards = RewardSet.from_configs(cfg.eval_rewards or cfg.rewards)
+    share = share_slice(len(items), acc.process_index, acc.num_processes)
+    rewards = RewardSet.from_configs(cfg.eval_rewards or cfg.rewards, accelerator=acc)
     from .models.preflight import check_experts, check_reward_inputs
 
     check_reward_inputs(rewards, cfg.model.model_type, "eval_rewards" if cfg.eval_rewards else "rewards")
 
-    adapter = load_for_sampling(cfg.model.model_type, cfg.model.model_name_or_path, checkpoint)
+    adapter = load_for_sampling(cfg.model.model_type, cfg.model.model_name_or_path, checkpoint, acc.device,
+                                precision.load)
     check_experts(adapter.experts(adapter.pipeline.config), cfg, cfg.model.model_name_or_path)
     adapter.guidance_scale_2 = ev.guidance_scale_2
     if ev.strength is not None:  # video-to-video
@@ -75,9 +95,10 @@ def evaluate_config(cfg, checkpoint=None):
     cache = PromptCache.open(adapter, cfg.data.cache_dir) if cfg.data.enable_preprocess else None
     conditions = (ConditionCache.open(adapter, cfg.data.cache_dir) if cfg.data.enable_preprocess and
                   adapter.condition_inputs else None)
-    rollouts = sample_prompts(adapter, items, SamplingSettings.for_eval(ev, size), reward_set=rewards,
-                              prompt_cache=cache, condition_cache=conditions)
-    return summarise(rollouts.rewards), rollouts
+    rollouts = sample_prompts(adapter, items[share], SamplingSettings.for_eval(ev, size),
+                              sample_ids=list(range(len(items)))[share], reward_set=rewards, prompt_cache=cache,
+                              condition_cache=conditions, autocast=precision.autocast)
+    return summarise(gather_scores(rollouts.rewards)), rollouts
 
 
 def main(argv=None) -> int:
@@ -97,12 +118,18 @@ def main(argv=None) -> int:
     except (CheckpointError, NonFiniteError, FileNotFoundError, PromptFileError) as e:
         print(f"ff-eval: {e}", file=sys.stderr)
         return 2
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    # every process's samples, in prompt order (shares may differ in size); the main process writes them
+    samples = gather_object([{"prompt": p, **{k: v[i].item() for k, v in rollouts.rewards.items()}}
+                             for i, p in enumerate(rollouts.prompts)])
+    if not PartialState().is_main_process:
+        return 0
     print(format_table(summary))
     default_dir = Path(args.checkpoint) if args.checkpoint else Path(cfg.log.save_dir) / cfg.log.run_name
     out = Path(args.out) if args.out else default_dir / "eval.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    samples = [{"prompt": p, **{k: v[i].item() for k, v in rollouts.rewards.items()}}
-               for i, p in enumerate(rollouts.prompts)]
     out.write_text(json.dumps({"config": str(args.config), "checkpoint": args.checkpoint,
                                "model": cfg.model.model_name_or_path, "rewards": summary, "samples": samples},
                               indent=1))
@@ -110,7 +137,7 @@ def main(argv=None) -> int:
         from .media import VIDEO_FORMATS, VIDEO_FPS, caption, sample_grid, save_grid
         from .models import get_adapter_class
 
-        shown = min(16, len(samples))
+        shown = min(16, len(rollouts.prompts))  # the main process's share: the first prompts
         caps = [caption(s["prompt"], {k: v for k, v in s.items() if k != "prompt"}) for s in samples[:shown]]
         conditions = rollouts.conditions.per_sample()[:shown] if rollouts.conditions else None
         # a video grid: the format --grid's suffix names, else the config's log.video_format

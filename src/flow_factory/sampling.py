@@ -154,12 +154,12 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
                     for g, i in zip(groups.tolist(), ids)]
             noise = per_sample_noise(adapter, keys, s.height, s.width, s.num_frames)
             noise = adapter.start_latents(noise, sigmas[0], cond)  # video-to-video: the condition, noised
-            with autocast():
-                traj = sample_trajectory(adapter, dynamics, cond, noise, sigmas, s.guidance_scale, s.sde_steps,
-                                         generator=generator("sde", s.seed, epoch, ids[0]),
-                                         record_means=s.record_means, storage_dtype=s.storage_dtype,
-                                         shared_rows=groups if s.same_latent else None,
-                                         keep_states=None if s.keep_states is None else list(s.keep_states))
+            traj = sample_trajectory(adapter, dynamics, cond, noise, sigmas, s.guidance_scale, s.sde_steps,
+                                     generator=generator("sde", s.seed, epoch, ids[0]),
+                                     record_means=s.record_means, storage_dtype=s.storage_dtype,
+                                     shared_rows=groups if s.same_latent else None,
+                                     keep_states=None if s.keep_states is None else list(s.keep_states),
+                                     autocast=autocast)
             if s.offload:
                 traj, cond = _to_cpu(traj), {k: v.cpu() for k, v in cond.items()}
         with timer.phase("decode"):
@@ -205,9 +205,25 @@ def sample_prompts(adapter, items: list, settings: SamplingSettings, *, sample_i
     """ODE samples of ``items``, sample ``i`` seeded as the Trainer's eval seeds it (epoch -1)."""
     ids = list(range(len(items))) if sample_ids is None else list(sample_ids)
     settings = replace(settings, sde_steps=[], same_latent=False)
+    if not items:  # an empty share (fewer prompts than processes): nothing to sample, yet its scores join the gather
+        return Rollouts(prompts=[], group_ids=torch.zeros(0, dtype=torch.long), latents=torch.empty(0),
+                        log_probs=torch.empty(0, settings.num_steps), sigmas=torch.empty(0), sde_steps=[], cond={},
+                        media=torch.empty(0), latent_steps=[],
+                        rewards=None if reward_set is None else {name: torch.empty(0) for name in reward_set.models})
     return collect_rollouts(adapter, ODE(), items, torch.tensor(ids), ids, settings, epoch=-1,
                             reward_set=reward_set, timer=timer, autocast=autocast, prompt_cache=prompt_cache,
                             condition_cache=condition_cache)
+
+
+def gather_scores(scores: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Each process's scores of its share of the prompts (``data.share_slice``), joined in process order
+    on every process: each prompt's scores once, in prompt order. Shares may differ in size or be empty,
+    which ``accelerator.gather`` (equal shapes) cannot take; accelerate's ``gather_object`` can."""
+    from accelerate.utils import gather_object
+
+    shares = gather_object([{name: s.tolist() for name, s in scores.items()}])
+    return {name: torch.tensor([x for share in shares for x in share[name]], dtype=torch.float32)
+            for name in scores}
 
 
 def _to_cpu(traj):

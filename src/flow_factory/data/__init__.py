@@ -3,7 +3,7 @@ prompt draw."""
 
 from .media import MediaError, MediaFile, read_image, read_video
 from .prompts import (EpochDraw, EpochSampler, MissingPromptFile, PromptFileError, PromptItem, load_prompts,
-                      process_share)
+                      process_share, share_slice)
 
 __all__ = ["EpochDraw", "EpochSampler", "MediaError", "MediaFile", "MissingPromptFile", "PromptFileError",
-           "PromptItem", "load_prompts", "process_share", "read_image", "read_video"]
+           "PromptItem", "load_prompts", "process_share", "read_image", "read_video", "share_slice"]

@@ -221,20 +221,27 @@ class EpochSampler:
         return self.unique_per_epoch * self.group_size
 
 
+def share_slice(n: int, rank: int, num_processes: int) -> slice:
+    """Process ``rank``'s contiguous share of ``n`` items (an epoch's samples, the test prompts): the
+    first ``n % num_processes`` processes take one more, so the shares, in process order, hold every item
+    once and differ in size by at most one; with fewer items than processes the last shares are empty."""
+    base, extra = divmod(n, num_processes)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
+
 def process_share(num_samples: int, rank: int, num_processes: int, batch_size: int | None = None) -> Tensor:
     """Which of an epoch's ``num_samples`` (group-ordered) samples process ``rank`` samples and trains.
 
-    Default: a contiguous share, so most groups sit whole on one process. With ``batch_size`` (a
-    lockstep algorithm, DGPO): the epoch is cut into global micro-batches of ``num_processes x
-    batch_size`` samples and the process takes its ``batch_size`` of each, in order, so its m-th
-    micro-batch is its part of the m-th global one, and whole groups fill a global micro-batch when
-    its size is a multiple of the group size (Flow-Factory's group-distributed sampler)."""
-    if num_samples % num_processes:
-        raise ValueError(f"{num_samples} samples do not split evenly over {num_processes} processes")
+    Default: a contiguous share (``share_slice``), so most groups sit whole on one process. With
+    ``batch_size`` (a lockstep algorithm, DGPO): the epoch is cut into global micro-batches of
+    ``num_processes x batch_size`` samples and the process takes its ``batch_size`` of each, in order, so
+    its m-th micro-batch is its part of the m-th global one, and whole groups fill a global micro-batch
+    when its size is a multiple of the group size (Flow-Factory's group-distributed sampler)."""
     if batch_size is None:
-        per_process = num_samples // num_processes
-        return torch.arange(rank * per_process, (rank + 1) * per_process)
+        return torch.arange(num_samples)[share_slice(num_samples, rank, num_processes)]
     if num_samples % (num_processes * batch_size):
-        raise ValueError(f"{num_samples} samples do not split into global micro-batches of {num_processes} x "
-                         f"{batch_size}")
+        raise ValueError(f"train: {num_samples} samples per epoch (unique_sample_num_per_epoch x group_size) do "
+                         f"not split into global micro-batches of {num_processes} x {batch_size} (num_processes x "
+                         "per_device_batch_size)")
     return torch.arange(num_samples).view(-1, num_processes, batch_size)[:, rank].reshape(-1)
