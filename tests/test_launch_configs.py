@@ -78,10 +78,13 @@ def test_the_deepspeed_configs_build_the_zero_stage_they_name(name, stage, optim
     assert plugin.deepspeed_config["zero_optimization"]["offload_optimizer"]["device"] == optimizer_device
     # what the trainer fills before its one prepare(model, optimizer) call: DeepSpeed refuses a
     # prepare without a dataloader unless the micro-batch size is known
+    plugin.set_mixed_precision("bf16")  # as accelerate does before: its bf16 section, here one that turned
+    plugin.deepspeed_config["bf16"]["check_grad_overflow"] = False  # off DeepSpeed's skip of a NaN / inf step
     fill_deepspeed_config(plugin, micro_batch_size=2, accumulation=3, max_grad_norm=0.5, num_processes=4)
     ds = plugin.deepspeed_config
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["gradient_clipping"],
             ds["train_batch_size"]) == (2, 3, 0.5, 2 * 3 * 4)
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": True}  # the non-finite guard needs it
 
 
 def test_config_file_takes_a_short_name_an_upstream_path_or_a_file(tmp_path):

@@ -5,7 +5,8 @@ after one AdamW step every trained weight NaN, in every later checkpoint. So eac
 quantity on the way is checked: the rewards of an epoch (gathered from every process,
 so all processes decide alike), the advantages, and the clipped gradient's norm of every
 optimizer step (computed after the gradients are reduced across processes, so again the
-same on every process; a NaN loss always shows there). What fails is skipped (the epoch's
+same on every process; a NaN loss always shows there; under DeepSpeed its engine's own check of
+the reduced gradients, which skips the step itself). What fails is skipped (the epoch's
 update, or one optimizer step) and counted; ``train.max_nonfinite_in_a_row`` skips in a
 row stop the run with ``NonFiniteError``, its weights those of the last finite update.
 """

@@ -84,12 +84,17 @@ def backend_of(accelerator) -> str:
 def fill_deepspeed_config(plugin, micro_batch_size: int, accumulation: int, max_grad_norm: float,
                           num_processes: int) -> None:
     """The DeepSpeed config's batch keys from the run's epoch arithmetic, its clipping from
-    ``train.max_grad_norm``: DeepSpeed steps, accumulates and clips inside its engine."""
+    ``train.max_grad_norm``: DeepSpeed steps, accumulates and clips inside its engine. It also skips a
+    step whose reduced gradients hold NaN or inf, the non-finite guard's skip (``trainer/optimize.py``
+    counts it): under ZeRO-1/2 with bf16 only while ``bf16.check_grad_overflow`` is on, so it is set
+    here, whatever the config file says (accelerate has written the ``bf16`` section by now)."""
     ds = plugin.deepspeed_config
     ds["train_micro_batch_size_per_gpu"] = micro_batch_size
     ds["gradient_accumulation_steps"] = accumulation
     ds["gradient_clipping"] = max_grad_norm
     ds["train_batch_size"] = micro_batch_size * accumulation * num_processes
+    if isinstance(ds.get("bf16"), dict):
+        ds["bf16"]["check_grad_overflow"] = True
     plugin.gradient_accumulation_steps = accumulation
 
 

@@ -33,9 +33,22 @@ def check_shardable(cfg, accelerator, experts: int) -> None:
                           "(DDP)")
 
 
+def check_deepspeed_skips_nonfinite(cfg, accelerator) -> None:
+    """DeepSpeed's ZeRO optimizers, and its bf16 and fp16 ones, skip a step whose reduced gradients hold NaN
+    or inf (the non-finite guard's skip, ``trainer/optimize.py``); without ZeRO in float32 its engine steps
+    whatever they hold, so that launch is refused."""
+    if (accelerator.distributed_type == DistributedType.DEEPSPEED
+            and accelerator.state.deepspeed_plugin.zero_stage == 0 and accelerator.mixed_precision == "no"):
+        raise ConfigError(f"config_file: {cfg.config_file} runs DeepSpeed without ZeRO (zero_stage 0) in float32, "
+                          "where its engine steps NaN or inf gradients into the weights: use multi_gpu (DDP, the "
+                          "same update) or a ZeRO stage (zero1, zero2, zero3)")
+
+
 def check_experts_before_loading(cfg, accelerator) -> None:
     """``check_shardable`` from a pipeline folder's model_index.json, before anything loads (a hub id's
-    experts are known once it has loaded: the trainer checks them then)."""
+    experts are known once it has loaded: the trainer checks them then); and, as early,
+    ``check_deepspeed_skips_nonfinite``."""
+    check_deepspeed_skips_nonfinite(cfg, accelerator)
     folder = pipeline_folder(cfg.model.model_name_or_path)
     if accelerator.distributed_type == DistributedType.DEEPSPEED and folder is not None:
         experts = get_adapter_class(cfg.model.model_type).experts(read_json(folder / "model_index.json"))
