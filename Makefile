@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 LOCK   := constraints.txt
 
-.PHONY: demo tiny-demo test install lock clean
+.PHONY: demo tiny-demo test gpu-check install lock clean
 
 # The venv sees the interpreter's site-packages, so a torch the user already has
 # (CUDA build included) is imported and kept. Only when no torch is importable do
@@ -41,6 +41,13 @@ tiny-demo: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
+
+# the GPU path on the first GPU at hand, under 8 minutes: precision-sensitive tests on CUDA, every tiny family in
+# bf16, a FLUX.1-dev-sized training step; prints a table and appends it to docs/experiments/gpu.md.
+# No GPU: make gpu-check GPU_CHECK_DEVICE=cpu (the CPU-possible parts, in bf16)
+GPU_CHECK_DEVICE ?= cuda
+gpu-check: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) bench/gpu_check.py --device $(GPU_CHECK_DEVICE)
 
 clean:
 	rm -rf $(VENV) runs
