@@ -5,16 +5,19 @@
 
 Three parts, each in its own time budget; what fails is a row with its error, and the rest goes on:
 
-- ``tests``: the precision-sensitive tests (on-policy ratio, exact resume, the non-finite guard)
-  with ``FF_TEST_DEVICE`` set to the device: on a GPU they run there, in bf16.
+- ``tests``: the precision-sensitive tests (on-policy ratio, the pipelines' equality, exact resume, the
+  non-finite guard, fp16's scaler) with ``FF_TEST_DEVICE`` set to the device: on a GPU they run there, in
+  bf16 (on CPU in float32; ``FF_TEST_PRECISION=bf16`` for bf16 there).
 - ``families``: every tiny model family x {grpo, nft}, 2 epochs through ``ff-train`` in bf16 autocast
   with the default fp16 trajectories, rollouts offloaded to CPU and the text encoders off the device.
 - ``flux``: a randomly initialised transformer of FLUX.1-dev's size (no weights) at 1024 px: seconds
   per optimizer step and peak memory of LoRA training through the trainer's own rollout and optimisation
   loop, with ``steps_per_call``, the attention backend, ``torch_compile`` and gradient checkpointing
-  each changed alone; then full fine-tuning under ``fsdp2`` on one GPU, through ``ff-train`` (a FLUX.1-dev
-  width with fewer blocks: the full-size model's fp32 weights, gradients and AdamW moments, 190 GB,
-  fit no single GPU). On CPU the same code runs on the tiny FLUX at 64 px.
+  each changed alone (cuDNN's attention last: a CUDA fault it causes ends the process's GPU use). Then
+  full fine-tuning under ``fsdp2`` on one GPU, through ``ff-train`` in a process of its own (also alone:
+  ``--parts fsdp2``), on a FLUX.1-dev width with 2 + 4 blocks: the full-size model's fp32 weights,
+  gradients and AdamW moments, 190 GB, fit no single GPU. On CPU the same code runs on the tiny FLUX
+  at 64 px.
 
 The table is printed and appended, dated, to ``docs/experiments/gpu.md`` (``--out``).
 """
@@ -55,6 +58,7 @@ def error_line(exc: BaseException) -> str:
 
 # ---------------------------------------------------------------- tests
 TESTS = ["tests/test_on_policy.py::test_on_policy_ratio_is_one",
+         "tests/test_adapters.py::test_ode_rollout_reproduces_the_pipeline",
          "tests/test_run_safety.py::test_a_non_finite_gradient_skips_that_step",
          "tests/test_run_safety.py::test_a_non_finite_reward_skips_the_epoch_and_never_reaches_the_weights",
          "tests/test_train_cli.py::test_resume_matches_an_uninterrupted_run",

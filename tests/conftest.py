@@ -42,14 +42,18 @@ def gpu_precision(monkeypatch):
     monkeypatch.setenv("FF_CPU_MIXED_PRECISION", "1")
 
 
+# FF_TEST_PRECISION: their mixed precision (no, bf16, fp16); by default float32 on cpu and bf16 on a GPU
+TEST_PRECISION = os.environ.get("FF_TEST_PRECISION", "no" if TEST_DEVICE == "cpu" else "bf16")
+
+
 @pytest.fixture
 def test_precision():
-    """(device, load dtype, autocast factory) of the invariant tests: float32 on cpu, bf16 autocast on a GPU."""
+    """(device, load dtype, autocast factory) of the invariant tests (FF_TEST_DEVICE, FF_TEST_PRECISION)."""
     import torch
 
     from flow_factory.precision import Precision
 
-    precision = Precision.of("no" if TEST_DEVICE == "cpu" else "bf16", TEST_DEVICE)
+    precision = Precision.of(TEST_PRECISION, TEST_DEVICE)
     return torch.device(TEST_DEVICE), precision.load, precision.autocast
 
 
