@@ -115,10 +115,9 @@ def main(argv=None) -> int:
     from .checkpoint import CheckpointError, load_for_sampling
     from .guards import NonFiniteError
     from .media import VIDEO_FPS, sample_grid, save_grid, save_video
+    from .precision import Precision, run_mixed_precision
     from .rewards.base import images_to_pil, videos_to_pil
     from .sampling import SamplingSettings, sample_prompts
-
-    from .precision import Precision, run_mixed_precision
 
     precision = Precision.of(run_mixed_precision(args.mixed_precision), "cuda" if torch.cuda.is_available() else "cpu")
     print(f"ff-sample: {precision.describe()}", file=sys.stderr)

@@ -52,8 +52,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from ..precision import dtype_of
 from ..hparams import RewardArguments
+from ..precision import dtype_of
 
 MEDIA_FIELDS = ("image", "video", "condition_images", "condition_videos", "audio")
 KNOWN_FIELDS = ("prompt", *MEDIA_FIELDS, "audio_sample_rate", "metadata")
