@@ -389,7 +389,7 @@ def main() -> int:
     parts = ARGS.parts.split(",")
     budgets = {**dict(zip(("tests", "families", "flux"), ARGS.budget)), "fsdp2": ARGS.budget[2]}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
-        for name, part in (("tests", lambda b: part_tests(b)), ("families", lambda b: part_families(b, Path(work))),
+        for name, part in (("tests", part_tests), ("families", lambda b: part_families(b, Path(work))),
                            ("flux", lambda b: part_flux(b, Path(work))),
                            ("fsdp2", lambda b: full_finetune_fsdp2(Path(work), b, 1024 if ARGS.device == "cuda" else 64))):
             if name in parts:

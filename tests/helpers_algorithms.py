@@ -1,5 +1,6 @@
 """A small stand-in for an epoch's rollouts, for the algorithms' micro-batch tests; the on-policy check
-(invariant 1) that the adapter, conditioned-model and compile tests share."""
+(invariant 1) that the adapter, conditioned-model and compile tests share; and GRPO's loss made NaN once, for
+the non-finite guard's tests."""
 
 from contextlib import nullcontext
 
@@ -47,3 +48,15 @@ def assert_on_policy(algorithm, policy, traj, cond, backward: bool = False, auto
             (step, metrics)
         if backward:
             loss.backward()
+
+
+def nan_on_first_call(loss):
+    """``loss`` (an ``Algorithm.loss``) whose first call's loss is NaN: one non-finite gradient, from the data."""
+    seen = []
+
+    def loss_nan_once(self, policy, batch):
+        value, metrics = loss(self, policy, batch)
+        seen.append(1)
+        return (value * float("nan") if len(seen) == 1 else value), metrics
+
+    return loss_nan_once

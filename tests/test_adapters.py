@@ -1,6 +1,7 @@
 """The adapters reproduce their diffusers pipelines (invariant 2) and keep their contract."""
 
 import math
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -107,10 +108,7 @@ def test_ode_rollout_reproduces_the_pipeline(request, model_type, test_precision
     _check_ode_rollout(adapter, size, guidance, autocast, exact=dtype == torch.float32)
 
 
-def _check_ode_rollout(adapter, size, guidance, autocast=None, exact=True):
-    from contextlib import nullcontext
-
-    autocast = autocast or nullcontext
+def _check_ode_rollout(adapter, size, guidance, autocast=nullcontext, exact=True):
     h, w, frames = size["height"], size["width"], size.get("num_frames")
     noise = adapter.initial_noise(len(PROMPTS), h, w, torch.Generator().manual_seed(0), num_frames=frames)
     noise = noise.to(adapter.device)

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers_algorithms import nan_on_first_call
 from test_sharded_training import (TOOLS_PATH, _assert_a_plain_diffusers_lora,
                                    _assert_the_full_update_of_one_process, _checkpoint, _ff_train, _lora,
                                    _transformer, needs_deepspeed, one_process)  # noqa: F401 (one_process: a fixture)
@@ -121,15 +122,8 @@ class BrightnessAndANaNLoss(MeanBrightness):
 
         if os.environ.get("RANK") != "1" or hasattr(GRPO.loss, "nan_once"):
             return
-        original, seen = GRPO.loss, []
-
-        def loss_nan_once(self, policy, batch):
-            loss, metrics = original(self, policy, batch)
-            seen.append(1)
-            return (loss * float("nan") if len(seen) == 1 else loss), metrics
-
-        loss_nan_once.nan_once = True
-        GRPO.loss = loss_nan_once
+        GRPO.loss = nan_on_first_call(GRPO.loss)
+        GRPO.loss.nan_once = True
 
 
 @needs_deepspeed

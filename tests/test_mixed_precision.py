@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from helpers_algorithms import nan_on_first_call
 from helpers_runs import tiny_run_config, write_config
 from safetensors.torch import load_file
 
@@ -93,14 +94,7 @@ def test_an_inf_from_the_data_under_fp16_is_the_guards_and_keeps_the_loss_scale(
                                                                                monkeypatch, gpu_precision):
     from flow_factory.algorithms.grpo import GRPO
 
-    original, seen = GRPO.loss, []
-
-    def loss_nan_once(self, policy, batch):
-        loss, metrics = original(self, policy, batch)
-        seen.append(1)
-        return (loss * float("nan") if len(seen) == 1 else loss), metrics
-
-    monkeypatch.setattr(GRPO, "loss", loss_nan_once)
+    monkeypatch.setattr(GRPO, "loss", nan_on_first_call(GRPO.loss))
     config = _fp16_run(tmp_path, tiny_sd3_path, max_nonfinite_in_a_row=1)
     assert main([str(write_config(tmp_path, config))]) == 0
     history = _history(tmp_path)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_algorithms import nan_on_first_call
 from helpers_rewards import Brightness, reset
 from helpers_runs import tiny_run_config, write_config
 from safetensors.torch import load_file
@@ -98,14 +99,7 @@ def test_non_finite_rewards_in_a_row_stop_the_run_naming_the_reward(tmp_path, ti
 def test_a_non_finite_gradient_skips_that_step(tmp_path, tiny_sd3_path, monkeypatch):
     from flow_factory.algorithms.grpo import GRPO
 
-    original, seen = GRPO.loss, []
-
-    def loss_nan_once(self, policy, batch):
-        loss, metrics = original(self, policy, batch)
-        seen.append(1)
-        return (loss * float("nan") if len(seen) == 1 else loss), metrics
-
-    monkeypatch.setattr(GRPO, "loss", loss_nan_once)
+    monkeypatch.setattr(GRPO, "loss", nan_on_first_call(GRPO.loss))
     reset()
     config = _config(tmp_path, tiny_sd3_path, max_epochs=2, gradient_step_per_epoch=2)
     assert _train(tmp_path, config) == 0

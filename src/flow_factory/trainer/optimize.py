@@ -66,7 +66,9 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     micro, steps, skipped, overflowed = 0, 0, 0, 0
-    losses_finite = True  # every loss of the accumulation so far (fp16: tells the data's inf from an overflow)
+    # fp16: whether a loss of the accumulation so far was NaN or inf (tells the data's inf from an overflow);
+    # a tensor, read only when a step overflowed, so that no micro-step waits on the device for it
+    bad_loss = torch.zeros((), dtype=torch.bool, device=acc.device)
     rank = 0 if algorithm.lockstep else acc.process_index  # which process's draws this one makes
     for inner in range(num_inner_epochs):
         order = (torch.randperm(len(units), generator=generator("shuffle", seed, epoch, inner, rank))
@@ -97,7 +99,8 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                         acc.backward(loss * parts / accumulation)
                 micro += parts
                 metrics["loss"] = loss.detach()
-                losses_finite = losses_finite and bool(torch.isfinite(loss.detach()))
+                if scaled:
+                    bad_loss |= ~torch.isfinite(loss.detach()).to(bad_loss.device)
                 if syncs:
                     if denoiser is None and acc.num_processes > 1:
                         average_gradients(params)
@@ -112,7 +115,7 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                             snapshot.update(decay)
                         steps += 1
                         guard.passed()
-                    elif scaled and _everywhere(acc, losses_finite):
+                    elif scaled and _everywhere(acc, not bool(bad_loss)):
                         # fp16: finite losses whose scaled gradients overflowed. The scaler skips the step
                         # (the weights are untouched) and lowers its scale: not a lost update. (DeepSpeed's
                         # own scaler has skipped it already, and lowers its scale for the data's NaN too)
@@ -128,7 +131,7 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                         guard.skip(f"epoch {epoch}: optimizer step with a non-finite gradient norm "
                                    f"(loss {float(loss.detach()):.4g})")
                     optimizer.zero_grad(set_to_none=True)
-                    losses_finite = True
+                    bad_loss.zero_()
                 for k, v in metrics.items():
                     v = float(v)
                     if not math.isfinite(v):
