@@ -1,6 +1,8 @@
 """ff-sample and ff-eval on a tiny pipeline: the files, grid, table and JSON hold what they claim."""
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,7 +99,9 @@ def test_ff_sample_applies_a_lora_checkpoint(tmp_path, tiny_sd3_path, capsys):
     assert ff_sample([str(tiny_sd3_path), *common, "--checkpoint", str(ckpt), "--out", str(tuned)]) == 0
     assert not np.array_equal(np.asarray(Image.open(base / "0000.png")), np.asarray(Image.open(tuned / "0000.png")))
     assert ff_sample([str(tiny_sd3_path), *common, "--checkpoint", str(tmp_path), "--out", str(tuned)]) == 2
-    assert f"ff-sample: checkpoint {tmp_path}: expected pytorch_lora_weights.safetensors" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"ff-sample: checkpoint {tmp_path}: expected pytorch_lora_weights.safetensors" in err
+    assert f"ff-sample's defaults (no config.yaml in --checkpoint {ckpt} or its run folder)" in err  # no run's
 
 
 def test_ff_eval_prints_a_table_and_writes_json_that_match_the_images(tmp_path, tiny_sd3_path, capsys):
@@ -165,3 +169,85 @@ def test_ff_eval_reports_a_config_error(tmp_path, tiny_sd3_path, capsys):
     config = _config(tmp_path, tiny_sd3_path)
     assert ff_eval([config, "eval.num_inference_step=3"]) == 2
     assert "eval.num_inference_step" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ sampling as the run did
+# the run's eval settings, each other than ff-sample's own default (64 px, 10 steps, guidance 1, seed 0)
+RUN_EVAL = {"resolution": 32, "num_inference_steps": 3, "guidance_scale": 2.5, "seed": 5}
+
+
+@pytest.fixture(scope="module")
+def run_checkpoint(tmp_path_factory, tiny_sd3_path):
+    """(config, checkpoint) of a run as ff-train leaves it: RUN/config.yaml, the resolved config, and a LoRA
+    checkpoint in RUN/checkpoints/epoch_1 (random LoRA weights: training would add only time)."""
+    from flow_factory.checkpoint import RUN_CONFIG, checkpoint_dir
+    from flow_factory.config import load_config
+    from flow_factory.models import load_adapter
+    from flow_factory.models.lora import apply_lora, save_lora
+
+    tmp = tmp_path_factory.mktemp("run")
+    config = _config(tmp, tiny_sd3_path)
+    data = yaml.safe_load(open(config))
+    data["eval"].update(RUN_EVAL)
+    (tmp / "eval.yaml").write_text(yaml.safe_dump(data))
+    cfg = load_config(config)
+    run_dir = tmp / "runs" / cfg.log.run_name
+    adapter = load_adapter("sd3-5", tiny_sd3_path)
+    apply_lora(adapter.transformer, 4, 4, "all", adapter.default_lora_targets)
+    with torch.no_grad():
+        for name, p in adapter.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    ckpt = save_lora(type(adapter.pipeline), adapter.transformer, checkpoint_dir(run_dir, 1))
+    (run_dir / RUN_CONFIG).write_text(cfg.to_yaml())
+    return config, str(ckpt)
+
+
+def _sample(tmp_path, name: str, *args) -> np.ndarray:
+    """ff-sample of PROMPTS[0] into tmp_path/name with ``args``; its image."""
+    assert ff_sample([*args, "--prompts", PROMPTS[0], "--out", str(tmp_path / name)]) == 0
+    return np.asarray(Image.open(tmp_path / name / "0000.png"))
+
+
+def test_ff_sample_samples_a_runs_checkpoint_as_its_eval(tmp_path, run_checkpoint, tiny_sd3_path, capsys):
+    """With a run's checkpoint, the size, steps, guidance and seed are the run's eval's, and the model its own."""
+    _, ckpt = run_checkpoint
+    as_run = _sample(tmp_path, "run", str(tiny_sd3_path), "--checkpoint", ckpt)
+    assert as_run.shape == (32, 32, 3)  # eval.resolution, not ff-sample's 64
+    assert f"32x32 px, 3 steps, guidance 2.5, seed 5: run r's eval settings ({Path(ckpt).parents[1]}" in \
+        capsys.readouterr().err
+    explicit = _sample(tmp_path, "explicit", str(tiny_sd3_path), "--checkpoint", ckpt, "--resolution", "32",
+                       "--steps", "3", "--guidance-scale", "2.5", "--seed", "5")
+    np.testing.assert_array_equal(as_run, explicit)
+    # the run's model.model_name_or_path when MODEL is left out
+    np.testing.assert_array_equal(as_run, _sample(tmp_path, "no_model", "--checkpoint", ckpt))
+
+
+def test_ff_sample_flags_override_the_runs_settings(tmp_path, run_checkpoint, capsys):
+    _, ckpt = run_checkpoint
+    as_run = _sample(tmp_path, "run", "--checkpoint", ckpt)
+    unguided = _sample(tmp_path, "g1", "--checkpoint", ckpt, "--guidance-scale", "1")
+    assert unguided.shape == (32, 32, 3) and not np.array_equal(as_run, unguided)
+    assert _sample(tmp_path, "big", "--checkpoint", ckpt, "--resolution", "64").shape == (64, 64, 3)
+    # no checkpoint of a run, no model: nothing names the pipeline
+    assert ff_sample(["--prompts", "a", "--out", str(tmp_path / "x")]) == 2
+    assert "ff-sample: MODEL: name a diffusers pipeline folder" in capsys.readouterr().err
+
+
+def test_ff_sample_help_shows_each_default(capsys):
+    with pytest.raises(SystemExit):
+        ff_sample(["--help"])
+    # each option's help: the text from its line "  --flag ..." to the next option's
+    options = {chunk.split()[0]: " ".join(chunk.split()) for chunk in re.split(r"\n  (?=-)", capsys.readouterr().out)}
+    for flag, plain in (("--resolution", 64), ("--steps", 10), ("--guidance-scale", 1.0), ("--seed", 0),
+                        ("--model-type", "sd3-5"), ("--mixed-precision", "bf16"), ("--batch-size", 8)):
+        assert f"default: the run's eval setting with --checkpoint, else {plain}" in options[flag], flag
+    assert "(default: mp4)" in options["--video-format"]
+
+
+def test_ff_eval_takes_overrides_after_the_flags(tmp_path, run_checkpoint, capsys):
+    """``ff-eval CONFIG --checkpoint DIR key=value``, as its usage line and ff-train have it."""
+    config, ckpt = run_checkpoint
+    out = tmp_path / "e.json"
+    assert ff_eval([config, "--checkpoint", ckpt, "eval.num_samples=1", "--out", str(out), "eval.seed=6"]) == 0
+    assert [s["prompt"] for s in json.loads(out.read_text())["samples"]] == PROMPTS[:1]

@@ -45,6 +45,7 @@ STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 CHECKPOINTS = "checkpoints"
 PARTIAL = ".partial"
+RUN_CONFIG = "config.yaml"  # a run's resolved config (Config.to_yaml), in its run folder
 
 
 class CheckpointError(ValueError):
@@ -190,6 +191,17 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     """``epoch_N`` folders of a run, oldest first (complete or not)."""
     found = [p for p in (Path(run_dir) / CHECKPOINTS).glob("epoch_*") if p.is_dir() and checkpoint_epoch(p) is not None]
     return sorted(found, key=checkpoint_epoch)
+
+
+def run_config_file(checkpoint: str | Path) -> Path | None:
+    """The saved config of the run that wrote ``checkpoint``: a ``config.yaml`` in the checkpoint folder (one
+    copied out of its run keeps its config beside it), else the run folder's (``RUN/checkpoints/epoch_N`` ->
+    ``RUN/config.yaml``); None when neither exists (a folder ff-train did not write)."""
+    ckpt = Path(checkpoint)
+    places = [ckpt / RUN_CONFIG]
+    if ckpt.parent.name == CHECKPOINTS:  # only a run's own layout: a bare folder's grandparent is no run
+        places.append(ckpt.parent.parent / RUN_CONFIG)
+    return next((path for path in places if path.is_file()), None)
 
 
 def find_checkpoint(resume_path: str | Path, run_dir: Path) -> tuple[Path, dict]:

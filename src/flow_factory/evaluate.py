@@ -1,4 +1,6 @@
-"""``ff-eval CONFIG.yaml [--checkpoint DIR] [--out eval.json] [section.key=value ...]``.
+"""``ff-eval CONFIG.yaml [--checkpoint DIR] [--out eval.json] [--grid grid.png] [section.key=value ...]``.
+
+The ``section.key=value`` overrides may stand anywhere after the config, before or after the flags, as ff-train's.
 
 Every eval reward of the config (``eval_rewards``, else ``rewards``) over its test
 prompts (``data.dataset_dir``'s test split, first ``eval.num_samples``), sampled with
@@ -33,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="JSON path (default: eval.json in the checkpoint folder, else the run folder)")
     p.add_argument("--grid", help="also save a grid of the first 16 samples to this PNG (for a video model an mp4, "
                    "or a GIF when the path ends in .gif)")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may follow the flags, as ff-train's
 
 
 def summarise(scores: dict) -> dict[str, dict[str, float]]:

@@ -1,8 +1,14 @@
 """``ff-sample``: images or videos from a pipeline (optionally with a training checkpoint) for given prompts.
 
+    ff-sample --checkpoint runs/x/checkpoints/epoch_8 --prompt-file prompts.txt --out DIR
     ff-sample MODEL_DIR --prompts "a photo of a red circle" ... --out DIR
-    ff-sample MODEL_DIR --checkpoint runs/x/checkpoints/epoch_8 --prompt-file prompts.txt --out DIR
     ff-sample MODEL_DIR --model-type flux1-kontext --prompt-file edits.jsonl --out DIR
+
+With ``--checkpoint`` of a run, every sampling setting (model and model type, resolution, steps, guidance,
+frames, condition image size, strength, flow shift, seed, batch size, mixed precision) defaults to the run's
+eval, read from the config ff-train saved in the run folder (``checkpoint.run_config_file``), so a checkpoint
+samples as the run evaluated it; a flag given overrides its setting. Without a run config, the defaults are
+ff-sample's own (``PLAIN_DEFAULTS``). One line on stderr says which.
 
 Writes ``DIR/NNNN.png`` (one per sample; a video as ``NNNN.mp4``, H.264, or with ``--video-format gif``
 an animated ``NNNN.gif``), ``DIR/grid.png`` (every sample with its prompt, beside its condition images;
@@ -24,39 +30,108 @@ import json
 import sys
 from pathlib import Path
 
+# The settings a run's eval decides, and ff-sample's defaults for them when no run config is found. Their flags
+# parse to None unless given, so a flag given is told apart from a default (and overrides the run's setting).
+PLAIN_DEFAULTS = {"model": None, "model_type": "sd3-5", "resolution": 64, "num_frames": None,
+                  "condition_image_size": None, "steps": 10, "guidance_scale": 1.0, "guidance_scale_2": None,
+                  "strength": None, "flow_shift": None, "seed": 0, "batch_size": 8, "mixed_precision": "bf16"}
+
+
+def run_eval_settings(cfg) -> dict:
+    """The ``PLAIN_DEFAULTS`` settings as the run of ``cfg`` evaluates: its eval section (whose nulls the config
+    filled from train's, as the Trainer's eval reads them) and the model, scheduler and precision it sets."""
+    ev = cfg.eval
+    return {"model": cfg.model.model_name_or_path, "model_type": cfg.model.model_type, "resolution": ev.resolution,
+            "num_frames": ev.num_frames, "condition_image_size": ev.condition_image_size,
+            "steps": ev.num_inference_steps, "guidance_scale": ev.guidance_scale,
+            "guidance_scale_2": ev.guidance_scale_2, "strength": ev.strength, "flow_shift": cfg.scheduler.flow_shift,
+            "seed": ev.seed, "batch_size": ev.per_device_batch_size, "mixed_precision": cfg.mixed_precision}
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ff-sample", description=__doc__.split("\n")[0])
-    p.add_argument("model", help="a diffusers pipeline folder (or hub id)")
-    p.add_argument("--model-type", default="sd3-5",
-                   help="the adapter: sd3-5, flux1, flux1-kontext, flux2, flux2-klein, qwen-image, "
-                   "qwen-image-edit-plus, z-image, wan2_t2v, wan2_i2v, wan2_v2v, hunyuanvideo15, ltx2_t2av, or your "
-                   "adapter class's dotted path")
-    p.add_argument("--checkpoint", help="an ff-train checkpoint folder (LoRA or full transformer)")
+
+    def run_setting(flag: str, help: str, otherwise=None, **kwargs) -> None:
+        """A flag whose default is the run's eval setting with --checkpoint, else ``otherwise`` (words for a
+        default that is no value) or its ``PLAIN_DEFAULTS`` value."""
+        plain = PLAIN_DEFAULTS[flag.removeprefix("--").replace("-", "_")] if otherwise is None else otherwise
+        p.add_argument(flag, default=None, help=f"{help}; default: the run's eval setting with --checkpoint, "
+                       f"else {plain}", **kwargs)
+
+    p.add_argument("model", nargs="?", help="a diffusers pipeline folder (or hub id); default: the run's "
+                   "model.model_name_or_path with --checkpoint, else required")
+    p.add_argument("--checkpoint", help="an ff-train checkpoint folder (LoRA or full transformer); a run's "
+                   "(RUN/checkpoints/epoch_N) also gives every setting below its run's eval value")
+    run_setting("--model-type", "the adapter: sd3-5, flux1, flux1-kontext, flux2, flux2-klein, qwen-image, "
+                "qwen-image-edit-plus, z-image, wan2_t2v, wan2_i2v, wan2_v2v, hunyuanvideo15, ltx2_t2av, or your "
+                "adapter class's dotted path")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", nargs="+", help="prompts, one sample each")
     src.add_argument("--prompt-file", help="a prompt file: .txt (a prompt a line) or .jsonl")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--resolution", type=int, default=64)
-    p.add_argument("--num-frames", type=int, default=None, help="video models only")
+    run_setting("--resolution", "image size in pixels", type=int)
+    run_setting("--num-frames", "video models only", "the model's", type=int)
     p.add_argument("--video-format", choices=["mp4", "gif"], default="mp4",
-                   help="video models: each sample and the grid as an H.264 mp4 (default) or an animated GIF")
-    p.add_argument("--condition-image-size", type=int, default=None,
-                   help="conditioned models: the size condition images are resized to; default: --resolution")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--guidance-scale", type=float, default=1.0)
-    p.add_argument("--strength", type=float, default=None,
-                   help="video-to-video (wan2_v2v): the part of the steps that regenerate the condition video, in "
-                   "(0, 1]: the rollout starts from it noised to the first of the last int(steps x strength) steps; "
-                   "default 0.8, the pipeline's")
-    p.add_argument("--guidance-scale-2", type=float, default=None,
-                   help="a two-expert model's low-noise expert (Wan2.2 A14B); default: --guidance-scale")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="bf16",
-                   help="autocast precision on a GPU, as ff-train's mixed_precision (default bf16); a CPU samples in "
-                   "float32 unless FF_CPU_MIXED_PRECISION=1")
+                   help="video models: each sample and the grid as an H.264 mp4 or an animated GIF "
+                   "(default: %(default)s)")
+    run_setting("--condition-image-size", "conditioned models: the size condition images are resized to",
+                "--resolution", type=int)
+    run_setting("--steps", "ODE steps", type=int)
+    run_setting("--guidance-scale", "CFG / guidance scale", type=float)
+    run_setting("--strength", "video-to-video (wan2_v2v): the part of the steps that regenerate the condition "
+                "video, in (0, 1]: the rollout starts from it noised to the first of the last int(steps x strength) "
+                "steps", "0.8, the pipeline's", type=float)
+    run_setting("--guidance-scale-2", "a two-expert model's low-noise expert (Wan2.2 A14B)", "--guidance-scale",
+                type=float)
+    run_setting("--flow-shift", "the sigma schedule's static shift (scheduler.flow_shift)", "the model's own",
+                type=float)
+    run_setting("--seed", "noise seed: sample i is seeded by (seed, i), as the eval's test prompt i", type=int)
+    run_setting("--batch-size", "samples per transformer call", type=int)
+    run_setting("--mixed-precision", "autocast precision on a GPU, as ff-train's mixed_precision (a CPU samples "
+                "in float32 unless FF_CPU_MIXED_PRECISION=1)", choices=["no", "bf16", "fp16"])
     return p.parse_args(argv)
+
+
+def fill_settings(args: argparse.Namespace) -> str:
+    """Set each run setting not given as a flag to the run's eval value (``--checkpoint`` of a run whose config
+    is found) or to ``PLAIN_DEFAULTS``; returns where they came from. ValueError when the run's config does not
+    load or no model is named."""
+    from .checkpoint import run_config_file
+    from .config import ConfigError, load_config
+
+    path = run_config_file(args.checkpoint) if args.checkpoint else None
+    if path is None:
+        settings = PLAIN_DEFAULTS
+        source = "ff-sample's defaults"
+        if args.checkpoint:
+            source += f" (no config.yaml in --checkpoint {args.checkpoint} or its run folder)"
+    else:
+        try:
+            cfg = load_config(path)
+        except ConfigError as e:
+            raise ValueError(f"--checkpoint {args.checkpoint}: its run's config does not load: {e}") from None
+        settings = run_eval_settings(cfg)
+        source = f"run {cfg.log.run_name}'s eval settings ({path})"
+    for key, value in settings.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.model is None:
+        raise ValueError("MODEL: name a diffusers pipeline folder or hub id, or give --checkpoint of a run "
+                         "(RUN/checkpoints/epoch_N) whose config names it")
+    return source
+
+
+def describe(args: argparse.Namespace, source: str) -> str:
+    """The one line saying what is sampled, and where the settings came from."""
+    from .config.base import resolution_pair
+
+    height, width = resolution_pair(args.resolution)
+    guidance = f"guidance {args.guidance_scale:g}"
+    if args.guidance_scale_2 is not None:
+        guidance += f" / {args.guidance_scale_2:g}"
+    frames = f", {args.num_frames} frames" if args.num_frames else ""
+    return (f"ff-sample: sampling {args.model_type} {args.model} at {height}x{width} px{frames}, {args.steps} "
+            f"steps, {guidance}, seed {args.seed}: {source}, flags given override")
 
 
 def read_prompt_file(path: Path) -> list:
@@ -89,18 +164,20 @@ def check_strength(args: argparse.Namespace, adapter_cls) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from .config.base import resolution_pair
     from .data.conditions import check_batchable, check_conditions
     from .data.prompts import PromptItem
     from .models import get_adapter_class
     from .models.preflight import checkpoint_conditions
 
     try:
+        source = fill_settings(args)
         items = read_prompt_file(Path(args.prompt_file)) if args.prompt_file else [PromptItem(p) for p in args.prompts]
         adapter_cls = get_adapter_class(args.model_type)
         per_sample, note = checkpoint_conditions(adapter_cls, args.model)
         check_conditions(items, args.model_type, adapter_cls.condition_inputs, per_sample, note)
         check_strength(args, adapter_cls)
-        size = None if args.condition_image_size is None else (args.condition_image_size,) * 2
+        size = resolution_pair(args.condition_image_size)
         check_batchable(items, lambda item: adapter_cls.call_shape([f.size for f in item.images], size),
                         args.batch_size, "--batch-size")
     except (FileNotFoundError, ValueError) as e:
@@ -109,6 +186,7 @@ def main(argv=None) -> int:
     if not items:
         print("ff-sample: no prompts given", file=sys.stderr)
         return 2
+    print(describe(args, source), file=sys.stderr)
 
     import torch
 
@@ -132,10 +210,10 @@ def main(argv=None) -> int:
     adapter.guidance_scale_2 = args.guidance_scale_2
     if args.strength is not None:
         adapter.strength = args.strength
-    size = args.condition_image_size
-    settings = SamplingSettings(args.resolution, args.resolution, args.num_frames, args.steps, args.guidance_scale,
-                                args.batch_size, args.seed, condition_size=None if size is None else (size, size),
-                                keep_audio=True)
+    if args.flow_shift is not None:  # the schedule the run evaluated on
+        adapter.set_flow_shift(args.flow_shift)
+    settings = SamplingSettings(*resolution_pair(args.resolution), args.num_frames, args.steps, args.guidance_scale,
+                                args.batch_size, args.seed, condition_size=size, keep_audio=True)
     rollouts = sample_prompts(adapter, items, settings, autocast=precision.autocast)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
