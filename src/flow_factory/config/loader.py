@@ -18,6 +18,7 @@ from typing import Any, Iterable
 
 import yaml
 
+from ..class_path import look_beside_config, missing_module
 from .errors import ConfigError
 from .schema import Config
 
@@ -126,6 +127,9 @@ def entries_as_lists(data: dict) -> dict:
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
     """Read ``path``, apply ``section.key=value`` overrides (values parsed as YAML), validate.
 
+    Class paths (``model.model_type``, ``rewards[].reward_model``) are looked up in the config's
+    folder first, then the working directory, then the installed packages (``flow_factory.class_path``):
+    from here on for this process, so the run that follows imports them from there too.
     Raises ``ConfigError`` for every problem, naming the file and the key.
     """
     if isinstance(overrides, str):
@@ -133,7 +137,29 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
     data = entries_as_lists(read_yaml(path))
     for override in overrides:
         apply_override(data, override)
-    return Config.from_dict(data, source=str(path))
+    look_beside_config(path)
+    cfg = Config.from_dict(data, source=str(path))
+    missing = reward_modules_missing(cfg)
+    if missing:
+        raise ConfigError(missing, source=str(path))
+    return cfg
+
+
+def reward_modules_missing(cfg: Config) -> list[str]:
+    """A line per reward whose class path's module is nowhere to be found. Checked here, where the
+    config's folder is known, rather than in the schema: ``parse_config`` takes entries whose module
+    the caller imports later. Only files are looked at: the module runs when the run builds the reward."""
+    problems = []
+    for key in ("rewards", "eval_rewards"):
+        for index, entry in enumerate(getattr(cfg, key) or []):
+            if "." in entry.reward_model or ":" in entry.reward_model:  # a registered name has neither
+                try:
+                    message = missing_module(entry.reward_model, "reward class path")
+                except ValueError as e:  # "my_rewards." names no class
+                    message = str(e)
+                if message:
+                    problems.append(f"{key}[{index}].reward_model: {message}")
+    return problems
 
 
 def load_config_for_cli(prog: str, path: str | Path, overrides: Iterable[str] = ()) -> Config | None:

@@ -12,11 +12,11 @@ decoded pixels are described in ``app.py``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 from pathlib import Path
 
+from ..class_path import import_class
 from .base import RewardServer
 
 
@@ -33,11 +33,10 @@ def parse_option(text: str) -> tuple[str, object]:
 
 def build_server(reward: str, options: dict) -> RewardServer:
     if "." in reward or ":" in reward:
-        module_name, _, attr = reward.partition(":") if ":" in reward else reward.rpartition(".")
-        try:
-            obj = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise SystemExit(f"ff-reward-server: --reward {reward!r}: cannot import it: {e}") from None
+        try:  # looked up in the working directory, then the installed packages (flow_factory.class_path)
+            obj = import_class(reward, "--reward")
+        except (ImportError, ValueError) as e:
+            raise SystemExit(f"ff-reward-server: {e}") from None
         if isinstance(obj, type) and issubclass(obj, RewardServer):
             try:
                 server = obj(**options)
