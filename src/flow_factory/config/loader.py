@@ -138,17 +138,13 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
     for override in overrides:
         apply_override(data, override)
     look_beside_config(path)
-    cfg = Config.from_dict(data, source=str(path))
-    missing = reward_modules_missing(cfg)
-    if missing:
-        raise ConfigError(missing, source=str(path))
-    return cfg
+    return Config.from_dict(data, source=str(path))
 
 
 def reward_modules_missing(cfg: Config) -> list[str]:
-    """A line per reward whose class path's module is nowhere to be found. Checked here, where the
-    config's folder is known, rather than in the schema: ``parse_config`` takes entries whose module
-    the caller imports later. Only files are looked at: the module runs when the run builds the reward."""
+    """A line per reward whose class path's module is nowhere to be found (nothing is imported: the module
+    runs when the run builds the reward). Not a schema check: ``parse_config`` takes entries whose module
+    the caller imports later, and ff-sample loads a run's saved config without scoring anything."""
     problems = []
     for key in ("rewards", "eval_rewards"):
         for index, entry in enumerate(getattr(cfg, key) or []):
@@ -163,9 +159,13 @@ def reward_modules_missing(cfg: Config) -> list[str]:
 
 
 def load_config_for_cli(prog: str, path: str | Path, overrides: Iterable[str] = ()) -> Config | None:
-    """``load_config`` for a command line: None after printing ``prog: config error: ...`` to stderr."""
+    """``load_config`` for a command that scores (ff-train, ff-eval), so a reward's module found nowhere is
+    a config error too: None after printing ``prog: config error: ...`` to stderr."""
     try:
         cfg = load_config(path, overrides)
+        missing = reward_modules_missing(cfg)
+        if missing:
+            raise ConfigError(missing, source=str(path))
     except ConfigError as err:
         print(f"{prog}: config error: {err}", file=sys.stderr)
         return None
