@@ -31,3 +31,56 @@ class Brightness(PointwiseRewardModel):
 
 def reset(plan: dict | None = None) -> None:
     Brightness.plan, Brightness.calls = dict(plan or {}), 0
+
+
+# Rewards the multi-process tests name by class path. They live in this light module because ff-train
+# imports a reward class in the process the user started, to check its models before anything launches:
+# a test module's own imports would cost every launch seconds.
+
+
+class MeanBrightness(PointwiseRewardModel):
+    """The mean pixel value. Smooth in the image: samples that differ by rounding get rewards that differ by
+    rounding; JPEG size quantises to bytes and can turn 1e-7 into a different reward (and advantage)."""
+
+    required_fields = ("image",)
+    use_tensor_inputs = True
+
+    def __call__(self, prompt=None, image=None, video=None, condition_images=None, condition_videos=None):
+        return RewardModelOutput(rewards=image.float().mean(dim=(1, 2, 3)))
+
+
+class MeanVideoBrightness(PointwiseRewardModel):
+    """``MeanBrightness`` for videos."""
+
+    required_fields = ("video",)
+    use_tensor_inputs = True
+
+    def __call__(self, prompt=None, image=None, video=None, condition_images=None, condition_videos=None):
+        return RewardModelOutput(rewards=video.float().mean(dim=(1, 2, 3, 4)))
+
+
+class BrightnessAndANaNLoss(MeanBrightness):
+    """``MeanBrightness``; and, in process 1 alone, the run's first GRPO loss NaN (test_run_safety's
+    non-finite gradient, set up in the launched process as its rewards load). So process 1's gradient of
+    epoch 1's one optimizer step is NaN, and once reduced every process's is; process 0, which writes the
+    history, saw finite losses only."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from helpers_algorithms import nan_on_first_call
+
+        from flow_factory.algorithms.grpo import GRPO
+
+        if os.environ.get("RANK") != "1" or hasattr(GRPO.loss, "nan_once"):
+            return
+        GRPO.loss = nan_on_first_call(GRPO.loss)
+        GRPO.loss.nan_once = True
+
+
+class FailsOnProcessOne(PointwiseRewardModel):
+    """Fails to build on process 1 only: process 0 goes on and waits for it, until the launch stops it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if os.environ.get("RANK") == "1":
+            raise ValueError("FailsOnProcessOne: the judge's weights are corrupt")

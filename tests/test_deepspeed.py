@@ -17,11 +17,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers_algorithms import nan_on_first_call
 from test_sharded_training import (TOOLS_PATH, _assert_a_plain_diffusers_lora,
                                    _assert_the_full_update_of_one_process, _checkpoint, _ff_train, _lora,
                                    _transformer, needs_deepspeed, one_process)  # noqa: F401 (one_process: a fixture)
-from test_train_cli import EPOCHS, TOLERANCE, MeanBrightness, _difference_over_movement, _free_port
+from test_train_cli import EPOCHS, TOLERANCE, _difference_over_movement, _free_port
 
 
 def _engine_files(folder, epoch=EPOCHS) -> list[str]:
@@ -110,22 +109,6 @@ def test_zero1_trains_an_epoch_as_one_process_does(tmp_path, tiny_sd3_path, one_
     assert relative <= TOLERANCE, f"1 process and zero1 on 2 differ by {relative:.2e} (allowed {TOLERANCE:.2e})"
 
 
-class BrightnessAndANaNLoss(MeanBrightness):
-    """``MeanBrightness``; and, in process 1 alone, the run's first GRPO loss NaN (test_run_safety's
-    non-finite gradient, set up in the launched process as its rewards load). So process 1's gradient of
-    epoch 1's one optimizer step is NaN, and once reduced every process's is; process 0, which writes the
-    history, saw finite losses only."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        from flow_factory.algorithms.grpo import GRPO
-
-        if os.environ.get("RANK") != "1" or hasattr(GRPO.loss, "nan_once"):
-            return
-        GRPO.loss = nan_on_first_call(GRPO.loss)
-        GRPO.loss.nan_once = True
-
-
 @needs_deepspeed
 def test_zero2_skips_a_step_whose_reduced_gradient_is_nan_and_the_guard_counts_it(tmp_path, tiny_sd3_path,
                                                                                    monkeypatch):
@@ -138,7 +121,7 @@ def test_zero2_skips_a_step_whose_reduced_gradient_is_nan_and_the_guard_counts_i
     ``bf16.check_grad_overflow``."""
     monkeypatch.setenv("FF_CPU_MIXED_PRECISION", "1")  # a GPU's bf16: DeepSpeed's bf16 engine, as on GPUs
     run = tmp_path / "zero2"
-    state = _ff_train(run, tiny_sd3_path, 2, config_file="zero2", reward_model="test_deepspeed.BrightnessAndANaNLoss")
+    state = _ff_train(run, tiny_sd3_path, 2, config_file="zero2", reward_model="helpers_rewards.BrightnessAndANaNLoss")
     assert state["sharding"]["backend"] == "deepspeed" and state["sharding"]["processes"] == 2
     history = json.loads((run / "saves" / "run" / "history.json").read_text())["train"]
     assert [r["train/skipped_updates"] for r in history] == [1, 0] and state["global_step"] == 1

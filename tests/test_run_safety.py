@@ -19,7 +19,7 @@ from helpers_runs import tiny_run_config, write_config
 from safetensors.torch import load_file
 
 from flow_factory.train import main
-from flow_factory.trainer.run_folder import RunFolder
+from flow_factory.trainer.run_folder import RunFolder, RunFolderError
 
 BRIGHTNESS = [{"name": "brightness", "reward_model": "helpers_rewards.Brightness"}]
 LORA = "pytorch_lora_weights.safetensors"
@@ -269,6 +269,56 @@ def test_a_reused_run_name_is_refused_unless_resuming_or_overwriting(tmp_path, t
     config["train"]["max_epochs"] = 2
     assert _train(tmp_path, config) == 0
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["epoch_1", "epoch_2"]
+    assert not (run_dir / ".replaced").exists()  # the replaced run is gone once the new one started
+
+
+def _files(run_dir: Path) -> dict[str, bytes]:
+    """A run's files and their bytes (not the lock, nor run.json: who holds the folder now)."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name not in (".lock", "run.json")}
+
+
+# the steps of start-up after the run folder is claimed: a function a step calls, where a run fails or dies
+STARTUP_STEPS = {"rewards": ("flow_factory.trainer.trainer.RewardSet.from_configs"),
+                 "pipeline": ("flow_factory.trainer.trainer.load_adapter"),
+                 "trained weights": ("flow_factory.trainer.trainer.Trainer._make_trainable"),
+                 "the old run's removal": ("flow_factory.trainer.run_folder.RunFolder.started")}
+
+
+def _killed_at(step: str, config_path: Path) -> int:
+    """``ff-train`` in a forked copy of this process that dies at ``step`` as a kill -9 would leave it: no
+    ``except``, no ``finally`` runs. Its exit status."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(STARTUP_STEPS[step], lambda *args, **kwargs: os._exit(137))
+                main([str(config_path)])
+        finally:
+            os._exit(3)  # the step was never reached
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_overwrite_destroys_no_run_until_the_new_one_has_started(tmp_path, tiny_sd3_path, monkeypatch):
+    reset()
+    config = _config(tmp_path, tiny_sd3_path, max_epochs=1)
+    assert _train(tmp_path, config) == 0
+    run_dir = tmp_path / "saves" / "run"
+    old = _files(run_dir)
+    assert "checkpoints/epoch_1/" + LORA in old and "history.json" in old
+    config["log"]["overwrite"] = True
+    path = write_config(tmp_path, config)
+    for step in STARTUP_STEPS:
+        with monkeypatch.context() as patch:  # the new run fails: the old one is back at once
+            patch.setattr(STARTUP_STEPS[step], lambda *args, **kwargs: (_ for _ in ()).throw(OSError(step)))
+            with pytest.raises(OSError, match=step):
+                main([str(path)])
+        assert _files(run_dir) == old, step
+        assert _killed_at(step, path) == 137  # killed: the old run waits in .replaced/ for the next claim
+        assert _files(run_dir) != old and set(_files(run_dir / ".replaced")) == set(old), step
+        with pytest.raises(RunFolderError, match="already holds a run"):
+            RunFolder(run_dir).claim()  # the next claim puts it back, and refuses to reuse it unasked
+        assert _files(run_dir) == old, step
 
 
 def test_resuming_an_older_checkpoint_of_the_same_run_is_refused(tmp_path, tiny_sd3_path, capsys):

@@ -60,7 +60,7 @@ def _each_process_error(err: str) -> str:
 
 
 def _launch(folder, model_path, processes: int, config_file=None, model=None, machines: int = 1,
-            eval_freq: int = 0, reward_model: str = "test_train_cli.MeanBrightness", **train) -> tuple[dict, list]:
+            eval_freq: int = 0, reward_model: str = "helpers_rewards.MeanBrightness", **train) -> tuple[dict, list]:
     """The run's config and each command's ((stdout, stderr), exit code).
     ``machines`` > 1: one ``ff-train`` per machine rank, all on this machine over loopback."""
     config = tiny_run_config(folder, "sd3-5", model_path, group_size=4,

@@ -14,7 +14,6 @@ import torch
 from helpers_runs import TINY_MODELS, tiny_run_config, write_config
 
 from flow_factory.models import get_adapter_class
-from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput
 from flow_factory.train import main
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -204,19 +203,6 @@ TERMS = EPOCHS * SAMPLES * STEPS * 2 * (77 + 256)
 TOLERANCE = 2 * TERMS * U
 
 
-class MeanBrightness(PointwiseRewardModel):
-    """The mean pixel value, named by class path (``test_train_cli.MeanBrightness``) in the
-    two-process runs. Smooth in the image: samples that differ by rounding get rewards that differ
-    by rounding; JPEG size quantises to bytes and can turn 1e-7 into a different reward (and
-    advantage)."""
-
-    required_fields = ("image",)
-    use_tensor_inputs = True
-
-    def __call__(self, prompt=None, image=None, video=None, condition_images=None, condition_videos=None):
-        return RewardModelOutput(rewards=image.float().mean(dim=(1, 2, 3)))
-
-
 def _train_in_subprocess(folder: Path, model_path, processes: int, **train) -> dict:
     """The real CLI in its own process (``accelerate launch`` for 2, gloo on CPU) with a deadline:
     a distributed hang fails, it does not stall CI. Returns the final LoRA."""
@@ -230,7 +216,7 @@ def _start_training(folder: Path, model_path, processes: int, **train):
 
     config = tiny_run_config(folder, "sd3-5", model_path, max_epochs=EPOCHS, group_size=4, **{**LINEAR_STEP, **train})
     config["eval"]["eval_freq"] = 0
-    config["rewards"] = [{"name": "brightness", "reward_model": "test_train_cli.MeanBrightness"}]
+    config["rewards"] = [{"name": "brightness", "reward_model": "helpers_rewards.MeanBrightness"}]
     # one thread in every process of both runs: no thread-count-dependent kernel splits
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}

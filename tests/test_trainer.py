@@ -82,8 +82,11 @@ def test_a_missing_tracker_is_a_clear_error(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(RuntimeError, match=r"log.logging_backend: 'wandb' is not installed; run `pip install wandb`"):
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("wandb", "swanlab") else real(name, *a))
+    with pytest.raises(ValueError, match=r"^log.logging_backend: 'wandb' is not installed; pip install "
+                                         r"'flow_factory\[wandb\]' \(or pip install wandb\), or set "
+                                         r"log.logging_backend: tensorboard or none$"):
         check_backend("wandb")
     assert check_backend("none") is None
 

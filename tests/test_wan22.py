@@ -21,7 +21,6 @@ from flow_factory.dynamics.ode import ODE
 from flow_factory.models import index_cond, load_adapter
 from flow_factory.models.lora import apply_lora, lora_weight_name, save_lora
 from flow_factory.models.preflight import check_before_loading, check_experts
-from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput
 from flow_factory.rollout import sample_trajectory
 from flow_factory.train import main
 from flow_factory.trainer import Trainer
@@ -444,16 +443,6 @@ def test_per_component_target_modules(request):
 
 # --------------------------------------------------------------------------------- two processes
 
-class MeanBrightness(PointwiseRewardModel):
-    """test_train_cli.MeanBrightness for videos: smooth, so rounding stays rounding."""
-
-    required_fields = ("video",)
-    use_tensor_inputs = True
-
-    def __call__(self, prompt=None, image=None, video=None, condition_images=None, condition_videos=None):
-        return RewardModelOutput(rewards=video.float().mean(dim=(1, 2, 3, 4)))
-
-
 def test_two_processes_make_the_same_update_as_one(request, tmp_path):
     """DESIGN invariant 4 for a two-expert model, under DDP, FSDP2 and DeepSpeed ZeRO-2. DDP leaves the
     experts unwrapped (a micro-step may not call an expert on every process) and trainer/optimize.py
@@ -496,7 +485,7 @@ def test_two_processes_make_the_same_update_as_one(request, tmp_path):
     def train(folder, trainer_type, processes, config_file=None, resume=None, components=both):
         config = _config(folder, path, trainer_type, components, max_epochs=epochs, group_size=4, ema_decay=0.5,
                          **LINEAR_STEP)
-        config["rewards"] = [{"name": "brightness", "reward_model": "test_wan22.MeanBrightness"}]
+        config["rewards"] = [{"name": "brightness", "reward_model": "helpers_rewards.MeanVideoBrightness"}]
         if config_file:
             config["config_file"] = config_file
         if resume:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+from . import launcher
 from .config import ConfigError, load_config_for_cli
 from .launch_configs import resolve as resolve_launch_config
+from .start_checks import start_problems
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,7 +66,7 @@ def needs_launch(cfg, environ) -> bool:
 
 
 def relaunch_command(cfg, argv: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(cfg.num_processes),
+    cmd = [sys.executable, "-m", "flow_factory.launcher", "--num_processes", str(cfg.num_processes),
            "--num_machines", str(cfg.num_machines), "--machine_rank", str(cfg.machine_rank),
            "--main_process_port", str(cfg.main_process_port)]
     if cfg.main_process_ip:
@@ -80,17 +81,33 @@ def relaunch_command(cfg, argv: list[str]) -> list[str]:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    cfg = load_config_for_cli("ff-train", args.config, launch_overrides(args, os.environ) + args.overrides)
+    overrides = launch_overrides(args, os.environ) + args.overrides
+    cfg = load_config_for_cli("ff-train", args.config, overrides)
     if cfg is None:
         return 2
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    if not launcher.launched():  # a launched process: its launcher checked
+        problems = start_problems(cfg, any(o.startswith("num_processes=") for o in overrides))
+        if problems:
+            print(f"ff-train: {args.config} cannot start:", *(f"  {p}" for p in problems), sep="\n",
+                  file=sys.stderr)
+            return 2
     if needs_launch(cfg, os.environ):
         # the resolved run name travels along, so every process agrees on a default one
-        return subprocess.call(relaunch_command(cfg, argv + [f"log.run_name={cfg.log.run_name}"]),
-                               env={**os.environ, LAUNCHED: "1"})
+        return launcher.run(relaunch_command(cfg, argv + [f"log.run_name={cfg.log.run_name}"]),
+                            {**os.environ, LAUNCHED: "1"})
+    try:
+        return train(cfg, args.config)
+    except Exception as crash:
+        if launcher.launched():
+            return launcher.report_crash(crash)
+        raise
 
+
+def train(cfg, config_path: str) -> int:
+    """Train in this process; the exit status, its last message reported (``launcher.report``)."""
     # heavy imports only once the config is known to be good
     from .data import PromptFileError
     from .rewards.async_pool import RewardError
@@ -102,28 +119,41 @@ def main(argv=None) -> int:
     from .trainer.run_folder import RunFolderError
 
     try:
-        history = Trainer(cfg).train()
+        trainer = Trainer(cfg)
+        history = trainer.train()
     except ConfigError as err:  # what only the model folder tells (preflight)
-        print(f"ff-train: config error: {err}", file=sys.stderr)
-        return 2
+        return launcher.report(f"ff-train: config error: {err}", 2)
     except (CheckpointError, RunFolderError, PromptFileError) as err:
-        print(f"ff-train: error: {err}", file=sys.stderr)
-        return 2
+        return launcher.report(f"ff-train: error: {err}", 2)
     except NonFiniteError as err:
-        print(f"ff-train: stopped: {err}", file=sys.stderr)
-        return 1
+        return launcher.report(f"ff-train: stopped: {err}", 1)
     except (RewardError, RemoteRewardError) as err:  # they name the reward, or the server's URL
-        print(f"ff-train: reward failed: {err}", file=sys.stderr)
-        return 1
+        return launcher.report(f"ff-train: reward failed: {err}", 1)
     except TrainingInterrupted as stop:
         run_dir = Path(stop.checkpoint).parent.parent
-        print(f"ff-train: {stop}. Resume with:\n  ff-train {args.config} model.resume_path={run_dir} "
-              f"log.run_name={cfg.log.run_name}", file=sys.stderr)
-        return 128 + stop.signum
-    if history and int(os.environ.get("RANK", "0")) == 0:
-        last = {k: round(v, 4) for k, v in history[-1].items() if k.startswith("reward/") and k.endswith("/mean")}
-        print(f"ff-train: done after {history[-1]['epoch'] + 1} epochs; last rewards {last}")
+        return launcher.report(f"ff-train: {stop}. Resume with:\n  ff-train {config_path} "
+                               f"model.resume_path={run_dir} log.run_name={cfg.log.run_name}", 128 + stop.signum)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(finished(config_path, trainer.run_dir, history), file=sys.stderr, flush=True)
     return 0
+
+
+def finished(config_path: str, run_dir: Path, history: list[dict]) -> str:
+    """What a run left and the commands that use it: the last lines a finished run prints."""
+    from .checkpoint import list_checkpoints
+
+    last = {k.split("/")[1]: round(v, 4) for k, v in (history[-1] if history else {}).items()
+            if k.startswith("reward/") and k.endswith("/mean")}
+    lines = [f"ff-train: done after {history[-1]['epoch'] + 1 if history else 0} epochs; last rewards {last}",
+             f"  run folder:      {run_dir} (reward_curve.png, history.json, samples/)"]
+    checkpoints = list_checkpoints(run_dir)
+    if checkpoints:
+        checkpoint = checkpoints[-1]
+        lines += [f"  last checkpoint: {checkpoint}",
+                  f"  sample it:       ff-sample --checkpoint {checkpoint} --prompts \"a prompt\" "
+                  f"--out {run_dir}/samples_cli",
+                  f"  evaluate it:     ff-eval {config_path} --checkpoint {checkpoint}"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -13,16 +13,14 @@ here, and nothing here may reach the network.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from ..config import ConfigError
 from ..config.base import size_problem
+from ..start_checks import HUB_ID
 from .base import FlowAdapter
 from .registry import ADAPTERS, get_adapter_class, model_type_for_pipeline
 
-# a hub repo id: org/name, each of letters, digits, '-', '_' and '.'
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 def check_reward_inputs(rewards, model_type: str, key: str) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .base import PointwiseRewardModel, RewardModelOutput
-from .clip_common import flatten_media, image_embeddings, load_clip, mean_per_sample
+from .clip_common import clip_sources, flatten_media, image_embeddings, load_clip, mean_per_sample
 
 AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
 
@@ -66,6 +66,10 @@ class Aesthetic(PointwiseRewardModel):
         if self.head[0][0].shape[1] != dim:
             raise ValueError(f"aesthetic: head {head_path} takes {self.head[0][0].shape[1]}-d inputs but the "
                              f"CLIP model {self.model_name_or_path!r} embeds into {dim}")
+
+    @classmethod
+    def models_to_load(cls, options: dict) -> list[str]:
+        return clip_sources(options, AESTHETIC_CLIP)
 
     def __call__(self, image=None, video=None) -> RewardModelOutput:
         pictures, owner = flatten_media("aesthetic", image, video)

@@ -283,6 +283,13 @@ class BaseRewardModel:
     required_fields: ClassVar[tuple[str, ...]] = ("prompt", "image")
     use_tensor_inputs: ClassVar[bool] = False
 
+    @classmethod
+    def models_to_load(cls, options: dict) -> list[str]:
+        """The hub ids or folders the reward loads, given its entry's constructor options: ``ff-train`` checks
+        each is here or reachable before a run starts. Its ``model_name_or_path``, unless a subclass says more
+        (its default checkpoint, a processor) or less (a model a server runs)."""
+        return [options["model_name_or_path"]] if options.get("model_name_or_path") else []
+
     def __init__(self, *args, **kwargs):
         # the config form arrives with the entry first (or as config=); anything else is the keyword form
         if (args and isinstance(args[0], RewardArguments)) or "config" in kwargs:

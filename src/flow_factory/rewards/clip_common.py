@@ -24,6 +24,13 @@ def load_clip(reward: BaseRewardModel, model_path: str, processor_path: str) -> 
     reward.model = model.eval().requires_grad_(False).to(reward.device)
 
 
+def clip_sources(options: dict, default_model: str) -> list[str]:
+    """[model, processor] a CLIP reward's entry loads: its model_name_or_path (else ``default_model``) and
+    processor_name_or_path (else the model's own)."""
+    model = options.get("model_name_or_path") or default_model
+    return [model, options.get("processor_name_or_path") or model]
+
+
 @torch.no_grad()
 def image_embeddings(reward: BaseRewardModel, images: list[Image.Image]) -> torch.Tensor:
     """(n, D) float32 unit vectors of ``get_image_features``."""

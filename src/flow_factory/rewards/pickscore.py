@@ -27,12 +27,18 @@ class _PickScorer:
                  batch_size: int = 16, processor_name_or_path: str | None = None):
         # super(): the reward base each class mixes this into
         super().__init__(model_name_or_path, device, dtype, batch_size)
-        # the hub checkpoint ships no processor of its own: it uses LAION's CLIP-H one.
-        # A local folder is expected to hold both (save_pretrained of model and processor).
-        model = self.model_name_or_path or PICKSCORE_MODEL
-        processor = processor_name_or_path or (PICKSCORE_PROCESSOR if model == PICKSCORE_MODEL else model)
-        self.model_name_or_path = model
-        load_clip(self, model, processor)
+        self.model_name_or_path, processor = self.models_to_load({"model_name_or_path": model_name_or_path,
+                                                                  "processor_name_or_path": processor_name_or_path})
+        load_clip(self, self.model_name_or_path, processor)
+
+    @classmethod
+    def models_to_load(cls, options: dict) -> list[str]:
+        """[model, processor]: the hub checkpoint ships no processor of its own and uses LAION's CLIP-H one;
+        a local folder is expected to hold both (save_pretrained of model and processor)."""
+        model = options.get("model_name_or_path") or PICKSCORE_MODEL
+        processor = options.get("processor_name_or_path") or (PICKSCORE_PROCESSOR if model == PICKSCORE_MODEL
+                                                              else model)
+        return [model, processor]
 
     def pickscores(self, prompt: list[str], image, video) -> torch.Tensor:
         pictures, owner = flatten_media(type(self).__name__, image, video)

@@ -36,6 +36,10 @@ class _RemoteReward:
     use_tensor_inputs = False
     _group = False
 
+    @classmethod
+    def models_to_load(cls, options: dict) -> list[str]:
+        return []  # the server loads its model
+
     def __init__(self, model_name_or_path=None, device="cpu", dtype=torch.float32, batch_size: int = 16, *,
                  server_url: str | None = None, timeout: float = 60.0, retry_attempts: int = 3,
                  backoff: float = 0.5, api_key: str | None = None, request_kwargs: dict | None = None,

@@ -5,7 +5,9 @@ from mixing their files:
 - the folder can be created and written (a probe file, ``run.json``, says who runs in it);
 - a folder that already holds a run (anything but ``run.json`` and ``.lock``) is never
   reused silently: only a resume from one of its own checkpoints continues in it, and
-  ``log.overwrite: true`` replaces it;
+  ``log.overwrite: true`` replaces it, but only once the new run has started: until then
+  the old run waits in ``.replaced/`` and comes back if the new one fails (or, killed, at the
+  next claim of the folder), so a run that never started destroys nothing;
 - a resume from an older checkpoint of the same folder, with later ones beside it, is
   refused: its next saves would overwrite them (resume into a new ``log.run_name``);
 - ``.lock`` is held with ``flock`` while the run lives, so a second process that tries the
@@ -28,6 +30,7 @@ from ..checkpoint import checkpoint_epoch, list_checkpoints, write_atomic
 
 LOCK_FILE = ".lock"
 INFO_FILE = "run.json"
+REPLACED = ".replaced"  # the run log.overwrite replaces, kept until the new run has started
 
 
 class RunFolderError(RuntimeError):
@@ -48,6 +51,7 @@ class RunFolder:
         except OSError as e:
             raise RunFolderError(f"log.save_dir: cannot create the run folder {self.path} ({e.strerror})") from None
         self._take_lock()
+        self._restore_replaced()  # a run that set it aside died before it started
         # a run that wrote nothing but its run.json (stopped before its first log or save) is not kept
         held = [p.name for p in self.path.iterdir() if p.name not in (LOCK_FILE, INFO_FILE)]
         if held:
@@ -60,8 +64,15 @@ class RunFolder:
             self.release()
             raise RunFolderError(f"log.save_dir: cannot write in {self.path} ({e.strerror})") from None
 
-    def release(self) -> None:
+    def started(self) -> None:
+        """The new run has started: the run ``log.overwrite`` replaced is deleted."""
         if self._lock is not None:
+            shutil.rmtree(self.path / REPLACED, ignore_errors=True)
+
+    def release(self) -> None:
+        """Unlock the folder; a run set aside for a run that did not start (``started``) comes back first."""
+        if self._lock is not None:
+            self._restore_replaced()
             self._lock.close()  # closing the file drops the flock
             self._lock = None
 
@@ -77,6 +88,21 @@ class RunFolder:
             raise RunFolderError(f"log.run_name: {self.path} is in use by a live run ({self._owner()}); "
                                  "choose another log.run_name or wait for it to end") from None
         self._lock = handle
+
+    def _restore_replaced(self) -> None:
+        """Put back the run set aside in ``.replaced/``, over anything of the same name the run that never
+        started wrote; an entry at a time, so that a restore cut short is finished by the next."""
+        aside = self.path / REPLACED
+        if not aside.is_dir():
+            return
+        for entry in aside.iterdir():
+            target = self.path / entry.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            elif target.exists() or target.is_symlink():
+                target.unlink()
+            entry.rename(target)
+        aside.rmdir()
 
     def _owner(self) -> str:
         try:
@@ -96,10 +122,10 @@ class RunFolder:
                     f"the resumed run would overwrite; resume into a new log.run_name to branch from it, or "
                     f"resume from the latest (model.resume_path: {self.path})")
             return
-        if overwrite:
+        if overwrite:  # set aside: renames within the folder, atomic each
+            (self.path / REPLACED).mkdir()
             for name in held:
-                target = self.path / name
-                shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
+                (self.path / name).rename(self.path / REPLACED / name)
             return
         self.release()
         raise RunFolderError(

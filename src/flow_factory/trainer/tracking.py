@@ -3,28 +3,22 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+from ..config import ConfigError
 from ..media import VIDEO_FPS, gif_bytes
-
-BACKEND_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab"}
+from ..start_checks import backend_problem
 
 
 def check_backend(backend: str) -> str | None:
     """The accelerate ``log_with`` value for ``log.logging_backend``; a clear error if not installed."""
-    if backend == "none":
-        return None
-    package = BACKEND_PACKAGES[backend]
-    if importlib.util.find_spec(package) is None:
-        raise RuntimeError(
-            f"log.logging_backend: {backend!r} is not installed; run `pip install {package}` "
-            f"or set log.logging_backend to 'tensorboard' or 'none'"
-        )
-    return backend
+    problem = backend_problem(backend)
+    if problem:
+        raise ConfigError(problem)
+    return None if backend == "none" else backend
 
 
 def flat_hparams(config: dict, prefix: str = "") -> dict:

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ..advantages import combine_advantages
 from ..algorithms import make_algorithm
-from ..checkpoint import (CheckpointError, check_fits, checkpoint_dir, find_checkpoint,
+from ..checkpoint import (RUN_CONFIG, CheckpointError, check_fits, checkpoint_dir, find_checkpoint,
                           load_checkpoint, read_state, save_checkpoint, write_atomic)
 from ..config import ConfigError
 from ..config.train import COUPLED_TRAINER_TYPES
@@ -41,6 +41,7 @@ from ..sampling import (Rollouts, SamplingSettings, collect_rollouts, condition_
 from ..seeding import generator
 from ..sharding import (accelerator_kwargs, all_finite_everywhere, backend_of, fill_deepspeed_config,
                         load_frozen_models_whole, local, prepare_sharded, release_gathered, reshard_all)
+from ..start_checks import check_prompt_counts
 from ..timer import PhaseTimer
 from .ema import EMA_FILE, WeightCopy, ema_decay_at, load_ema
 from .interrupt import StopFlag, TrainingInterrupted
@@ -71,8 +72,7 @@ class Trainer:
             avoid_cudnn_attention()
         self.precision = Precision.of(mixed_precision, self.accelerator.device, model.master_weight_dtype,
                                       train.latent_storage_dtype)
-        if self.accelerator.is_main_process:
-            print(f"ff-train: {self.precision.describe()}", file=sys.stderr, flush=True)
+        self._say(self.precision.describe())
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
             load_frozen_models_whole()  # before the rewards and the pipeline load
         # a default run name holds a timestamp each process drew itself: the main process's wins
@@ -99,12 +99,14 @@ class Trainer:
         # the prompts and the condition files they name, checked against what the model takes
         adapter_cls = get_adapter_class(model.model_type)
         self.train_prompts = load_split(cfg, "train", adapter_cls)
+        check_prompt_counts(cfg, len(self.train_prompts))
         self.test_prompts = self._test_prompts(adapter_cls)
         self.train_size = split_size(cfg, "train", self.train_prompts, adapter_cls)
         self.eval_size = split_size(cfg, "eval", self.test_prompts, adapter_cls)
         self.sampler = EpochSampler(len(self.train_prompts), train.unique_sample_num_per_epoch,
                                     train.group_size, self.seed)
         self.run_folder = RunFolder(self.run_dir)
+        self._say(f"run folder {self.run_dir}")
         self._from_main(lambda: self.run_folder.claim(self.resume_from, resumed["epoch"], cfg.log.overwrite))
         try:
             self._build(resumed)
@@ -184,8 +186,7 @@ class Trainer:
         model = self.cfg.model
         if self.start_weights is not None:
             load_checkpoint(self.start_weights, self.adapter, model.finetune_type, components=model.target_components)
-            logger.info("starting from the weights of %s (model.resume_type: %s)", self.start_weights,
-                        model.resume_type)
+            self._say(f"starting from the weights of {self.start_weights} (model.resume_type: {model.resume_type})")
             if not before_prepare:
                 for snapshot in self.snapshots.values():  # CRD's and DGPO's copies start from them too
                     snapshot.copy_from_params()
@@ -204,7 +205,7 @@ class Trainer:
         self.history, self.eval_history = resumed.get("history", []), resumed.get("eval_history", [])
         if not before_prepare:
             self._load_copies()
-        logger.info("resuming from %s (%d epochs done)", self.resume_from, self.epoch)
+        self._say(f"resumed from {self.resume_from}, epoch {self.epoch} of {self.cfg.train.max_epochs} done")
 
     def _load_copies(self) -> None:
         """The EMA and the algorithm's snapshots of the checkpoint resumed (CRD's start from the start weights)."""
@@ -230,7 +231,7 @@ class Trainer:
         model = self.cfg.model
         if model.torch_compile != "none":
             chosen = self.adapter.compile_transformers(model.torch_compile, mode=model.compile_mode)
-            logger.info("torch.compile: %s", ", ".join(f"{k} {v}" for k, v in chosen.items()))
+            self._say("torch.compile: " + ", ".join(f"{k} {v}" for k, v in chosen.items()))
 
     def _make_weight_copies(self) -> None:
         """The EMA, the rollout's weights, the algorithm's snapshots and the policy with its reference."""
@@ -336,6 +337,11 @@ class Trainer:
         if self.adapter.text_reads_conditions:  # every prompt is encoded in it, with its conditions
             self.adapter.release_text_encoders(cfg.data.text_encoders_after_preprocess)
         return cache
+
+    def _say(self, line: str) -> None:
+        """A line for the user, once (the main process's)."""
+        if self.accelerator.is_main_process:
+            print(f"ff-train: {line}", file=sys.stderr, flush=True)
 
     def _from_main(self, fn):
         """``fn()`` on the main process, its result (or its RunFolderError) on every process."""
@@ -529,6 +535,7 @@ class Trainer:
 
     def _train(self) -> list[dict]:
         cfg, acc = self.cfg, self.accelerator
+        self.run_folder.started()  # built and starting: the run log.overwrite replaces goes now
         if self.backend:
             acc.init_trackers(cfg.log.project, config=flat_hparams(cfg.model_dump(mode="json")))
         bar = tqdm(range(self.epoch, cfg.train.max_epochs), initial=self.epoch, total=cfg.train.max_epochs,
@@ -642,6 +649,8 @@ class Trainer:
                 extra[SCALER_FILE] = self.accelerator.scaler.state_dict()
             save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, optimizer, state, extra,
                             self.cfg.model.target_components, weights=weights, folders=folders)
+        # what ff-sample and ff-eval read to sample a checkpoint as this run's eval did
+        write_atomic(self.run_dir / RUN_CONFIG, self.cfg.to_yaml())
         self._plot_rewards()
         return out
 

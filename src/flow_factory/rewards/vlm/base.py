@@ -29,6 +29,10 @@ class VLMJudge(PointwiseRewardModel):
     ``fallback_score``: the reward of a reply that cannot be scored; null (default) makes
     such a reply an error instead."""
 
+    @classmethod
+    def models_to_load(cls, options: dict) -> list[str]:
+        return []  # model_name_or_path names the model the API serves
+
     def __init__(self, model_name_or_path=None, device="cpu", dtype=torch.float32, batch_size: int = 16, *,
                  api_base_url: str | None = None, vlm_model: str | None = None, api_key: str | None = None,
                  extra_kwargs: dict | None = None, timeout: float = 120.0, retry_attempts: int = 2,

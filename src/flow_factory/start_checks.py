@@ -1,0 +1,166 @@
+"""What ``ff-train`` checks once, in the process the user started, before any process launches or
+any model loads: each problem is one line naming the key and what would work, all reported together.
+
+- the process count against the devices here: a GPU a process; a config's ``num_processes: 8``
+  on a machine without a GPU is refused (``--num_processes N`` on the command line runs N CPU
+  processes on purpose);
+- the logging backend's package, and the extra that installs it;
+- the dataset against the epoch's draw (``train.unique_sample_num_per_epoch`` at most its prompts);
+- the reward classes, and every model the run loads (the pipeline, each reward's weights), last:
+  each must be a local folder, in the hub cache, or on a reachable hub. Offline
+  (``HF_HUB_OFFLINE=1``) or without a network, the missing ones are named in seconds, where
+  ``from_pretrained`` would retry for minutes.
+
+The Trainer runs the cheap ones again (a Python caller builds it without ``ff-train``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .config import ConfigError
+
+# a hub repo id: org/name, each of letters, digits, '-', '_' and '.'
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+HUB_TIMEOUT_S = 5.0
+BACKEND_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab"}
+
+
+def start_problems(cfg, processes_on_command_line: bool = False) -> list[str]:
+    """Every problem found, one line each (empty: the run can start)."""
+    from .data import MissingPromptFile
+
+    problems = [processes_problem(cfg, processes_on_command_line), backend_problem(cfg.log.logging_backend)]
+    try:
+        check_prompt_counts(cfg)
+    except MissingPromptFile as err:
+        problems.append(f"data.dataset_dir: {err}")
+    except (ConfigError, ValueError) as err:  # a prompt file's own error names its file and line
+        problems.append(str(err))
+    sources, reward_problems = model_sources(cfg)
+    problems += reward_problems
+    problems.append(models_problem(sources))
+    return [p for p in problems if p]
+
+
+def processes_problem(cfg, on_command_line: bool) -> str | None:
+    import torch
+
+    per_machine = math.ceil(cfg.num_processes / cfg.num_machines)
+    gpus = torch.cuda.device_count()
+    if gpus and per_machine > gpus:
+        return (f"num_processes: {cfg.num_processes} ({per_machine} a machine) needs a GPU a process, and this "
+                f"machine has {gpus}; pass --num_processes {gpus * cfg.num_machines}")
+    if not gpus and cfg.num_processes > 1 and not on_command_line:
+        return (f"num_processes: {cfg.num_processes} runs a process a GPU, and this machine has no GPU; pass "
+                f"--num_processes 1 to try the config on this CPU (--num_processes N runs N CPU processes)")
+    return None
+
+
+def backend_problem(backend: str) -> str | None:
+    """``log.logging_backend``'s package is installed (``none`` needs nothing)."""
+    if backend == "none":
+        return None
+    package = BACKEND_PACKAGES[backend]
+    if importlib.util.find_spec(package) is not None:
+        return None
+    others = [name for name, pkg in BACKEND_PACKAGES.items() if importlib.util.find_spec(pkg) is not None]
+    instead = " or ".join([*others, "none"])
+    return (f"log.logging_backend: {backend!r} is not installed; pip install 'flow_factory[{package}]' "
+            f"(or pip install {package}), or set log.logging_backend: {instead}")
+
+
+def check_prompt_counts(cfg, train_count: int | None = None) -> None:
+    """``ConfigError`` when the epoch draws more distinct prompts than the training split holds
+    (``train_count``: the prompts already loaded; else the split is read here)."""
+    from .data import load_prompts
+
+    if train_count is None:
+        data = cfg.data
+        train_count = len(load_prompts(data.dataset_dir, "train", data.max_dataset_size, data.image_dir,
+                                       data.video_dir))
+    wanted = cfg.train.unique_sample_num_per_epoch
+    if wanted > train_count:
+        cap = " (data.max_dataset_size)" if cfg.data.max_dataset_size == train_count else ""
+        raise ConfigError(f"train.unique_sample_num_per_epoch: {wanted} distinct prompts an epoch, and "
+                          f"{cfg.data.dataset_dir} holds {train_count} training prompts{cap}; set it to at most "
+                          f"{train_count}")
+
+
+def model_sources(cfg) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(model id or folder, the key that names it)`` for every model the run loads, and the problems of
+    reward classes that cannot be found."""
+    from .rewards.registry import resolve_reward_class
+
+    sources = [(cfg.model.model_name_or_path, "model.model_name_or_path")]
+    problems = []
+    for section, entries in (("rewards", cfg.rewards), ("eval_rewards", cfg.eval_rewards or [])):
+        for i, entry in enumerate(entries):
+            key = f"{section}[{i}] {entry.name}"
+            try:
+                reward_cls = resolve_reward_class(entry.reward_model)
+            except (ImportError, ValueError, TypeError) as err:
+                problems.append(f"{section}[{i}].reward_model: {err}")
+                continue
+            sources += [(model, key) for model in reward_cls.models_to_load(entry.constructor_options())]
+    return sources, problems
+
+
+def models_problem(sources: list[tuple[str, str]]) -> str | None:
+    """One line naming each model that is neither a local folder nor cached nor on a reachable hub."""
+    from huggingface_hub import constants
+
+    unique = list(dict.fromkeys(source for source, _ in sources))
+    with ThreadPoolExecutor(max(1, min(8, len(unique)))) as pool:
+        found = dict(zip(unique, pool.map(lambda s: model_problem(s, constants.HF_HUB_OFFLINE), unique)))
+    by_reason: dict[str, list[str]] = {}
+    for source, key in dict.fromkeys(sources):
+        if found[source]:
+            by_reason.setdefault(found[source], []).append(f"{source} ({key})")
+    if not by_reason:
+        return None
+    listed = "; ".join(f"{why}: {', '.join(names)}" for why, names in by_reason.items())
+    offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
+    return (f"models this run loads are not here{offline}: {listed}. Fetch each with `hf download ID` where the "
+            f"hub is reachable, or point its key at a local folder")
+
+
+def model_problem(source: str, offline: bool) -> str | None:
+    """Why ``source`` cannot be loaded here, or None: a local folder, a cached hub repo, or one the hub has."""
+    if Path(source).expanduser().exists():
+        return None
+    if not HUB_ID.fullmatch(source):
+        return "no such folder"
+    if hub_cached(source):
+        return None
+    if offline:
+        return "not in the hub cache"
+    return hub_answer(source)
+
+
+def hub_cached(repo_id: str) -> bool:
+    """The hub cache holds a snapshot of ``repo_id`` (what ``from_pretrained`` reads offline)."""
+    from huggingface_hub import constants
+
+    snapshots = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    return snapshots.is_dir() and any(snapshots.iterdir())
+
+
+def hub_answer(repo_id: str) -> str | None:
+    """One request to the hub, no retries: None when it has ``repo_id`` and lets this user read it."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(repo_id, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        return f"gated: accept its licence at https://huggingface.co/{repo_id} and log in (hf auth login)"
+    except RepositoryNotFoundError:
+        return "not on the hub (or private: log in with hf auth login)"
+    except Exception as err:  # noqa: BLE001: no network, DNS, a proxy: all mean the same here
+        return f"not cached and the hub is unreachable ({type(err).__name__})"
+    return None
