@@ -13,8 +13,10 @@ their default training timesteps.
 
 Each run is a fresh process (so peak RSS is its own); the two revisions alternate run by run
 so that a noisy machine slows both alike, and each figure is the median over the repeats.
-"Outside model" is the epoch's time minus the time spent inside the transformer, text
-encoders, VAE decode, backward and optimizer step (timed by hooks): the framework's own cost.
+"startup" is config to a built Trainer; "launch" is the process's launch to its first epoch
+(imports, the Trainer, everything before the first epoch: what a user waits for). "Outside model"
+is the epoch's time minus the time spent inside the transformer, text encoders, VAE decode,
+backward and optimizer step (timed by hooks): the framework's own cost.
 ``--set`` overrides apply to this checkout only (a key the baseline lacks would not load there).
 ``--models`` runs the same world on other families' tiny pipelines (video: 32x32, 5 frames; each
 family's usual guidance), one table row per family, to show a family whose adapter adds overhead.
@@ -89,8 +91,9 @@ def apply_overrides(config: dict, overrides: list[str]) -> dict:
     return config
 
 
-def run_one(case: str, model: Path, family: str, overrides: list[str]) -> dict:
-    """One training run in this process (whichever flow_factory is importable); returns its figures."""
+def run_one(case: str, model: Path, family: str, overrides: list[str], launched_at: float) -> dict:
+    """One training run in this process (whichever flow_factory is importable); returns its figures.
+    ``launched_at``: the wall-clock time the parent started this process."""
     import torch
 
     from flow_factory.config import parse_config
@@ -110,8 +113,11 @@ def run_one(case: str, model: Path, family: str, overrides: list[str]) -> dict:
         original = trainer.sample_epoch
 
         def sample_epoch(epoch):  # model time per epoch: the hook totals at each epoch's start
+            if not per_epoch_inside:
+                first_epoch_at.append(time.time())
             per_epoch_inside.append(clock.total())
             return original(epoch)
+        first_epoch_at = []
         trainer.sample_epoch = sample_epoch
         history = trainer.train()
     per_epoch_inside.append(clock.total())
@@ -120,7 +126,8 @@ def run_one(case: str, model: Path, family: str, overrides: list[str]) -> dict:
     phases = {p: statistics.mean(r[f"time/{p}"] for r in counted)
               for p in ("sampling", "decode", "reward", "training", "other")}
     epoch = statistics.mean(r["time/epoch"] for r in counted)
-    return {"epoch": epoch, "first_epoch": history[0]["time/epoch"], "startup": startup, **phases,
+    return {"epoch": epoch, "first_epoch": history[0]["time/epoch"], "startup": startup,
+            "launch": first_epoch_at[0] - launched_at, **phases,
             "outside_model": epoch - statistics.mean(model_time[1:]),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -137,7 +144,7 @@ def spawn(src: Path, case: str, model: Path, family: str, overrides: list[str]) 
     env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, __file__, "--child", case, "--model", str(model), "--family", family,
-           *sum([["--set", o] for o in overrides], [])]
+           "--launched-at", repr(time.time()), *sum([["--set", o] for o in overrides], [])]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{family} {case} with {src} failed:\n{out.stderr[-3000:]}")
@@ -156,9 +163,10 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--family", default="sd3-5", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--launched-at", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_one(args.child, Path(args.model), args.family, args.set)))
+        print(json.dumps(run_one(args.child, Path(args.model), args.family, args.set, args.launched_at)))
         return
     families = list(FAMILIES) if args.models == ["all"] else args.models
     unknown = sorted(set(families) - set(FAMILIES))
@@ -190,7 +198,8 @@ def main() -> None:
 
     print(f"tiny {', '.join(families)}; {EPOCHS} epochs (2-{EPOCHS} counted), median of {args.repeats} runs, "
           "one thread" + (f"; overrides on this checkout: {' '.join(args.set)}" if args.set else ""))
-    cols = ["epoch", "sampling", "training", "other", "first_epoch", "startup", "outside_model", "peak_rss_mb"]
+    cols = ["epoch", "sampling", "training", "other", "first_epoch", "startup", "launch", "outside_model",
+            "peak_rss_mb"]
     print(f"{'family':<16}{'case':<14}{'revision':<12}" + "".join(f"{c:>14}" for c in cols))
     for row in rows:
         for side in sides:
@@ -201,7 +210,9 @@ def main() -> None:
         if args.baseline:
             ratio = epoch / median(row, args.baseline, "epoch")
             rss = median(row, "this", "peak_rss_mb") / median(row, args.baseline, "peak_rss_mb")
-            print(f"{'':<42}this / {args.baseline}: epoch {ratio:.2f}x, peak RSS {rss:.2f}x")
+            launch = median(row, "this", "launch") / median(row, args.baseline, "launch")
+            print(f"{'':<42}this / {args.baseline}: epoch {ratio:.2f}x, peak RSS {rss:.2f}x, "
+                  f"launch to first epoch {launch:.2f}x")
     if len(families) > 1:
         print("\nframework overhead per epoch (time outside model compute), by family:")
         print(f"{'family':<16}{'case':<14}{'epoch s':>10}{'outside s':>11}{'outside %':>11}")

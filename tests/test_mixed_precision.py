@@ -104,3 +104,25 @@ def test_an_inf_from_the_data_under_fp16_is_the_guards_and_keeps_the_loss_scale(
     lora = load_file(tmp_path / "saves" / "run" / "checkpoints" / "epoch_2" / "pytorch_lora_weights.safetensors")
     assert all(torch.isfinite(v).all() for v in lora.values())
     assert math.isfinite(history[1]["train/loss"])
+
+
+def test_a_full_fine_tunings_reference_keeps_the_modules_its_class_keeps_in_float32(tiny_wan_path, caplog):
+    """Wan's norms and time embedder stay float32 in the bf16 reference, as from_pretrained loads them
+    (diffusers' _keep_in_fp32_modules), and the copy is made without diffusers' warning about casting them."""
+    from diffusers import WanTransformer3DModel
+
+    from flow_factory.trainer.policy import frozen_copy
+
+    trained = WanTransformer3DModel.from_pretrained(tiny_wan_path / "transformer")  # float32: master weights
+    loaded = WanTransformer3DModel.from_pretrained(tiny_wan_path / "transformer", torch_dtype=torch.bfloat16)
+    keep = set(trained._keep_in_fp32_modules)
+    assert keep and any(keep & set(name.split(".")) for name, _ in trained.named_parameters())
+    with caplog.at_level("WARNING"):
+        reference = frozen_copy(trained, torch.device("cpu"), torch.bfloat16)
+    assert "should be kept in float32" not in caplog.text
+    dtypes = {name: p.dtype for name, p in reference.named_parameters()}
+    assert dtypes == {name: p.dtype for name, p in loaded.named_parameters()}
+    assert {torch.float32, torch.bfloat16} == set(dtypes.values())
+    assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
+    for (name, p), q in zip(reference.named_parameters(), trained.parameters()):
+        assert torch.equal(p, q.to(p.dtype)), name

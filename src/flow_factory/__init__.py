@@ -13,3 +13,15 @@ if (_os.environ.get("FF_CPU_MIXED_PRECISION", "").strip().lower() in ("1", "true
         and "ONEDNN_MAX_CPU_ISA" not in _os.environ):
     _os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
     ONEDNN_CAP_TOO_LATE = "torch" in _sys.modules  # torch may have run a kernel already
+
+
+def _drop_torchvision_fallback_note(record) -> bool:
+    # transformers says, once per class at import, that an image processor falls back to its PIL
+    # backend without torchvision; that backend is the one this package runs, so the note tells a
+    # user nothing (other transformers warnings still show)
+    return "requires torchvision (not installed); falling back to" not in record.getMessage()
+
+
+import logging as _logging  # noqa: E402
+
+_logging.getLogger("transformers.utils.import_utils").addFilter(_drop_torchvision_fallback_note)

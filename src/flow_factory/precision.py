@@ -38,6 +38,17 @@ CPU_SWITCH = "FF_CPU_MIXED_PRECISION"  # its oneDNN cap is set at the package's 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def name_deepspeed_device() -> None:
+    """Tell DeepSpeed a machine without CUDA is a CPU: accelerate imports it to unwrap a model (a save)
+    even in runs that do not use it, and left to detect the device it warns, on every CPU machine, that it
+    "is setting the accelerator to CPU" - the same choice."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+name_deepspeed_device()
+
+
 def cpu_mixed_precision() -> bool:
     """True when ``FF_CPU_MIXED_PRECISION`` asks a CPU run to keep ``mixed_precision``."""
     return os.environ.get(CPU_SWITCH, "").strip().lower() in ("1", "true", "yes", "on")

@@ -8,10 +8,12 @@ global state that a user's own plotting could see.
 
 from __future__ import annotations
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from typing import TYPE_CHECKING
+
 from PIL import Image
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 SMOOTH_ABOVE = 30  # a series with more points is drawn faint, under its trailing mean
 
@@ -31,6 +33,11 @@ def curve_figure(series: dict[str, list[tuple[int, float]]], title: str, size=(6
     """A line per ``{name: [(epoch, value), ...]}`` series; one of more than SMOOTH_ABOVE points
     (per-epoch rewards are noisy: the trend is what a reader wants) is drawn faint under its
     trailing mean, which the legend names with its window. ``size`` in pixels."""
+    # matplotlib is imported when a curve is drawn: a second and 30 MB a process that draws none
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     dpi = 100
     fig = Figure(figsize=(size[0] / dpi, size[1] / dpi), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)

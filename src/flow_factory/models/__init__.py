@@ -1,27 +1,27 @@
-"""Model adapters: one short file per model family, all behind ``FlowAdapter``."""
+"""Model adapters: one short file per model family, all behind ``FlowAdapter``.
+
+The adapter classes (``SD3Adapter``, ...) are imported from here on first use, as the registry does:
+importing this package loads no diffusers pipeline.
+"""
 
 from .base import ConditionMedia, Conditioning, FlowAdapter, cat_cond, index_cond
-from .flux import FluxAdapter
-from .flux2 import Flux2Adapter, Flux2KleinAdapter
-from .flux_kontext import FluxKontextAdapter
-from .hunyuan_video15 import HunyuanVideo15Adapter
 from .lora import (
     apply_lora, block_linear_names, load_lora_state, lora_disabled, lora_state_dict, lora_target_names, save_lora,
 )
-from .ltx2 import LTX2Adapter
-from .qwen_image import QwenImageAdapter
-from .qwen_image_edit import QwenImageEditPlusAdapter
-from .registry import ADAPTERS, get_adapter_class, load_adapter
-from .sd3 import SD3Adapter
-from .wan import WanT2VAdapter
-from .wan_i2v import WanI2VAdapter
-from .wan_v2v import WanV2VAdapter
-from .z_image import ZImageAdapter
+from .registry import ADAPTERS, BUILTIN_ADAPTERS, get_adapter_class, load_adapter
+
+# class name -> model_type, for ``from flow_factory.models import SD3Adapter``
+_ADAPTER_NAMES = {path.rpartition(":")[2]: model_type for model_type, path in BUILTIN_ADAPTERS.items()}
+
+
+def __getattr__(name: str):
+    if name in _ADAPTER_NAMES:
+        return ADAPTERS[_ADAPTER_NAMES[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
-    "ADAPTERS", "ConditionMedia", "Conditioning", "FlowAdapter", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter",
-    "FluxKontextAdapter", "HunyuanVideo15Adapter", "LTX2Adapter", "QwenImageAdapter", "QwenImageEditPlusAdapter", "SD3Adapter", "WanI2VAdapter",
-    "WanT2VAdapter", "WanV2VAdapter", "ZImageAdapter",
+    "ADAPTERS", "ConditionMedia", "Conditioning", "FlowAdapter", *_ADAPTER_NAMES,
     "apply_lora", "block_linear_names", "cat_cond", "get_adapter_class", "index_cond", "load_adapter", "load_lora_state",
     "lora_disabled", "lora_state_dict", "lora_target_names", "save_lora",
 ]

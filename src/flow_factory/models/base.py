@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import Tensor
 
 from ..config import ConfigError
@@ -81,6 +80,10 @@ def shifted_sigmas(pipeline, num_steps: int, image_seq_len: int, grid, device) -
     their default ``grid`` (None: the scheduler's own) through a fresh copy of their scheduler, with
     ``mu`` interpolated from the number of image tokens as they do; the scheduler applies it when its
     config has ``use_dynamic_shifting``."""
+    # diffusers' own mu (FLUX.1's copy; Qwen-Image's and Z-Image's are the same), imported here: a
+    # pipeline module is seconds to import, and most runs never call this
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
     scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config)
     config = scheduler.config
     mu = calculate_shift(

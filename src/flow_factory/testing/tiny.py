@@ -589,6 +589,9 @@ def tiny_pipeline(model_type: str):
 def build_tiny_pipeline(model_type: str, path) -> Path:
     """Build the tiny ``model_type`` pipeline (or a ``TINY_VARIANTS`` one) and save it to ``path`` (a diffusers
     folder)."""
+    from ..precision import name_deepspeed_device
+
+    name_deepspeed_device()  # save_pretrained imports DeepSpeed when it is installed
     path = Path(path)
     pipe = tiny_pipeline(model_type)
     processor = getattr(pipe, "processor", None)

@@ -41,8 +41,8 @@ class AdapterPolicy:
             # a frozen copy of the starting weights, in the load dtype (the trained ones are kept
             # float32); "cpu" keeps accelerator memory free
             device = adapter.device if ref_param_device == "same" else torch.device(ref_param_device)
-            self.reference = {name: copy.deepcopy(adapter.transformers[name]).requires_grad_(False)
-                              .to(device=device, dtype=adapter.dtype).eval() for name in self.components}
+            self.reference = {name: frozen_copy(adapter.transformers[name], device, adapter.dtype)
+                              for name in self.components}
 
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
         return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
@@ -101,3 +101,14 @@ class AdapterPolicy:
         finally:
             for module in self.reference.values():
                 module.to(stored_on)
+
+
+def frozen_copy(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A frozen copy of ``module`` on ``device`` in ``dtype``, but for the parts its class keeps in float32
+    (diffusers' ``_keep_in_fp32_modules``: Wan's norms and time embedder), as ``from_pretrained`` loads them."""
+    keep = getattr(module, "_keep_in_fp32_modules", None) or ()
+    frozen = copy.deepcopy(module).requires_grad_(False).eval()
+    for name, tensor in [*frozen.named_parameters(), *frozen.named_buffers()]:
+        if tensor.is_floating_point():  # on its own device: .data may change dtype, not device
+            tensor.data = tensor.data.to(torch.float32 if any(part in keep for part in name.split(".")) else dtype)
+    return frozen.to(device)
