@@ -80,11 +80,19 @@ def free_port() -> int:
 def start_server(reward: str, port: int, *args: str, wait: float = 60.0, env: dict | None = None) -> subprocess.Popen:
     """``ff-reward-server --reward reward --port port *args``; returns once /health answers."""
     cmd = [sys.executable, "-m", "flow_factory.reward_server.cli", "--reward", reward, "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, env=child_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return start_process(cmd, port, wait=wait, env=env)
+
+
+def start_process(cmd: list[str], port: int, wait: float = 60.0, env: dict | None = None, log=subprocess.PIPE):
+    """Any server started by ``cmd`` on 127.0.0.1:``port``; returns once its /health answers.
+    ``log``: where its output goes (a file for a server that logs every request: a pipe nobody
+    reads would fill and stop it)."""
+    proc = subprocess.Popen(cmd, env=child_env(env), stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"reward server exited with {proc.returncode}: {proc.stdout.read()}")
+            said = proc.stdout.read() if proc.stdout else f"(its output went to {getattr(log, 'name', log)})"
+            raise RuntimeError(f"reward server exited with {proc.returncode}: {said}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
                 return proc

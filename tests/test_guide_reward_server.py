@@ -181,8 +181,9 @@ def test_the_guides_server_applies_its_token_and_answers_flow_factorys_request_s
 
 
 class UpstreamOnlyHandler(http.server.BaseHTTPRequestHandler):
-    """Flow-Factory's server template, redone with the standard library: GET /health, and
-    POST /compute reading ``prompts``, ``images`` (base64) and ``extra``; nothing else exists."""
+    """Flow-Factory's server template (at the snapshot, a0b2bc5), redone with the standard library:
+    GET /health, and POST /compute reading ``prompt``, ``image`` (base64) and ``extra``; nothing
+    else exists. (The template itself never passes ``extra`` on; reading it here shows it arrives.)"""
 
     paths: list[str] = []  # every request's method and path, in order
     extras: list[dict] = []
@@ -196,11 +197,11 @@ class UpstreamOnlyHandler(http.server.BaseHTTPRequestHandler):
         if self.path != "/compute":
             return self._reply(404, {"detail": "Not Found"})
         data = json.loads(body)
-        images = [Image.open(io.BytesIO(base64.b64decode(b))).convert("RGB") for b in data.get("images") or []]
+        images = [Image.open(io.BytesIO(base64.b64decode(b))).convert("RGB") for b in data.get("image") or []]
         extra = data.get("extra") or {}
         type(self).extras.append(extra)
         rewards = [float(np.asarray(im, dtype=np.float64).mean() / 255) * extra.get("scale", 1.0) for im in images]
-        assert len(rewards) == len(data["prompts"])
+        assert len(rewards) == len(data["prompt"])
         self._reply(200, {"rewards": rewards})
 
     def _reply(self, status: int, payload: dict):
@@ -300,7 +301,7 @@ def test_ff_reward_server_answers_flow_factorys_client_under_its_token_and_limit
         answer = client.post("/compute", json=body, headers=auth)
         assert answer.status_code == 200 and answer.json() == {"rewards": pytest.approx([0.2, 0.4, 0.6])}
 
-        # the template's spelling, with extra kwargs and condition images
+        # the early template's spelling (696af07), with extra kwargs and condition images
         template = {"prompts": ["a"], "images": [b64_png(51)], "extra": {"offset": 1.0},
                     "condition_images": [[b64_png(0, 4)]]}
         answer = client.post("/compute", json=template, headers=auth)

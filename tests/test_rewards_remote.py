@@ -1,12 +1,17 @@
 """Remote rewards against a real ff-reward-server (uvicorn, loopback): concurrency and order,
-restart survival, timeouts, payload validation, auth, a served built-in, torch-free serving."""
+restart survival, timeouts, payload validation, auth, a served built-in, torch-free serving;
+and against Flow-Factory's reward server template, started as its users start it."""
 
 import base64
 import io
+import os
+import re
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -19,7 +24,7 @@ from flow_factory.rewards.http_client import RemoteRewardError
 from flow_factory.rewards.remote import RemoteGroupwiseRewardModel, RemotePointwiseRewardModel
 from flow_factory.wire import encode_image
 
-from reward_servers import child_env, free_port, start_server, stop_server
+from reward_servers import child_env, free_port, start_process, start_server, stop_server
 
 ECHO = "reward_servers.MeanPixelServer"  # bench/reward_servers.py
 TOKEN = "s3cret"
@@ -182,3 +187,89 @@ def test_config_errors_of_the_client():
         RemotePointwiseRewardModel()
     with pytest.raises(ValueError, match="must start with http:// or https://"):
         RemotePointwiseRewardModel(server_url="localhost:8000")
+
+
+# ------------------------------------------- Flow-Factory's reward server template
+
+# Its reward_server/example_server.py as of the snapshot (a0b2bc5): the stand-in written here
+# (tests/upstream/compute_template_server.py says why and what it repeats), or upstream's own
+# file where FF_UPSTREAM_EXAMPLE_SERVER names it.
+TEMPLATE = Path(os.environ.get("FF_UPSTREAM_EXAMPLE_SERVER")
+                or Path(__file__).parent / "upstream" / "compute_template_server.py")
+
+# A server a user writes from the template: its RewardServer, subclassed as its docstring shows.
+# reward = the prompt's number + the image's mean pixel + 10 x the first condition image's
+# (or the video's mean pixel): each field the template reads shows in the score.
+TEMPLATE_SUBCLASS = textwrap.dedent("""
+    import importlib.util, sys
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("example_server", sys.argv[1])
+    template = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(template)
+
+    def mean(images):
+        return float(np.mean([np.asarray(im, dtype=np.float64).mean() / 255 for im in images]))
+
+    class Brightness(template.RewardServer):
+        def compute_reward(self, prompt, image=None, video=None, condition_images=None, condition_videos=None):
+            shown = image if image is not None else [mean(frames) for frames in video]
+            return [float(p) + (s if isinstance(s, float) else mean([s]))
+                    + (10 * mean(c[:1]) if condition_images else 0.0)
+                    for p, s, c in zip(prompt, shown, condition_images or [None] * len(prompt))]
+
+    Brightness(host="127.0.0.1", port=int(sys.argv[2])).run()
+""")
+
+
+@pytest.fixture
+def start_template(tmp_path):
+    """Starts ``python <args>`` as a server on a free port; yields (url, its log's path)."""
+    started = []
+
+    def start(*args: str) -> tuple[str, Path]:
+        port = free_port()
+        log_path = tmp_path / f"server-{port}.log"
+        log = open(log_path, "w")
+        started.append((start_process([sys.executable, *args, str(port)], port, log=log), log))
+        return f"http://127.0.0.1:{port}", log_path
+
+    yield start
+    for proc, log in started:
+        stop_server(proc)
+        log.close()
+
+
+def template_requests(log_path: Path) -> list[str]:
+    """The requests a template server answered, from uvicorn's access log: e.g. 'POST /compute 200'."""
+    return [f"{method} {path} {status}" for method, path, status in
+            re.findall(r'"(GET|POST) (\S+) HTTP/[\d.]+" (\d{3})', log_path.read_text())]
+
+
+def test_flow_factorys_template_as_shipped_serves_the_yaml_entry_of_its_docstring(start_template):
+    url, log = start_template(str(TEMPLATE), "--host", "127.0.0.1", "--port")
+    rewards = RewardSet.from_configs([{  # the entry of the template's docstring, as written there
+        "name": "my_reward", "reward_model": "flow_factory.rewards.remote.RemotePointwiseRewardModel",
+        "server_url": url, "batch_size": 16}])
+    scores = rewards([f"prompt {k}" for k in range(20)], images=torch.rand(20, 3, 8, 8))["my_reward"]
+    # the template's example server scores each prompt with random.random()
+    assert scores.shape == (20,) and bool(((scores >= 0) & (scores < 1)).all())
+    assert len(set(scores.tolist())) == 20
+    # one probe of /score (the template has no such route), then chunks of 16 and 4 to /compute
+    assert template_requests(log) == ["GET /health 200", "POST /score 404", "POST /compute 200", "POST /compute 200"]
+
+
+def test_a_server_subclassing_flow_factorys_template_gets_every_field_our_client_sends(start_template):
+    url, _ = start_template("-c", TEMPLATE_SUBCLASS, str(TEMPLATE))
+    model = RemotePointwiseRewardModel(server_url=url, batch_size=16)
+    images = torch.rand(3, 3, 8, 8)
+    conditions = [[Image.fromarray(np.full((4, 4, 3), 255 * k // 4, np.uint8))] for k in range(3)]
+    got = model.score(RewardInputs(["0", "1", "2"], images, condition_images=conditions)).tolist()
+    pixel_means = [float(np.rint(im.permute(1, 2, 0).numpy() * 255).mean() / 255) for im in images]
+    condition_means = [(255 * k // 4) / 255 for k in range(3)]
+    np.testing.assert_allclose(got, [k + pixel_means[k] + 10 * condition_means[k] for k in range(3)], atol=1e-6)
+
+    video = torch.rand(2, 3, 3, 8, 8)  # 2 samples of 3 frames
+    got = model.score(RewardInputs(["5", "6"], video=video)).tolist()
+    frame_means = [float(np.rint(v.numpy() * 255).mean() / 255) for v in video]
+    np.testing.assert_allclose(got, [5 + frame_means[0], 6 + frame_means[1]], atol=1e-6)

@@ -15,13 +15,15 @@ Two request shapes, both JSON with base64 images:
 
 - ``ScoreRequest``, POST ``/score``: this project's (``prompts``, ``images``, ``videos``,
   ``condition_images``, ``group``, ``kwargs``).
-- ``ComputeRequest``, POST ``/compute``: Flow-Factory's. Its client
-  (``rewards/my_reward_remote.py``) sends ``prompt``, ``image``, ``video``,
-  ``condition_images``, ``condition_videos``, ``kwargs``; its server template
-  (``reward_server/example_server.py``) reads ``prompts``, ``images``, ``videos``,
-  ``condition_images``, ``condition_videos``, ``extra``. Both spellings are read here; the
-  remote rewards send the template's, which every Flow-Factory server inherits. Answer:
-  ``{"rewards": [...]}``. Flow-Factory's protocol pickles nothing either.
+- ``ComputeRequest``, POST ``/compute``: Flow-Factory's. Its server template
+  (``reward_server/example_server.py``) and its client (``rewards/my_reward_remote.py``),
+  as of the snapshot this project follows (commit a0b2bc5), spell the fields as its reward
+  models' arguments: ``prompt``, ``image``, ``video``, ``condition_images``,
+  ``condition_videos``, and the template reads ``extra``. An early version of both (commit
+  696af07) spelled them ``prompts``, ``images``, ``videos``, and its client sent ``kwargs``.
+  Both spellings are read here; the remote rewards send the snapshot's
+  (``ComputeRequest.template_body``), which every Flow-Factory server written from its
+  template reads. Answer: ``{"rewards": [...]}``. Flow-Factory's protocol pickles nothing either.
 """
 
 from __future__ import annotations
@@ -68,8 +70,11 @@ def one_per_prompt(request: BaseModel) -> BaseModel:
 
 
 MEDIA_KEYS = ("images", "videos", "condition_images", "condition_videos")
-# Flow-Factory's client spells the fields as its reward models' arguments; its server template reads these
+# Flow-Factory's spelling of a /compute field -> its name here (that of Flow-Factory's early
+# template); the other fields are spelled alike. "kwargs" is what its early client sent for "extra".
 COMPUTE_SPELLINGS = {"prompt": "prompts", "image": "images", "video": "videos", "kwargs": "extra"}
+# what Flow-Factory's server template reads at the snapshot: our field name -> its key
+TEMPLATE_KEYS = {"prompts": "prompt", "images": "image", "videos": "video"}
 
 
 class ComputeRequest(BaseModel):
@@ -102,6 +107,11 @@ class ComputeRequest(BaseModel):
     @model_validator(mode="after")
     def _one_per_prompt(self):
         return one_per_prompt(self)
+
+    def template_body(self) -> dict[str, Any]:
+        """The JSON body in the keys Flow-Factory's server template reads (``prompt``, ``image``,
+        ``video``, ``condition_images``, ``condition_videos``, ``extra``); absent media are left out."""
+        return {TEMPLATE_KEYS.get(name, name): value for name, value in self.model_dump(exclude_none=True).items()}
 
 
 class ScoreResponse(BaseModel):

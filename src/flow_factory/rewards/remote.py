@@ -9,7 +9,8 @@ server written for Flow-Factory, which speaks its ``/compute`` protocol (``flow_
 finite numbers (``NaN``, ``Infinity``, a string, null, a bool), or that carries an ``error``,
 is an error naming the server's URL.
 
-``protocol`` picks the route: ``score`` (this project's), ``compute`` (Flow-Factory's), or
+``protocol`` picks the route: ``score`` (this project's), ``compute`` (Flow-Factory's, in the
+field names of its server template: ``prompt``, ``image``, ... see ``flow_factory.wire``), or
 ``auto`` (the default): before the first request, one empty POST to ``/score`` tells them
 apart, since a server without that route answers 404 (or 405) and ours answers anything else
 (422 for the empty body, 401 without the token). So a YAML entry copied from Flow-Factory's
@@ -70,7 +71,8 @@ class _RemoteReward:
         else:
             request = ComputeRequest(prompts=list(prompt), extra=self.request_kwargs, **media)
         path = f"/{self.route()}"
-        body = self.client.post(path, request.model_dump(exclude_none=True))
+        payload = request.model_dump(exclude_none=True) if path == "/score" else request.template_body()
+        body = self.client.post(path, payload)
         rewards = self._rewards_in(body, len(prompt), path)
         return RewardModelOutput(rewards=torch.tensor(rewards, dtype=torch.float32))
 
