@@ -12,6 +12,7 @@ import torch
 from flow_factory.algorithms.timesteps import draw_training_sigmas
 from flow_factory.config import ConfigError, parse_config
 from flow_factory.dynamics.window import choose_sde_steps
+from flow_factory.trainer.ema import ema_decay_at
 from test_config import minimal as run
 
 
@@ -109,7 +110,8 @@ def test_a_key_flow_factory_has_and_we_do_not_says_why():
 def test_kontext_examples_condition_keys_load_with_their_meaning():
     """examples/grpo/lora/flux1_kontext/default.yaml sets train / eval.condition_image_size; its earlier layout
     (examples/grpo/lora/flux1_kontext.yaml) sets data.condition_image_size for both splits;
-    qwen_image_edit_plus/default.yaml sets train / eval.auto_resize. On a text-to-image model they are errors."""
+    qwen_image_edit_plus/default.yaml sets train / eval.auto_resize. On a text-to-image model they change nothing
+    (test_condition_keys_on_a_text_only_model_load_with_a_note)."""
     kontext = {"model_type": "flux1-kontext"}
     cfg = parse_config(run(model=kontext, train={"condition_image_size": 384, "auto_resize": True},
                            eval={"condition_image_size": 512}))
@@ -122,9 +124,79 @@ def test_kontext_examples_condition_keys_load_with_their_meaning():
     with pytest.raises(ConfigError, match=r"train.condition_image_size: flux1-kontext needs height and width in "
                                           r"multiples of 16 .*, got 500; nearest valid: 496 or 512"):
         parse_config(run(model=kontext, train={"condition_image_size": 500}))
-    with pytest.raises(ConfigError, match="eval.auto_resize: sd3-5 generates from text alone; the key is for "
-                                          "conditioned models"):
-        parse_config(run(eval={"auto_resize": False}))
+
+
+def resolved(cfg) -> dict:
+    """What a run is: the resolved config, less its generated name."""
+    dumped = cfg.model_dump(mode="json")
+    dumped["log"].pop("run_name")
+    return dumped
+
+
+@pytest.mark.parametrize("model_type, size", [
+    ("qwen-image", 512),       # examples/grpo/lora/qwen_image/rational_rewards_t2i.yaml
+    ("wan2_t2v", [480, 832]),  # examples/grpo/lora/wan21/t2v.yaml
+    ("flux2-klein", 1024),     # the flux2-klein defaults
+])
+def test_condition_keys_on_a_text_only_model_load_with_a_note(model_type, size):
+    # Flow-Factory ignores them on a text-only model; here they are cleared and named by a note
+    plain = run(model={"model_type": model_type}, train={"num_frames": 9} if model_type.startswith("wan") else {})
+    written = run(model=plain["model"], train={**plain["train"], "condition_image_size": size, "auto_resize": True},
+                  eval={"condition_image_size": size})
+    cfg = parse_config(written)
+    assert resolved(cfg) == resolved(parse_config(plain))  # the same run as without them
+    assert cfg.train.condition_image_size is cfg.eval.condition_image_size is None
+    assert [note.split(":")[0] for note in cfg.notes()[:3]] == [
+        "train.condition_image_size", "train.auto_resize", "eval.condition_image_size"]
+    assert f"changes nothing: {model_type} generates from text alone" in cfg.notes()[0]
+
+
+# --------------------------------------------------------------- AWM's EMA and KL block
+# examples/awm/lora/{sd3_5,flux1}/default.yaml: kl_weight: 'Uniform', ema_decay_schedule: linear,
+# ema_decay: 0.3, warmup_steps: 1000 (sd3_5) / 300 (flux1). Upstream's AWM arguments have no kl_weight
+# (an unknown key lands in extra_kwargs, which no trainer reads); warmup_steps is the length of its EMA
+# decay warm-up (ema/ema_utils.py create_decay_fn: power, linear, warmup_cosine, initial_decay 0).
+
+AWM = {"trainer_type": "awm", "ema_kl_beta": 1, "ema_update_interval": 1}
+
+
+def test_awms_kl_weight_loads_with_a_note_and_changes_nothing():
+    cfg = parse_config(run(train={**AWM, "kl_weight": "Uniform"}))
+    plain = parse_config(run(train=AWM))
+    assert {**resolved(cfg), "train": {**resolved(cfg)["train"], "kl_weight": None}} == resolved(plain)
+    assert any(note.startswith("train.kl_weight: 'Uniform' is not a key of Flow-Factory's either")
+               for note in cfg.notes())
+
+
+@pytest.mark.parametrize("warmup", [1000, 300])
+def test_awms_linear_ema_warm_up_is_flow_factorys_ramp(warmup):
+    cfg = parse_config(run(train={**AWM, "ema_decay_schedule": "linear", "ema_decay": 0.3, "warmup_steps": warmup,
+                                  "max_epochs": 50}))
+    train = cfg.train
+    assert (train.ema_decay_schedule, train.flat_steps, train.warmup_steps) == ("piecewise_linear", 0, None)
+    for epoch in (0, 1, warmup // 3, warmup - 1, warmup, 5 * warmup):
+        flow_factory = 0.3 * min(epoch / warmup, 1)  # its linear_warmup_decay, initial_decay 0
+        got = ema_decay_at(train.ema_decay_schedule, epoch, train.ema_decay, train.max_epochs, train.flat_steps,
+                           train.ramp_rate)
+        assert got == pytest.approx(flow_factory, abs=1e-12)
+
+
+def test_ema_warm_up_of_the_other_schedules():
+    cosine = parse_config(run(train={"ema_decay_schedule": "warmup_cosine", "warmup_steps": 20}))
+    assert cosine.train.flat_steps == 20 and not cosine.notes()  # its warm-up: decay 0 (initial_decay) for 20 epochs
+    for schedule in ("constant", "piecewise_linear", "cosine"):  # Flow-Factory reads no warm-up there either
+        cfg = parse_config(run(train={"ema_decay_schedule": schedule, "warmup_steps": 20}))
+        assert f"train.warmup_steps: 20 changes nothing: ema_decay_schedule {schedule} has no warm-up" in cfg.notes()[0]
+    no_ema = parse_config(run(train={"ema_decay": 0, "warmup_steps": 20}))
+    assert no_ema.notes() == ["train.warmup_steps: 20 changes nothing: there is no EMA (ema_decay 0)"]
+    # power: Flow-Factory's min(d, (1 + k) / (W + k)) is not the power curve here, so the run would differ
+    with pytest.raises(ConfigError, match=r"train.warmup_steps: with ema_decay_schedule power \(the default\) "
+                                          r"Flow-Factory's EMA decay is min\(ema_decay, \(1 \+ k\) / \(10 \+ k\)\)"):
+        parse_config(run(train={"warmup_steps": 10}))
+    with pytest.raises(ConfigError, match="train.warmup_steps: 0; expected a positive integer"):
+        parse_config(run(train={"ema_decay_schedule": "linear", "warmup_steps": 0}))
+    with pytest.raises(ConfigError, match="two spellings of one setting"):
+        parse_config(run(train={"ema_decay_schedule": "linear", "warmup_steps": 10, "ramp_rate": 0.5}))
 
 
 # ----------------------------------------------------------------------- defaults

@@ -63,9 +63,6 @@ MOVED = {
 }
 
 NOT_HERE = {
-    "train.warmup_steps": "the EMA schedules here take flat_steps / ramp_rate (piecewise_linear, warmup_cosine); "
-                          "use train.flat_steps for a warm-up",
-    "train.kl_weight": "Flow-Factory has no such key either (it drops unknown keys silently); remove it",
     "model.component_load_dtypes": "the frozen networks take mixed_precision's dtype here",
 }
 
@@ -133,6 +130,7 @@ def read_flow_factory_spellings(data: dict) -> dict:
     if found:
         _read_dataset(data, _only_entry(datasets, "data.datasets", "one dataset per run here"))
     _read_overlap(data)
+    _read_ema_warmup(data)
     _read_frozen_dtypes(data)
     _read_acceleration(data)
     return data
@@ -173,6 +171,47 @@ def _read_acceleration(data: dict) -> None:
                           "torch_compile")
         if params:
             raise problem(f"{where}.params: {sorted(params)} not taken by {name}")
+
+
+def _read_ema_warmup(data: dict) -> None:
+    """Flow-Factory's ``train.warmup_steps`` W: the warm-up of its EMA decay schedule (its
+    ``ema/ema_utils.py``, with its default ``initial_decay`` 0), read as our key of the same meaning:
+
+    - ``linear``: decay = ema_decay min(1, k / W), which is our ``piecewise_linear`` with
+      flat_steps 0 and ramp_rate ema_decay / W (our ``linear`` ramps over max_epochs instead);
+    - ``warmup_cosine``: decay 0 for the first W epochs, which is our ``flat_steps``;
+    - ``power``: min(ema_decay, (1 + k) / (W + k)); the power schedule here is another curve
+      (diffusers' 1 - (1 + k)^(-2/3)) with no length to set, so it stays refused;
+    - ``constant``, ``piecewise_linear``, ``cosine`` read no W there either: the key stays, and
+      is named by a note (``without_effect``), as it is with no EMA (ema_decay 0)."""
+    train = data.get("train")
+    if not isinstance(train, dict) or train.get("warmup_steps") is None:  # null: as written in a saved config
+        return
+    steps = train["warmup_steps"]
+    schedule = train.get("ema_decay_schedule", "power")
+    decay = train.get("ema_decay", 0.995)
+    if schedule not in ("linear", "warmup_cosine", "power") or not _is_number(decay) or decay == 0:
+        return  # no effect (without_effect names it), or a wrong ema_decay that its own check reports
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise problem(f"train.warmup_steps: {show(steps)}; expected a positive integer (epochs of the EMA "
+                      f"decay's warm-up in ema_decay_schedule {schedule})")
+    if schedule == "power":
+        given = "" if "ema_decay_schedule" in train else " (the default)"
+        raise problem(f"train.warmup_steps: with ema_decay_schedule power{given} Flow-Factory's EMA decay is "
+                      f"min(ema_decay, (1 + k) / ({steps} + k)); the power schedule here is another curve (diffusers' "
+                      f"1 - (1 + k)^(-2/3)) with no length to set; remove warmup_steps for that one, or set "
+                      f"ema_decay_schedule linear (decay ema_decay min(1, k / {steps}))")
+    train.pop("warmup_steps")
+    if schedule == "warmup_cosine":
+        _put(data, "train.flat_steps", steps, "train.warmup_steps")
+    else:
+        _put(data, "train.flat_steps", 0, "train.warmup_steps with ema_decay_schedule linear")
+        _put(data, "train.ramp_rate", decay / steps, "train.warmup_steps with ema_decay_schedule linear")
+        train["ema_decay_schedule"] = "piecewise_linear"
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _read_overlap(data: dict) -> None:
@@ -231,6 +270,16 @@ def without_effect(cfg) -> list[str]:
                      "a contiguous share of the epoch's group-ordered samples, dgpo its share of each global "
                      "micro-batch (advantages are computed over the gathered batch, so the placement changes which "
                      "process computes a sample, not its advantage)")
+    if train.kl_weight is not None:
+        notes.append(f"train.kl_weight: {show(train.kl_weight)} is not a key of Flow-Factory's either (its AWM "
+                     "examples set it, its trainers never read it); the KL terms are weighted by kl_beta and "
+                     "ema_kl_beta")
+    if train.warmup_steps is not None:
+        why = ("there is no EMA (ema_decay 0)" if train.ema_decay == 0 else
+               f"ema_decay_schedule {train.ema_decay_schedule} has no warm-up, here as in Flow-Factory (only its "
+               "power, linear and warmup_cosine schedules read warmup_steps)")
+        notes.append(f"train.warmup_steps: {train.warmup_steps} changes nothing: {why}")
+    notes += cfg.keys_without_effect
     if ("time_shift" in train.model_fields_set and train.time_shift != 1
             and train.trainer_type in ("nft", "awm", "dpo", "dgpo", "crd") and train.time_sampling_strategy.startswith("discrete")):
         notes.append(f"train.time_shift: {train.time_shift:g} shifts continuous sigmas; time_sampling_strategy "

@@ -22,12 +22,12 @@ from datetime import datetime
 from typing import Literal
 
 import yaml
-from pydantic import PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import PositiveInt, PrivateAttr, ValidationError, field_validator, model_validator
 
 from ..launch_configs import FOLDER as LAUNCH_FOLDER
 from ..launch_configs import LaunchConfigError
 from ..launch_configs import resolve as resolve_launch_config
-from .base import Section, problem, setting, size_problem
+from .base import Section, problem, setting, show, size_problem
 from .compat import read_flow_factory_spellings, without_effect
 from .errors import ConfigError
 from .explain import explain
@@ -73,6 +73,9 @@ class Config(Section):
                                           expects=ENTRIES)
     eval_rewards: list[RewardConfig] | None = setting(None, "rewards at eval; null = the training rewards",
                                                       expects=f"{ENTRIES}, or null")
+    # keys the config gave that were cleared because they mean nothing for this model, each with
+    # why; ``notes`` names them (a key kept with no effect is named from its own value instead)
+    _cleared: list[str] = PrivateAttr(default_factory=list)
 
     def __init__(self, **data):
         # pydantic routes model_validate through a custom __init__ too, wrapping this
@@ -133,6 +136,7 @@ class Config(Section):
     @model_validator(mode="after")
     def _resolve_and_check(self):
         fill_trainer_defaults(self.train)
+        self._clear_conditions_of_text_only_models()
         # checks next: they must see what the user wrote, not the filled-in defaults
         problems = self._contradictions() + self._size_problems() + self._window_problems()
         if not problems:
@@ -161,6 +165,26 @@ class Config(Section):
             # two runs started in the same second must not share a folder
             stamp = f"{datetime.now().strftime('%Y%m%d_%H%M%S')}_{secrets.token_hex(3)}"
             self.log.run_name = f"{self.model.model_type}_{self.model.finetune_type}_{train.trainer_type}_{stamp}"
+
+    def _clear_conditions_of_text_only_models(self) -> None:
+        """Flow-Factory's configs for text-only models may set the condition keys (its defaults for
+        some families do); it ignores them there, so they are cleared here, with a note, and the run
+        is the one without them."""
+        name = self.model.model_type
+        if model_family(name).conditions:
+            return
+        for part, section in (("train", self.train), ("eval", self.eval)):
+            for key in ("condition_image_size", "auto_resize"):
+                value = getattr(section, key)
+                if value is not None:
+                    self._cleared.append(f"{part}.{key}: {show(value)} changes nothing: {name} generates from text "
+                                         "alone (the key is for conditioned models)")
+                    setattr(section, key, None)
+
+    @property
+    def keys_without_effect(self) -> list[str]:
+        """Keys cleared because they mean nothing for this model, each with why."""
+        return list(self._cleared)
 
     # ------------------------------------------------------------------ checks
     def _contradictions(self) -> list[str]:
@@ -234,9 +258,6 @@ class Config(Section):
         conditioned = [(f"{part}.{key}", getattr(section, key)) for part, section in (("train", self.train),
                        ("eval", self.eval)) for key in ("condition_image_size", "auto_resize")
                        if getattr(section, key) is not None]
-        if conditioned and not family.conditions:
-            return [f"{path}: {name} generates from text alone; the key is for conditioned models (flux1-kontext, "
-                    "wan2_i2v, wan2_v2v, qwen-image-edit-plus); remove it" for path, _ in conditioned]
         if "images" not in family.conditions:  # video-to-video: the video is encoded at the size generated
             resized = [path for path, _ in conditioned if path.endswith("condition_image_size")]
             if resized:

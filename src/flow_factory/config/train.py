@@ -179,6 +179,9 @@ class TrainConfig(Section):
     awm_weighting: Literal["Uniform", "t", "t**2", "huber", "ghuber"] = setting(
         "Uniform", "awm: weighting of the matching log-likelihood: Uniform, t, t**2, huber or ghuber")
     ghuber_power: float = setting(0.25, "awm: power p of the ghuber weighting", gt=0)
+    kl_weight: str | int | float | None = setting(
+        None, "Flow-Factory compatibility: set by its AWM examples, read by none of its trainers; does nothing "
+        "(the KL terms are weighted by kl_beta and ema_kl_beta)")
     ema_kl_beta: float = setting(0.0, "awm: coefficient of the v-based KL to the EMA policy (needs ema_decay > 0)",
                                  ge=0)
     beta: float = setting(2000.0, "dpo: DPO temperature on the per-dimension flow-matching errors", gt=0)
@@ -240,6 +243,10 @@ class TrainConfig(Section):
     flat_steps: NonNegativeInt = setting(
         0, "piecewise_linear / warmup_cosine: epochs with decay 0 (the EMA copies the policy) before the ramp")
     ramp_rate: float = setting(0.001, "piecewise_linear: decay added per epoch after flat_steps", gt=0)
+    warmup_steps: NonNegativeInt | None = setting(
+        None, "Flow-Factory compatibility: its EMA warm-up length, read as our key of the same meaning (linear: "
+        "piecewise_linear with ramp_rate ema_decay / warmup_steps; warmup_cosine: flat_steps); kept only where "
+        "the schedule has no warm-up, where it does nothing")
     ema_update_interval: PositiveInt = setting(10, "update the EMA every this many epochs")
     ema_device: Literal["cpu", "cuda", "same"] = setting("same", "where the EMA weights live; cpu keeps "
                                                          "accelerator memory free")
