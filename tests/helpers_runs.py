@@ -120,3 +120,19 @@ def write_config(tmp: Path, config: dict, name: str = "config.yaml") -> Path:
     path = tmp / name
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def ff_train_in_this_process(argv: list[str]) -> tuple[tuple[str, str], int]:
+    """``ff-train ARGV`` run by the test's own process, for a one-process reference run: the same ``main`` a
+    launch runs, without the seconds of imports a fresh process pays (the suite's process runs torch on one
+    thread, as the launched runs do). Not from a thread: the run installs its signal handlers.
+    Returns ((stdout, stderr), exit code)."""
+    import contextlib
+    import io
+
+    from flow_factory.train import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return (out.getvalue(), err.getvalue()), code

@@ -109,3 +109,19 @@ def test_the_reward_server_and_its_wire_format_load_without_torch():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('flow_factory.rewards')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_run_imports_only_its_own_models_adapter_and_no_plotting_until_it_draws():
+    """The trainer and SD3's adapter load neither another family's adapter (each pulls its diffusers pipeline)
+    nor matplotlib; every model type of the registry's table loads a class of that model type."""
+    code = ("import sys; from flow_factory.trainer import Trainer; from flow_factory.models import ADAPTERS; "
+            "ADAPTERS['sd3-5']; "
+            "print(sorted(m for m in sys.modules if m.startswith(('flow_factory.models.', 'matplotlib')) and "
+            "m.split('.')[-1] not in ('base', 'lora', 'registry', 'preflight')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['flow_factory.models.sd3']"
+
+    from flow_factory.models import ADAPTERS
+
+    for model_type in ADAPTERS:
+        assert ADAPTERS[model_type].model_type == model_type

@@ -16,12 +16,11 @@ import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from helpers_runs import tiny_run_config, write_config
+from helpers_runs import ff_train_in_this_process, tiny_run_config, write_config
 from safetensors.torch import load_file
 from test_train_cli import EPOCHS, LINEAR_STEP, TESTS_DIR, TOLERANCE, _difference_over_movement, _free_port
 
@@ -76,6 +75,8 @@ def _launch(folder, model_path, processes: int, config_file=None, model=None, ma
                                                                                       os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "flow_factory.train", str(write_config(folder, config)),
                "--num_processes", str(processes), "--main_process_port", str(_free_port())]
+    if processes == 1 and not config_file:  # the reference run, in this process: no launch, no imports to pay
+        return config, [ff_train_in_this_process(command[3:])]
     if machines > 1:  # each machine encodes the prompts into its own cache (data.preprocess_parallelism: local)
         command += ["--num_machines", str(machines), "--main_process_ip", "127.0.0.1"]
         runs = [subprocess.Popen(command + ["--machine_rank", str(rank), f"data.cache_dir={folder}/cache_{rank}"],
@@ -169,9 +170,24 @@ def _assert_the_full_update_of_one_process(one, sharded, start: dict, name: str)
     return b, moved
 
 
+FULL = {"finetune_type": "full"}
+# lr / eps = 0.1: full weights move a little. A KL this strong dominates the second epoch's update: a
+# reference left out of the forward (the current weights instead) made the runs differ by ~1x the movement
+FULL_KL_STEP = {"learning_rate": 1e7, "kl_beta": 1000.0, "kl_type": "v-based"}
+
+
+@pytest.fixture(scope="module")
+def one_process_full(tmp_path_factory, tiny_sd3_path):
+    """The full fine-tuning run with a KL reference on one process that each sharded backend's is compared with."""
+    folder = tmp_path_factory.mktemp("one_process_full")
+    _ff_train(folder, tiny_sd3_path, 1, model=FULL, **FULL_KL_STEP)
+    return folder
+
+
 @pytest.mark.parametrize("config_file", ["fsdp2", pytest.param("zero2", marks=needs_deepspeed),
                                          pytest.param("zero3", marks=needs_deepspeed)])
-def test_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path, tiny_sd3_path, config_file):
+def test_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path, tiny_sd3_path, config_file,
+                                                                       one_process_full):
     """Full fine-tuning with the KL to the starting weights and an EMA: under FSDP the reference is a copy of
     each process's shards, under ZeRO-2 of the whole weights every process holds, under ZeRO-3 of each
     process's partitions, swapped in for the reference's forward. The second epoch's KL gradient depends
@@ -179,15 +195,8 @@ def test_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path,
     shards or partitions, gathered, is the one process's."""
     from diffusers import SD3Transformer2DModel
 
-    full = {"finetune_type": "full"}
-    # lr / eps = 0.1: full weights move a little. A KL this strong dominates the second epoch's update: a
-    # reference left out of the forward (the current weights instead) made the runs differ by ~1x the movement
-    step = {"learning_rate": 1e7, "kl_beta": 1000.0, "kl_type": "v-based"}
-    one, fsdp = tmp_path / "p1", tmp_path / config_file
-    with ThreadPoolExecutor(2) as pool:  # side by side: the one-process run takes the core the other leaves
-        reference = pool.submit(_ff_train, one, tiny_sd3_path, 1, model=full, **step)
-        state = _ff_train(fsdp, tiny_sd3_path, 2, config_file=config_file, model=full, **step)
-        reference.result()
+    one, fsdp = one_process_full, tmp_path / config_file
+    state = _ff_train(fsdp, tiny_sd3_path, 2, config_file=config_file, model=FULL, **FULL_KL_STEP)
     held = state["sharding"]["trained_values_per_process"]
     assert state["sharding"]["backend"] == {"fsdp2": "fsdp"}.get(config_file, "deepspeed")
     if config_file == "zero2":  # ZeRO-2 splits the optimizer state and the gradients, not the weights
@@ -203,7 +212,7 @@ def test_full_fine_tuning_with_a_sharded_reference_matches_one_process(tmp_path,
     if config_file == "fsdp2":  # stopped after epoch 1 and resumed into shards (ZeRO's resumes: test_deepspeed.py)
         resumed = tmp_path / "resumed"
         _ff_train(resumed, tiny_sd3_path, 2, config_file=config_file,
-                  model={**full, "resume_path": str(_checkpoint(fsdp, 1))}, **step)
+                  model={**FULL, "resume_path": str(_checkpoint(fsdp, 1))}, **FULL_KL_STEP)
         c = _transformer(resumed)
         assert all(torch.allclose(c[k], b[k], rtol=0, atol=1e-6) for k in b)
 

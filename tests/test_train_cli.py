@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_runs import TINY_MODELS, tiny_run_config, write_config
+from helpers_runs import TINY_MODELS, ff_train_in_this_process, tiny_run_config, write_config
 
 from flow_factory.models import get_adapter_class
 from flow_factory.train import main
@@ -210,8 +210,8 @@ def _train_in_subprocess(folder: Path, model_path, processes: int, **train) -> d
 
 
 def _start_training(folder: Path, model_path, processes: int, **train):
-    """``_train_in_subprocess`` started, not awaited: call the result for the final LoRA (runs of one
-    process each use one core, so two of them side by side take the time of one)."""
+    """``_train_in_subprocess`` started, not awaited: call the result for the final LoRA. A one-process run
+    (the reference) runs in this process, to its end, before this returns."""
     from safetensors.torch import load_file
 
     config = tiny_run_config(folder, "sd3-5", model_path, max_epochs=EPOCHS, group_size=4, **{**LINEAR_STEP, **train})
@@ -224,6 +224,14 @@ def _start_training(folder: Path, model_path, processes: int, **train):
     # two test runs at once must not share one)
     command = [sys.executable, "-m", "flow_factory.train", str(write_config(folder, config)),
                "--num_processes", str(processes), "--main_process_port", str(_free_port())]
+
+    def lora() -> dict:
+        return load_file(folder / "saves" / "run" / "checkpoints" / f"epoch_{EPOCHS}" /
+                         "pytorch_lora_weights.safetensors")
+    if processes == 1:  # the reference: the same main, in this process
+        (_, stderr), code = ff_train_in_this_process(command[3:])
+        assert code == 0, f"1 process: exit {code}\n{stderr[-4000:]}"
+        return lora
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def finish() -> dict:
@@ -233,8 +241,7 @@ def _start_training(folder: Path, model_path, processes: int, **train):
             process.kill()
             raise
         assert process.returncode == 0, f"{processes} process(es): exit {process.returncode}\n{stderr[-4000:]}"
-        return load_file(folder / "saves" / "run" / "checkpoints" / f"epoch_{EPOCHS}" /
-                         "pytorch_lora_weights.safetensors")
+        return lora()
     return finish
 
 
