@@ -79,7 +79,7 @@ def test_every_reward_model_is_checked_with_the_key_that_names_it(tmp_path, monk
     config = tiny_run_config(tmp_path, "sd3-5", tmp_path)  # the model: a folder that exists
     config["rewards"].append({"name": "judge", "reward_model": "test_start_checks.NeedsTwoModels"})
     config["eval_rewards"] = [{"name": "pick", "reward_model": "PickScore", "model_name_or_path": "org/pick"}]
-    problem = start_checks.models_problem(start_checks.model_sources(parse_config(config))[0])
+    problem = start_checks.models_problem(start_checks.reward_needs(parse_config(config))[0])
     assert problem == ("models this run loads are not here (HF_HUB_OFFLINE is set): not in the hub cache: "
                        "org/judge (rewards[1] judge), org/judge-processor (rewards[1] judge), org/pick "
                        "(eval_rewards[0] pick). Fetch each with `hf download ID` where the hub is reachable, "
@@ -182,3 +182,31 @@ def test_a_run_says_where_it_went_and_how_to_use_what_it_left(tmp_path, tiny_sd3
     err = capsys.readouterr().err.splitlines()
     assert f"ff-train: resumed from {checkpoint}, epoch 1 of 2 done" in err
     assert f"  last checkpoint: {run_dir / 'checkpoints' / 'epoch_2'}" in err
+
+
+def test_reward_servers_and_vlm_apis_must_answer_before_a_run_starts(tmp_path):
+    """Any HTTP answer will do (a reward server answers 404 at its root); a port where nothing listens is
+    named with the key of the reward that needs it."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    live = HTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)  # answers every GET with 501
+    threading.Thread(target=live.serve_forever, daemon=True).start()
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        silent = s.getsockname()[1]
+    config = tiny_run_config(tmp_path, "sd3-5", tmp_path)
+    config["rewards"] += [
+        {"name": "remote", "reward_model": "remote", "server_url": f"http://127.0.0.1:{live.server_port}"},
+        {"name": "judge", "reward_model": "vllm_evaluate", "api_base_url": f"http://127.0.0.1:{silent}/v1",
+         "vlm_model": "qwen"}]
+    try:
+        _, servers, problems = start_checks.reward_needs(parse_config(config))
+        assert problems == [] and len(servers) == 2
+        assert start_checks.servers_problem(servers) == (
+            f"reward servers that do not answer: http://127.0.0.1:{silent}/v1 (rewards[2] judge: ConnectError); "
+            "start them first, or fix the URL")
+        assert start_checks.servers_problem(servers[:1]) is None
+    finally:
+        live.shutdown()

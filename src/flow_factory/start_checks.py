@@ -6,10 +6,11 @@ any model loads: each problem is one line naming the key and what would work, al
   processes on purpose);
 - the logging backend's package, and the extra that installs it;
 - the dataset against the epoch's draw (``train.unique_sample_num_per_epoch`` at most its prompts);
-- the reward classes, and every model the run loads (the pipeline, each reward's weights), last:
-  each must be a local folder, in the hub cache, or on a reachable hub. Offline
-  (``HF_HUB_OFFLINE=1``) or without a network, the missing ones are named in seconds, where
-  ``from_pretrained`` would retry for minutes.
+- the reward classes, the servers they score on (a remote reward's, a VLM judge's API: each must
+  answer), and every model the run loads (the pipeline, each reward's weights), last: each must
+  be a local folder, in the hub cache, or on a reachable hub. Offline (``HF_HUB_OFFLINE=1``) or
+  without a network, the missing ones are named in seconds, where ``from_pretrained`` would
+  retry for minutes.
 
 The Trainer runs the cheap ones again (a Python caller builds it without ``ff-train``).
 """
@@ -27,6 +28,7 @@ from .config import ConfigError
 # a hub repo id: org/name, each of letters, digits, '-', '_' and '.'
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 HUB_TIMEOUT_S = 5.0
+SERVER_TIMEOUT_S = 3.0
 BACKEND_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab"}
 
 
@@ -41,8 +43,9 @@ def start_problems(cfg, processes_on_command_line: bool = False) -> list[str]:
         problems.append(f"data.dataset_dir: {err}")
     except (ConfigError, ValueError) as err:  # a prompt file's own error names its file and line
         problems.append(str(err))
-    sources, reward_problems = model_sources(cfg)
+    sources, servers, reward_problems = reward_needs(cfg)
     problems += reward_problems
+    problems.append(servers_problem(servers))
     problems.append(models_problem(sources))
     return [p for p in problems if p]
 
@@ -91,13 +94,13 @@ def check_prompt_counts(cfg, train_count: int | None = None) -> None:
                           f"{train_count}")
 
 
-def model_sources(cfg) -> tuple[list[tuple[str, str]], list[str]]:
-    """``(model id or folder, the key that names it)`` for every model the run loads, and the problems of
-    reward classes that cannot be found."""
+def reward_needs(cfg) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[str]]:
+    """``(model id or folder, the key that names it)`` for every model the run loads, ``(URL, key)`` for
+    every server its rewards score on, and the problems of reward classes that cannot be found."""
     from .rewards.registry import resolve_reward_class
 
     sources = [(cfg.model.model_name_or_path, "model.model_name_or_path")]
-    problems = []
+    servers, problems = [], []
     for section, entries in (("rewards", cfg.rewards), ("eval_rewards", cfg.eval_rewards or [])):
         for i, entry in enumerate(entries):
             key = f"{section}[{i}] {entry.name}"
@@ -106,8 +109,30 @@ def model_sources(cfg) -> tuple[list[tuple[str, str]], list[str]]:
             except (ImportError, ValueError, TypeError) as err:
                 problems.append(f"{section}[{i}].reward_model: {err}")
                 continue
-            sources += [(model, key) for model in reward_cls.models_to_load(entry.constructor_options())]
-    return sources, problems
+            options = entry.constructor_options()
+            sources += [(model, key) for model in reward_cls.models_to_load(options)]
+            servers += [(url, key) for url in reward_cls.servers_to_reach(options)]
+    return sources, servers, problems
+
+
+def servers_problem(servers: list[tuple[str, str]]) -> str | None:
+    """One line naming each reward server or VLM API that does not answer (any HTTP answer will do)."""
+    import httpx
+
+    def answers(url: str) -> str | None:
+        try:
+            httpx.get(url, timeout=SERVER_TIMEOUT_S)
+        except httpx.HTTPError as err:
+            return type(err).__name__
+        return None
+
+    unique = list(dict.fromkeys(url for url, _ in servers))
+    with ThreadPoolExecutor(max(1, min(8, len(unique)))) as pool:
+        silent = dict(zip(unique, pool.map(answers, unique)))
+    missing = [f"{url} ({key}: {silent[url]})" for url, key in servers if silent[url]]
+    if not missing:
+        return None
+    return f"reward servers that do not answer: {', '.join(missing)}; start them first, or fix the URL"
 
 
 def models_problem(sources: list[tuple[str, str]]) -> str | None:

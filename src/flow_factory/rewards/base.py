@@ -290,6 +290,12 @@ class BaseRewardModel:
         (its default checkpoint, a processor) or less (a model a server runs)."""
         return [options["model_name_or_path"]] if options.get("model_name_or_path") else []
 
+    @classmethod
+    def servers_to_reach(cls, options: dict) -> list[str]:
+        """The URLs the reward scores on (a reward server, a VLM's API): ``ff-train`` checks each answers
+        before a run starts. None unless a subclass says."""
+        return []
+
     def __init__(self, *args, **kwargs):
         # the config form arrives with the entry first (or as config=); anything else is the keyword form
         if (args and isinstance(args[0], RewardArguments)) or "config" in kwargs:

@@ -41,6 +41,10 @@ class _RemoteReward:
     def models_to_load(cls, options: dict) -> list[str]:
         return []  # the server loads its model
 
+    @classmethod
+    def servers_to_reach(cls, options: dict) -> list[str]:
+        return [options["server_url"]] if options.get("server_url") else []
+
     def __init__(self, model_name_or_path=None, device="cpu", dtype=torch.float32, batch_size: int = 16, *,
                  server_url: str | None = None, timeout: float = 60.0, retry_attempts: int = 3,
                  backoff: float = 0.5, api_key: str | None = None, request_kwargs: dict | None = None,

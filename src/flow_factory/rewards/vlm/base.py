@@ -33,6 +33,10 @@ class VLMJudge(PointwiseRewardModel):
     def models_to_load(cls, options: dict) -> list[str]:
         return []  # model_name_or_path names the model the API serves
 
+    @classmethod
+    def servers_to_reach(cls, options: dict) -> list[str]:
+        return [options["api_base_url"]] if options.get("api_base_url") else []
+
     def __init__(self, model_name_or_path=None, device="cpu", dtype=torch.float32, batch_size: int = 16, *,
                  api_base_url: str | None = None, vlm_model: str | None = None, api_key: str | None = None,
                  extra_kwargs: dict | None = None, timeout: float = 120.0, retry_attempts: int = 2,
