@@ -143,8 +143,11 @@ def test_reward_guide_example_scores_through_a_config(monkeypatch):
 
     from flow_factory.rewards import PointwiseRewardModel, RewardSet
 
-    (code,) = python_blocks(DOCS / "guides" / "adding-a-reward.md")
+    code, needs = python_blocks(DOCS / "guides" / "adding-a-reward.md")
     guide = run_block(code, "ff_guide_reward", monkeypatch)
+    judge = run_block(needs, "ff_guide_judge", monkeypatch).MyJudge  # what ff-train checks it needs
+    assert judge.models_to_load({}) == ["org/my-judge", "org/my-judge-processor"]
+    assert judge.models_to_load({"model_name_or_path": "/ckpt"})[0] == "/ckpt" and judge.servers_to_reach({}) == []
     assert issubclass(guide.Brightness, PointwiseRewardModel)
     images = torch.stack([torch.full((3, 8, 8), 0.4), torch.full((3, 8, 8), 0.9), torch.rand(3, 8, 8)])
 
