@@ -31,7 +31,7 @@ def clean_lookup(monkeypatch):
 
 def guide_reward_module() -> str:
     """The reward guide's Brightness, the module the guide tells users to put beside their config."""
-    (code,) = re.findall(r"^```python\n(.*?)^```", REWARD_GUIDE.read_text(encoding="utf-8"), flags=re.M | re.S)
+    code = re.findall(r"^```python\n(.*?)^```", REWARD_GUIDE.read_text(encoding="utf-8"), flags=re.M | re.S)[0]
     return code
 
 
