@@ -279,10 +279,10 @@ def _files(run_dir: Path) -> dict[str, bytes]:
 
 
 # the steps of start-up after the run folder is claimed: a function a step calls, where a run fails or dies
-STARTUP_STEPS = {"rewards": ("flow_factory.trainer.trainer.RewardSet.from_configs"),
-                 "pipeline": ("flow_factory.trainer.trainer.load_adapter"),
-                 "trained weights": ("flow_factory.trainer.trainer.Trainer._make_trainable"),
-                 "the old run's removal": ("flow_factory.trainer.run_folder.RunFolder.started")}
+STARTUP_STEPS = {"rewards": "flow_factory.trainer.trainer.RewardSet.from_configs",
+                 "pipeline": "flow_factory.trainer.trainer.load_adapter",
+                 "trained weights": "flow_factory.trainer.trainer.Trainer._make_trainable",
+                 "the old run's removal": "flow_factory.trainer.run_folder.RunFolder.started"}
 
 
 def _killed_at(step: str, config_path: Path) -> int:

@@ -82,17 +82,22 @@ def test_ff_sample_reads_a_prompt_file_and_names_a_bad_one(tmp_path, tiny_sd3_pa
     assert ff_sample([str(tiny_sd3_path), "--prompt-file", str(tmp_path / "none.txt"), "--out", "x"]) == 2
 
 
-def test_ff_sample_applies_a_lora_checkpoint(tmp_path, tiny_sd3_path, capsys):
+def random_lora_checkpoint(model_path, out) -> Path:
+    """A LoRA checkpoint of the tiny SD3 in ``out`` whose B matrices are random: it changes the samples."""
     from flow_factory.models import load_adapter
     from flow_factory.models.lora import apply_lora, save_lora
 
-    adapter = load_adapter("sd3-5", tiny_sd3_path)
+    adapter = load_adapter("sd3-5", model_path)
     apply_lora(adapter.transformer, 4, 4, "all", adapter.default_lora_targets)
     with torch.no_grad():
         for name, p in adapter.transformer.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
-    ckpt = save_lora(type(adapter.pipeline), adapter.transformer, tmp_path / "ckpt")
+    return save_lora(type(adapter.pipeline), adapter.transformer, out)
+
+
+def test_ff_sample_applies_a_lora_checkpoint(tmp_path, tiny_sd3_path, capsys):
+    ckpt = random_lora_checkpoint(tiny_sd3_path, tmp_path / "ckpt")
     base, tuned = tmp_path / "base", tmp_path / "tuned"
     common = ["--prompts", PROMPTS[0], "--steps", "4"]
     assert ff_sample([str(tiny_sd3_path), *common, "--out", str(base)]) == 0
@@ -182,9 +187,6 @@ def run_checkpoint(tmp_path_factory, tiny_sd3_path):
     checkpoint in RUN/checkpoints/epoch_1 (random LoRA weights: training would add only time)."""
     from flow_factory.checkpoint import RUN_CONFIG, checkpoint_dir
     from flow_factory.config import load_config
-    from flow_factory.models import load_adapter
-    from flow_factory.models.lora import apply_lora, save_lora
-
     tmp = tmp_path_factory.mktemp("run")
     config = _config(tmp, tiny_sd3_path)
     data = yaml.safe_load(open(config))
@@ -192,13 +194,7 @@ def run_checkpoint(tmp_path_factory, tiny_sd3_path):
     (tmp / "eval.yaml").write_text(yaml.safe_dump(data))
     cfg = load_config(config)
     run_dir = tmp / "runs" / cfg.log.run_name
-    adapter = load_adapter("sd3-5", tiny_sd3_path)
-    apply_lora(adapter.transformer, 4, 4, "all", adapter.default_lora_targets)
-    with torch.no_grad():
-        for name, p in adapter.transformer.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
-    ckpt = save_lora(type(adapter.pipeline), adapter.transformer, checkpoint_dir(run_dir, 1))
+    ckpt = random_lora_checkpoint(tiny_sd3_path, checkpoint_dir(run_dir, 1))
     (run_dir / RUN_CONFIG).write_text(cfg.to_yaml())
     return config, str(ckpt)
 

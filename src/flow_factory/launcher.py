@@ -31,11 +31,11 @@ def report(message: str, code: int) -> int:
     if not folder:
         print(message, file=sys.stderr, flush=True)
         return code
+    from .checkpoint import write_atomic  # here, not at the top: the launching process never reports
+
     rank = int(os.environ.get("RANK", "0"))
     record = {"rank": rank, "time": time.time(), "code": code, "message": message}
-    path = Path(folder) / f"rank{rank}.json"
-    path.with_suffix(".tmp").write_text(json.dumps(record))
-    path.with_suffix(".tmp").replace(path)  # whole or absent when ff-train reads it
+    write_atomic(Path(folder) / f"rank{rank}.json", json.dumps(record))  # whole or absent when ff-train reads it
     return code
 
 

@@ -115,6 +115,14 @@ def reward_needs(cfg) -> tuple[list[tuple[str, str]], list[tuple[str, str]], lis
     return sources, servers, problems
 
 
+def each_at_once(check, values: list[str]) -> dict:
+    """``{value: check(value)}`` for each distinct value, checked side by side: each may wait seconds on the
+    network, and their waits need not add up."""
+    unique = list(dict.fromkeys(values))
+    with ThreadPoolExecutor(max(1, min(8, len(unique)))) as pool:
+        return dict(zip(unique, pool.map(check, unique)))
+
+
 def servers_problem(servers: list[tuple[str, str]]) -> str | None:
     """One line naming each reward server or VLM API that does not answer (any HTTP answer will do)."""
     import httpx
@@ -126,9 +134,7 @@ def servers_problem(servers: list[tuple[str, str]]) -> str | None:
             return type(err).__name__
         return None
 
-    unique = list(dict.fromkeys(url for url, _ in servers))
-    with ThreadPoolExecutor(max(1, min(8, len(unique)))) as pool:
-        silent = dict(zip(unique, pool.map(answers, unique)))
+    silent = each_at_once(answers, [url for url, _ in servers])
     missing = [f"{url} ({key}: {silent[url]})" for url, key in servers if silent[url]]
     if not missing:
         return None
@@ -139,9 +145,7 @@ def models_problem(sources: list[tuple[str, str]]) -> str | None:
     """One line naming each model that is neither a local folder nor cached nor on a reachable hub."""
     from huggingface_hub import constants
 
-    unique = list(dict.fromkeys(source for source, _ in sources))
-    with ThreadPoolExecutor(max(1, min(8, len(unique)))) as pool:
-        found = dict(zip(unique, pool.map(lambda s: model_problem(s, constants.HF_HUB_OFFLINE), unique)))
+    found = each_at_once(lambda s: model_problem(s, constants.HF_HUB_OFFLINE), [source for source, _ in sources])
     by_reason: dict[str, list[str]] = {}
     for source, key in dict.fromkeys(sources):
         if found[source]:
