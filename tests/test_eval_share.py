@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
+from helpers_launch import preloaded_forkserver
 from helpers_runs import tiny_run_config, write_config
 from test_train_cli import _free_port
 
@@ -111,9 +112,9 @@ def test_three_processes_score_every_test_prompt_once_as_one_process_does(tmp_pa
     are one process's."""
     config = _config(tmp_path, tiny_sd3_path)
     (tmp_path / "records").mkdir()
-    # forked from a server that imported this module (torch, diffusers, the package) once: three processes
-    # each importing it on a 2-core machine take a minute; the server has run nothing that fork would break
-    mp.get_context("forkserver").set_forkserver_preload([__name__])
+    # forked from the suite's server that imported torch, diffusers and the package once: three processes
+    # each importing them on a 2-core machine take a minute; the server has run nothing that fork would break
+    preloaded_forkserver()
     context = mp.start_processes(_process, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False,
                                  start_method="forkserver")
     deadline = time.monotonic() + DEADLINE  # a process that skips a collective hangs the others: fail, not stall

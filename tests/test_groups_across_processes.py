@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers_launch import preloaded_forkserver
 from toy import ToyAdapter, ToyVelocity, toy_reward
 
 from flow_factory.advantages import combine_advantages
@@ -123,7 +124,9 @@ def two_processes(tmp_path_factory) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    context = mp.start_processes(_process, args=(port, str(folder)), nprocs=2, join=False, start_method="spawn")
+    preloaded_forkserver()  # forked from the suite's server: torch and the package imported there once
+    context = mp.start_processes(_process, args=(port, str(folder)), nprocs=2, join=False,
+                                 start_method="forkserver")
     deadline = time.monotonic() + 300  # a distributed hang fails, it does not stall CI
     while not context.join(timeout=1):
         if time.monotonic() > deadline:

@@ -4,6 +4,8 @@ with a KL reference) over 2 gloo processes; the other DeepSpeed runs are in test
 accelerate never shards on CPU with FSDP, so there the trainer shards with torch's own ``fully_shard``
 (``flow_factory/sharding.py``); everything after that (the optimizer over the shards, the
 gathered checkpoint, the EMA of the shards, resuming into shards) is the code a GPU run runs.
+The launches fork their processes from a preloaded server (helpers_launch.py: the same ff-train, accelerate
+and backend code, without each process importing torch and diffusers again).
 DeepSpeed runs its own ZeRO engine on CPU over gloo (it compiles a small C++ op on first use, so
 its tests need ninja and a C++ compiler, and skip saying which is missing).
 The run's checkpoint records how many trained values each process held: sharded means each held
@@ -14,15 +16,16 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_launch import ff_train_forked
 from helpers_runs import ff_train_in_this_process, tiny_run_config, write_config
 from safetensors.torch import load_file
-from test_train_cli import EPOCHS, LINEAR_STEP, TESTS_DIR, TOLERANCE, _difference_over_movement, _free_port
+from test_train_cli import EPOCHS, LINEAR_STEP, TOLERANCE, _difference_over_movement, _free_port
 
 
 # the venv's own tools (ninja, for DeepSpeed's op) whether or not the venv is activated
@@ -44,18 +47,12 @@ needs_deepspeed = pytest.mark.skipif(_why_no_deepspeed() is not None, reason=str
 
 
 def _ff_train(folder, model_path, processes: int, **run) -> dict:
-    """``ff-train`` in its own processes, as the invariant-4 test runs it; returns the run's last trainer state."""
+    """``ff-train`` on ``processes`` processes, as the invariant-4 test runs it (forked: helpers_launch);
+    returns the run's last trainer state."""
     config, results = _launch(folder, model_path, processes, **run)
-    for (_, err), code in results:
-        assert code == 0, f"{processes} process(es): exit {code}\n{_each_process_error(err)}{err[-4000:]}"
+    for (_, err), code in results:  # a failed launch's output ends with its first failing process's message
+        assert code == 0, f"{processes} process(es): exit {code}\n{err[-4000:]}"
     return json.loads((_checkpoint(folder, config["train"]["max_epochs"]) / "trainer_state.json").read_text())
-
-
-def _each_process_error(err: str) -> str:
-    """Every process's exception line: a launch's stderr interleaves the processes, and its tail may show
-    only the last one to fail."""
-    lines = [line for line in err.splitlines() if re.match(r"\[rank\d+\]: \w*(Error|Exception)\b", line)]
-    return "".join(f"{line}\n" for line in lines) + "...\n" if lines else ""
 
 
 def _launch(folder, model_path, processes: int, config_file=None, model=None, machines: int = 1,
@@ -71,22 +68,19 @@ def _launch(folder, model_path, processes: int, config_file=None, model=None, ma
         config["config_file"] = config_file
     (folder / "tmp").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PATH": TOOLS_PATH, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "TMPDIR": str(folder / "tmp"), "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR),
-                                                                                      os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "flow_factory.train", str(write_config(folder, config)),
-               "--num_processes", str(processes), "--main_process_port", str(_free_port())]
+           "TMPDIR": str(folder / "tmp")}
+    argv = [str(write_config(folder, config)), "--num_processes", str(processes),
+            "--main_process_port", str(_free_port())]
     if processes == 1 and not config_file:  # the reference run, in this process: no launch, no imports to pay
-        return config, [ff_train_in_this_process(command[3:])]
-    if machines > 1:  # each machine encodes the prompts into its own cache (data.preprocess_parallelism: local)
-        command += ["--num_machines", str(machines), "--main_process_ip", "127.0.0.1"]
-        runs = [subprocess.Popen(command + ["--machine_rank", str(rank), f"data.cache_dir={folder}/cache_{rank}"],
-                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for rank in range(machines)]
-        results = [(run.communicate(timeout=300), run.returncode) for run in runs]
-    else:
-        result = subprocess.run(command, env=env, timeout=300, capture_output=True, text=True)
-        results = [((result.stdout, result.stderr), result.returncode)]
-    return config, results
+        return config, [ff_train_in_this_process(argv)]
+    if machines == 1:
+        return config, [ff_train_forked(argv, env)]
+    # each machine encodes the prompts into its own cache (data.preprocess_parallelism: local)
+    argv += ["--num_machines", str(machines), "--main_process_ip", "127.0.0.1"]
+    with ThreadPoolExecutor(machines) as pool:
+        runs = [pool.submit(ff_train_forked, argv + ["--machine_rank", str(rank), f"data.cache_dir={folder}/cache_{rank}"],
+                            env) for rank in range(machines)]
+        return config, [run.result() for run in runs]
 
 
 def _checkpoint(folder, epoch):

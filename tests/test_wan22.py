@@ -461,13 +461,12 @@ def test_two_processes_make_the_same_update_as_one(request, tmp_path):
     resumed, the run ends at the uninterrupted run's LoRAs."""
     import os
     import re
-    import subprocess
-    import sys
     from concurrent.futures import ThreadPoolExecutor
 
     from diffusers import WanPipeline
+    from helpers_launch import ff_train_forked
     from helpers_runs import ff_train_in_this_process
-    from test_train_cli import LINEAR_STEP, TESTS_DIR, U, _difference_over_movement, _free_port
+    from test_train_cli import LINEAR_STEP, U, _difference_over_movement, _free_port
 
     path = request.getfixturevalue("tiny_wan22_path")
     both = ["transformer", "transformer_2"]
@@ -491,15 +490,13 @@ def test_two_processes_make_the_same_update_as_one(request, tmp_path):
             config["config_file"] = config_file
         if resume:
             config["model"]["resume_path"] = str(resume)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
-        command = [sys.executable, "-m", "flow_factory.train", str(write_config(folder, config)),
-                   "--num_processes", str(processes), "--main_process_port", str(_free_port())]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+        argv = [str(write_config(folder, config)), "--num_processes", str(processes),
+                "--main_process_port", str(_free_port())]
         if processes == 1:  # the reference, in this process (from its main thread: the run sets signal handlers)
-            (_, stderr), code = ff_train_in_this_process(command[3:])
-        else:
-            result = subprocess.run(command, env=env, timeout=400, capture_output=True, text=True)
-            stderr, code = result.stderr, result.returncode
+            (_, stderr), code = ff_train_in_this_process(argv)
+        else:  # forked from the suite's preloaded server (helpers_launch): the launch without its imports
+            (_, stderr), code = ff_train_forked(argv, env, timeout=400)
         assert code == 0, f"{folder.name}: exit {code}\n{stderr[-4000:]}"
         return json.loads((checkpoint(folder) / "trainer_state.json").read_text())["sharding"]
 
