@@ -31,6 +31,7 @@ STEPS = 5
 CASES = {
     "grpo": ("Flow-SDE", dict(kl_beta=0.1, kl_type="x-based")),
     "grpo-guard": ("Flow-SDE", dict()),
+    "dppo": ("CPS", dict(kl_mask_threshold=0.0, kl_mask_type="v-based", kl_beta=0.1, kl_guidance_scale=2.0)),
     "grpo-outside-kl": ("Dance-SDE", dict(outside_kl_beta=0.2, kl_beta=0.1, kl_type="v-based")),
     "nft": ("ODE", dict(kl_beta=0.1)),
     "awm": ("ODE", dict(ema_kl_beta=0.0, kl_beta=0.1)),

@@ -312,7 +312,7 @@ def test_reward_extra_keys_are_constructor_options():
     ("train.group_size=2.5", "train.group_size: expected a positive integer, got 2.5"),
     ("train.group_size=true", "train.group_size: expected a positive integer, got true"),
     ("train.trainer_type=gpro",
-     "train.trainer_type: expected one of 'grpo', 'grpo-guard', 'nft', 'awm', 'dpo', 'dgpo', 'crd', got 'gpro'; did you mean 'grpo'?"),
+     "train.trainer_type: expected one of 'grpo', 'grpo-guard', 'dppo', 'nft', 'awm', 'dpo', 'dgpo', 'crd', got 'gpro'; did you mean 'grpo'?"),
     ("scheduler.dynamics_type=Flow-SDF",
      "scheduler.dynamics_type: expected one of 'Flow-SDE', 'Dance-SDE', 'CPS', 'ODE', 'DPM-Solver++2M', got 'Flow-SDF'; "
      "did you mean 'Flow-SDE'?"),
@@ -543,7 +543,7 @@ def _combination_accepted_by_classes(trainer_type: str, dynamics: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize("trainer_type", ["grpo", "grpo-guard", "nft", "awm", "dpo", "dgpo", "crd"])
+@pytest.mark.parametrize("trainer_type", ["grpo", "grpo-guard", "dppo", "nft", "awm", "dpo", "dgpo", "crd"])
 @pytest.mark.parametrize("dynamics", ["Flow-SDE", "Dance-SDE", "CPS", "ODE", "DPM-Solver++2M"])
 def test_the_config_refuses_exactly_the_combinations_the_classes_refuse(trainer_type, dynamics):
     """Which algorithm trains through which dynamics is the classes' rule (GRPO needs a stochastic
@@ -553,7 +553,7 @@ def test_the_config_refuses_exactly_the_combinations_the_classes_refuse(trainer_
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
-@pytest.mark.parametrize("trainer_type", ["grpo", "grpo-guard", "nft", "awm", "dpo"])
+@pytest.mark.parametrize("trainer_type", ["grpo", "grpo-guard", "dppo", "nft", "awm", "dpo"])
 def test_the_epoch_arithmetic_counts_the_micro_batches_the_algorithm_makes(trainer_type, num_processes):
     """The config computes micro-steps per epoch (and so gradient accumulation) from its own
     copy of each algorithm's rule (DPO: one best / worst pair per group); count what the

@@ -93,6 +93,16 @@ class GRPO(Algorithm):
         """Weight of a step's policy loss relative to the other steps' ((B,) sigmas: one per row)."""
         return 1.0
 
+    def reference_guidance(self) -> dict:
+        """``policy.reference_velocity``'s keywords for the KL's reference: the policy's own guidance."""
+        return {}
+
+    def policy_loss(self, log_ratio: Tensor, batch: TrainBatch, v: Tensor, mean: Tensor,
+                    std: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The surrogate of the (B,) ``log_ratio``: PPO's clipped one (``clipped_surrogate``)."""
+        return clipped_surrogate(log_ratio, batch.advantages, self.cfg.clip_range, self.cfg.adv_clip_range,
+                                 weight=self.policy_loss_weight(batch.sigma, batch.sigma_next))
+
     # --- the loss ----------------------------------------------------------------
     def loss(self, policy: Policy, batch: TrainBatch) -> tuple[Tensor, dict[str, Tensor]]:
         x, sigma, sigma_next = batch.x, batch.sigma, batch.sigma_next
@@ -102,10 +112,7 @@ class GRPO(Algorithm):
         mean, std = self.dynamics.mean_and_std(x, v, sigma, sigma_next)
         log_prob = self.dynamics.log_prob(batch.x_next, mean, std)
 
-        policy_loss, metrics = clipped_surrogate(
-            self.log_ratio(log_prob, mean, std, batch), batch.advantages, self.cfg.clip_range,
-            self.cfg.adv_clip_range, weight=self.policy_loss_weight(sigma, sigma_next),
-        )
+        policy_loss, metrics = self.policy_loss(self.log_ratio(log_prob, mean, std, batch), batch, v, mean, std)
         loss = policy_loss
 
         adv = batch.advantages.detach().float()
@@ -136,20 +143,26 @@ class GRPO(Algorithm):
         """Batch-mean KL to the reference; gradients flow through the policy's side only."""
         x, sigma, sigma_next = batch.x, batch.sigma, batch.sigma_next
         with torch.no_grad():
-            v_ref = policy.reference_velocity(x, sigma, batch.cond)
+            v_ref = policy.reference_velocity(x, sigma, batch.cond, **self.reference_guidance())
         if self.cfg.kl_type == "v-based":
             return v_based_kl(v, v_ref).mean()
-        # the KL of the step's Gaussian: over the elements its noise reaches (all, but LTX-2's video alone)
+        mean, std = self.stochastic_part(mean, std, batch, "kl_type")
+        with torch.no_grad():
+            mean_ref = self.dynamics.stochastic_part(self.dynamics.mean_and_std(x, v_ref, sigma, sigma_next)[0])
+        return x_based_kl(mean, mean_ref, std).mean()
+
+    def stochastic_part(self, mean: Tensor, std: Tensor, batch: TrainBatch, key: str) -> tuple[Tensor, Tensor]:
+        """The step's mean and std over the elements its noise reaches (all, but LTX-2's video alone), for an
+        x-based KL, which divides by the std: 0 there is an error naming ``train.<key>``."""
         part = self.dynamics.stochastic_part
         mean, std = part(mean), part(torch.as_tensor(std))
-        zero = ~(std > 0).reshape(len(x), -1).all(dim=1) if std.ndim else (~(std > 0)).expand(len(x))
+        n = len(mean)
+        zero = ~(std > 0).reshape(n, -1).all(dim=1) if std.ndim else (~(std > 0)).expand(n)
         if bool(zero.any()):
             i = int(batch.step[zero.nonzero()[0, 0]])
             raise ValueError(
                 f"x-based KL divides by the step's std, which is 0 at step {i} (sigma_next = "
-                f"{float(sigma_next[zero][0]):g}) under {self.dynamics.name}; use train.kl_type: v-based, "
+                f"{float(batch.sigma_next[zero][0]):g}) under {self.dynamics.name}; use train.{key}: v-based, "
                 "or leave that step out of scheduler.sde_steps"
             )
-        with torch.no_grad():
-            mean_ref = part(self.dynamics.mean_and_std(x, v_ref, sigma, sigma_next)[0])
-        return x_based_kl(mean, mean_ref, std).mean()
+        return mean, std

@@ -12,8 +12,8 @@ from pydantic import NonNegativeInt, PositiveInt, field_validator, model_validat
 
 from .base import DTYPE_NAMES, Section, as_list, canonical_choice, check_resolution, problem, resolution_pair, setting, show
 
-TRAINER_TYPES = ("grpo", "grpo-guard", "nft", "awm", "dpo", "dgpo", "crd")
-COUPLED_TRAINER_TYPES = ("grpo", "grpo-guard")  # train the sampler's own SDE steps
+TRAINER_TYPES = ("grpo", "grpo-guard", "dppo", "nft", "awm", "dpo", "dgpo", "crd")
+COUPLED_TRAINER_TYPES = ("grpo", "grpo-guard", "dppo")  # train the sampler's own SDE steps
 DECOUPLED_TRAINER_TYPES = ("nft", "awm", "dpo", "dgpo", "crd")  # train on the forward process at their own timesteps
 TIME_SAMPLING_STRATEGIES = ("uniform", "logit_normal", "discrete", "discrete_with_init", "discrete_wo_init")
 
@@ -45,6 +45,7 @@ TRAINER_DEFAULTS = {
 TIME_SHIFT = {"dpo": 1.0}
 # keys only some algorithms read: set to another value under any other trainer, they are an error
 TRAINER_KEYS = {
+    "dppo": ("kl_mask_type", "kl_mask_threshold", "kl_guidance_scale"),
     "dgpo": ("dpo_beta", "use_shared_noise", "clip_dsm", "clip_kl", "kl_cfg", "switch_ema_ref", "use_ema_ref",
              "ema_ref_max_decay", "ema_ref_ramp_rate", "ema_ref_device"),
     "crd": ("crd_beta", "crd_loss_type", "use_old_for_loss", "adaptive_logp", "weight_temp", "old_model_decay",
@@ -107,9 +108,9 @@ def parse_decay(schedule: str | int) -> tuple[int, float, float, float]:
 
 
 class TrainConfig(Section):
-    trainer_type: Literal["grpo", "grpo-guard", "nft", "awm", "dpo", "dgpo", "crd"] = setting(
-        "grpo", "algorithm: grpo, grpo-guard (coupled, SDE rollouts) or nft, awm, dpo, dgpo, crd (decoupled, any "
-        "dynamics)")
+    trainer_type: Literal["grpo", "grpo-guard", "dppo", "nft", "awm", "dpo", "dgpo", "crd"] = setting(
+        "grpo", "algorithm: grpo, grpo-guard, dppo (coupled, SDE rollouts) or nft, awm, dpo, dgpo, crd (decoupled, "
+        "any dynamics)")
     resolution: int | list[int] = setting(512, "image size, an int or [height, width]",
                                           expects="an integer or [height, width]")
     num_frames: PositiveInt | None = setting(None, "frames per video (video models only; Wan needs 4k + 1); "
@@ -168,6 +169,14 @@ class TrainConfig(Section):
     ref_param_device: Literal["cpu", "cuda", "same"] = setting(
         "same", "where the frozen reference weights live (full fine-tuning with kl_beta or outside_kl_beta > 0): "
         "cpu, cuda, or same (as the model; also spelled same_as_model)")
+    kl_mask_type: Literal["x-based", "v-based"] = setting(
+        "x-based", "dppo: the trust region's KL(current || rollout) of a step, on its means (x-based) or velocities "
+        "(v-based)")
+    kl_mask_threshold: float = setting(
+        1e-6, "dppo: a sample whose step KL(current || rollout) reaches this, and whose update pushes further away, "
+        "gets no gradient", ge=0)
+    kl_guidance_scale: float | None = setting(
+        None, "dppo: CFG scale of the reference in the kl_beta penalty; null = guidance_scale", ge=0)
     global_std: bool = setting(True, "normalise advantages by the std of the whole batch, not each group's")
     advantage_aggregation: Literal["sum", "gdpo"] = setting(
         "gdpo", "several rewards: advantage of the weighted sum (sum) or weighted per-reward advantages (gdpo)")
@@ -360,7 +369,10 @@ class TrainConfig(Section):
     @property
     def conditioning_guidance_scale(self) -> float:
         """The guidance scale training prompts are encoded for: a reference called with CFG at ``kl_cfg``
-        (dgpo, crd) needs the negative branch even when the rollouts sample without it."""
+        (dgpo, crd) or ``kl_guidance_scale`` (dppo) needs the negative branch even when the rollouts sample
+        without it."""
         if self.trainer_type in ("dgpo", "crd") and self.kl_cfg > 1:
             return max(self.guidance_scale, self.kl_cfg)
+        if self.trainer_type == "dppo" and self.kl_beta > 0 and self.kl_guidance_scale is not None:
+            return max(self.guidance_scale, self.kl_guidance_scale)
         return self.guidance_scale
