@@ -206,6 +206,10 @@ class Config(Section):
         elif sched.noise_level == 0:
             out.append(f"scheduler.noise_level: 0 makes {sched.dynamics_type} deterministic, so "
                        f"{train.trainer_type} has no log-probabilities to train; use a value > 0 (e.g. 0.7)")
+        if coupled and train.train_guidance_scale not in (None, train.guidance_scale):
+            out.append(f"train.train_guidance_scale: {train.trainer_type} trains the rollout's own steps, which ran "
+                       f"at guidance_scale {train.guidance_scale:g}; another scale would make even the first update "
+                       "off-policy. Remove it, or use a decoupled algorithm (nft, awm, dpo, dgpo, crd)")
         # off_policy with grpo is allowed: the importance ratio corrects for sampling with the EMA
         if train.off_policy and train.ema_decay == 0:
             out.append("train.off_policy: true samples with the EMA weights, but train.ema_decay is 0 (no EMA); "

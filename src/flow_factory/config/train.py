@@ -117,6 +117,10 @@ class TrainConfig(Section):
                                              "null = 81 for video models")
     num_inference_steps: PositiveInt = setting(10, "denoising steps per rollout")
     guidance_scale: float = setting(4.5, "CFG scale (or FLUX's embedded guidance) during rollouts", ge=0)
+    train_guidance_scale: float | None = setting(
+        None, "decoupled algorithms (nft, awm, dpo, dgpo, crd): CFG scale of the velocity the loss trains (both "
+        "experts of a two-expert model), e.g. 1.0 for Diffusion-DPO on the unguided velocity while rollouts use "
+        "guidance_scale; null = guidance_scale. The coupled ones recompute the rollout's own steps", ge=0)
     guidance_scale_2: float | None = setting(
         None, "CFG scale of a two-expert model's low-noise expert (Wan2.2 A14B's transformer_2); null = "
         "guidance_scale, as the pipeline", ge=0)
@@ -368,11 +372,17 @@ class TrainConfig(Section):
 
     @property
     def conditioning_guidance_scale(self) -> float:
-        """The guidance scale training prompts are encoded for: a reference called with CFG at ``kl_cfg``
-        (dgpo, crd) or ``kl_guidance_scale`` (dppo) needs the negative branch even when the rollouts sample
-        without it."""
+        """The guidance scale training prompts are encoded for: a loss at ``train_guidance_scale``, or a
+        reference called with CFG at ``kl_cfg`` (dgpo, crd) or ``kl_guidance_scale`` (dppo), needs the negative
+        branch even when the rollouts sample without it."""
+        scales = [self.guidance_scale, self.loss_guidance_scale]
         if self.trainer_type in ("dgpo", "crd") and self.kl_cfg > 1:
-            return max(self.guidance_scale, self.kl_cfg)
+            scales.append(self.kl_cfg)
         if self.trainer_type == "dppo" and self.kl_beta > 0 and self.kl_guidance_scale is not None:
-            return max(self.guidance_scale, self.kl_guidance_scale)
-        return self.guidance_scale
+            scales.append(self.kl_guidance_scale)
+        return max(scales)
+
+    @property
+    def loss_guidance_scale(self) -> float:
+        """The CFG scale of the velocity the loss trains: ``train_guidance_scale``, else the rollouts'."""
+        return self.guidance_scale if self.train_guidance_scale is None else self.train_guidance_scale

@@ -26,10 +26,13 @@ from ..models.lora import lora_disabled
 class AdapterPolicy:
     def __init__(self, adapter: FlowAdapter, guidance_scale: float, finetune_type: str,
                  keep_reference: bool, ref_param_device: str = "same", ema=None, sampling_weights=None,
-                 snapshots=None, components: list[str] = ("transformer",), reference=None):
+                 snapshots=None, components: list[str] = ("transformer",), reference=None,
+                 one_scale_for_experts: bool = False):
         self.adapter = adapter
         self.components = list(components)  # the trained networks (model.target_components)
         self.guidance_scale = guidance_scale
+        # train.train_guidance_scale given: the loss's scale is a two-expert model's low-noise expert's too
+        self.one_scale_for_experts = one_scale_for_experts
         self.finetune_type = finetune_type
         self.reference = None
         self.sampling_weights = sampling_weights  # WeightCopy of the weights the rollout used
@@ -45,7 +48,16 @@ class AdapterPolicy:
                               for name in self.components}
 
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
-        return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
+        return self._velocity(latents, sigma, cond, self.guidance_scale)
+
+    def _velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, scale: float) -> Tensor:
+        if not self.one_scale_for_experts:
+            return self.adapter.velocity(latents, sigma, cond, scale)
+        scale_2, self.adapter.guidance_scale_2 = self.adapter.guidance_scale_2, None
+        try:
+            return self.adapter.velocity(latents, sigma, cond, scale)
+        finally:
+            self.adapter.guidance_scale_2 = scale_2
 
     @torch.no_grad()
     def reference_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning,
@@ -53,8 +65,7 @@ class AdapterPolicy:
         """The reference's velocity at ``guidance_scale`` (None: the policy's; DGPO's / CRD's ``kl_cfg``
         gives a guided teacher, whose negative branch ``cond`` must hold)."""
         with self._reference_weights():
-            return self.adapter.velocity(latents, sigma, cond,
-                                         self.guidance_scale if guidance_scale is None else guidance_scale)
+            return self._velocity(latents, sigma, cond, self.guidance_scale if guidance_scale is None else guidance_scale)
 
     @torch.no_grad()
     def sampling_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
@@ -62,7 +73,7 @@ class AdapterPolicy:
             raise RuntimeError("sampling_velocity needs the rollout's weights: construct the policy with "
                                "sampling_weights for algorithms with uses_sampling_policy")
         with self.sampling_weights.applied():
-            return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
+            return self._velocity(latents, sigma, cond, self.guidance_scale)
 
     @torch.no_grad()
     def snapshot_velocity(self, name: str, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
@@ -70,14 +81,14 @@ class AdapterPolicy:
             raise RuntimeError(f"snapshot_velocity: no weight snapshot {name!r}; the algorithm's weight_snapshots "
                                f"and step_snapshots name {sorted(self.snapshots)}")
         with self.snapshots[name].applied():
-            return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
+            return self._velocity(latents, sigma, cond, self.guidance_scale)
 
     @torch.no_grad()
     def ema_velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
         if self.ema is None:
             raise RuntimeError("ema_velocity needs the EMA: set train.ema_decay > 0")
         with self.ema.applied():
-            return self.adapter.velocity(latents, sigma, cond, self.guidance_scale)
+            return self._velocity(latents, sigma, cond, self.guidance_scale)
 
     @contextmanager
     def _reference_weights(self):

@@ -261,12 +261,12 @@ class Trainer:
         reference = None
         if self.algorithm.needs_reference and model.finetune_type == "full" and self.sharding != "ddp":
             reference = copy(None if train.ref_param_device == "same" else train.ref_param_device)
-        self.policy = AdapterPolicy(self.adapter, train.guidance_scale, model.finetune_type,
+        self.policy = AdapterPolicy(self.adapter, train.loss_guidance_scale, model.finetune_type,
                                     keep_reference=self.algorithm.needs_reference,
                                     ref_param_device=train.ref_param_device, ema=self.ema,
                                     sampling_weights=self.ema if train.off_policy else self.rollout_weights,
                                     snapshots=self.snapshots, components=model.target_components,
-                                    reference=reference)
+                                    reference=reference, one_scale_for_experts=train.train_guidance_scale is not None)
 
     def _prepare_sharded(self) -> None:
         """The trained networks (each expert its own FSDP2 root) and one optimizer over them, prepared
