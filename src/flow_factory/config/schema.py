@@ -137,6 +137,7 @@ class Config(Section):
     def _resolve_and_check(self):
         fill_trainer_defaults(self.train)
         self._clear_conditions_of_text_only_models()
+        self._note_untrained_components()
         # checks next: they must see what the user wrote, not the filled-in defaults
         problems = self._contradictions() + self._size_problems() + self._window_problems()
         if not problems:
@@ -180,6 +181,17 @@ class Config(Section):
                     self._cleared.append(f"{part}.{key}: {show(value)} changes nothing: {name} generates from text "
                                          "alone (the key is for conditioned models)")
                     setattr(section, key, None)
+
+    def _note_untrained_components(self) -> None:
+        """A network of ``target_components`` whose modules a LoRA ``target_modules`` never names trains
+        nothing (Flow-Factory's Wan2.2 examples: ``transformer.default`` with both experts named)."""
+        model = self.model
+        untrained = [c for c in model.target_components if c not in model.trained_components]
+        if untrained:
+            self._cleared.append(
+                f"model.target_components: {show(untrained)} trains nothing: model.target_modules "
+                f"{show(model.target_modules)} names none of its modules (Flow-Factory then still shards it under "
+                "FSDP with the trained networks to save memory; here it stays whole on each process)")
 
     @property
     def keys_without_effect(self) -> list[str]:

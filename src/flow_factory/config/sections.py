@@ -161,6 +161,24 @@ class DataConfig(Section):
         "advantages use the gathered batch)")
 
 
+def component_targets(target_modules, component: str, components: list[str]):
+    """The part of ``model.target_modules`` for one of the trained ``components``: 'default', 'all', or the
+    names without a component prefix plus those prefixed '<component>.' (Flow-Factory's spelling)."""
+    if isinstance(target_modules, str) or len(components) == 1:
+        return target_modules
+    names = []
+    for name in target_modules:
+        head, _, rest = name.partition(".")
+        if head not in components:
+            names.append(name)
+        elif head == component:
+            names.append(rest)
+    if "all" in names:
+        return "all"
+    return "default" if names == ["default"] else names  # "transformer.default": that component's default modules
+
+
+
 class ModelConfig(Section):
     model_name_or_path: str = setting(description="Hugging Face hub id or local folder of a diffusers pipeline")
     model_type: str = setting(
@@ -274,12 +292,8 @@ class ModelConfig(Section):
             if value in ("default", "all"):
                 return value
             value = [value]
-        if isinstance(value, list) and len(trained) > 1:
-            bare = [n for n in value if isinstance(n, str) and n.split(".")[0] not in trained]
-            missing = [c for c in trained if not bare and not any(n.startswith(f"{c}.") for n in value)]
-            if missing:
-                raise problem(f"{show(value)} names no module of {show(missing)}, which target_components trains; "
-                              "name one, or leave that component out of target_components")
+        # a trained component whose modules the list never names gets no adapter (trained_components): Flow-Factory's
+        # "transformer.default" with target_components [transformer, transformer_2] (its Wan2.2 examples)
         return value
 
     @field_validator("target_modules")
@@ -288,6 +302,14 @@ class ModelConfig(Section):
         if isinstance(value, list) and not value:
             raise ValueError("an empty list trains nothing; use 'default' or name the modules")
         return value
+
+    @property
+    def trained_components(self) -> list[str]:
+        """The networks of ``target_components`` that train: under LoRA, those ``target_modules`` names a module of."""
+        if self.finetune_type != "lora":
+            return list(self.target_components)
+        return [c for c in self.target_components
+                if component_targets(self.target_modules, c, self.target_components) != []]
 
     @property
     def is_video(self) -> bool:

@@ -43,21 +43,6 @@ def lora_weight_name(component: str = "transformer") -> str:
     return LORA_WEIGHT_NAME if component == "transformer" else f"pytorch_lora_weights_{component}.safetensors"
 
 
-def component_targets(target_modules, component: str, components: list[str]):
-    """The part of ``model.target_modules`` for one of the trained ``components``: 'default', 'all', or the
-    names without a component prefix plus those prefixed '<component>.' (Flow-Factory's spelling)."""
-    if isinstance(target_modules, str) or len(components) == 1:
-        return target_modules
-    names = []
-    for name in target_modules:
-        head, _, rest = name.partition(".")
-        if head not in components:
-            names.append(name)
-        elif head == component:
-            names.append(rest)
-    return "all" if "all" in names else names
-
-
 def _linear_names(transformer: nn.Module) -> list[str]:
     return [name for name, m in transformer.named_modules() if isinstance(m, nn.Linear) and name]
 

@@ -24,6 +24,7 @@ from ..algorithms import make_algorithm
 from ..checkpoint import (RUN_CONFIG, CheckpointError, check_fits, checkpoint_dir, find_checkpoint,
                           load_checkpoint, read_state, save_checkpoint, write_atomic)
 from ..config import ConfigError
+from ..config.sections import component_targets
 from ..config.train import COUPLED_TRAINER_TYPES
 from ..data import EpochSampler, MissingPromptFile, process_share, share_slice
 from ..dynamics import make_dynamics
@@ -31,7 +32,7 @@ from ..dynamics.window import choose_sde_steps
 from ..guards import NonFiniteError, NonFiniteGuard, all_finite, check_pipeline_finite, nonfinite_rewards
 from ..media import VIDEO_FPS, caption, plot_curves, sample_grid, save_grid
 from ..models import get_adapter_class, load_adapter
-from ..models.lora import apply_lora, component_targets
+from ..models.lora import apply_lora
 from ..models.preflight import check_before_loading, check_experts, check_reward_inputs
 from ..precision import Precision, avoid_cudnn_attention, enable_cpu_fp16, run_mixed_precision
 from ..prompt_cache import ConditionCache, PromptCache
@@ -89,7 +90,7 @@ class Trainer:
         self.resume_from, self.start_weights, resumed = None, None, {"epoch": 0}
         if model.resume_path:
             self.resume_from, resumed = find_checkpoint(model.resume_path, self.run_dir)
-            check_fits(self.resume_from, resumed, model.finetune_type, model.target_components)
+            check_fits(self.resume_from, resumed, model.finetune_type, model.trained_components)
             if model.resume_type in ("lora", "full"):  # Flow-Factory's: a new run from these weights
                 self.start_weights, self.resume_from, resumed = self.resume_from, None, {"epoch": 0}
             elif resumed["epoch"] >= train.max_epochs:
@@ -185,7 +186,7 @@ class Trainer:
         state and the weight copies (unless ``before_prepare``: DeepSpeed's engine does not exist yet)."""
         model = self.cfg.model
         if self.start_weights is not None:
-            load_checkpoint(self.start_weights, self.adapter, model.finetune_type, components=model.target_components)
+            load_checkpoint(self.start_weights, self.adapter, model.finetune_type, components=model.trained_components)
             self._say(f"starting from the weights of {self.start_weights} (model.resume_type: {model.resume_type})")
             if not before_prepare:
                 for snapshot in self.snapshots.values():  # CRD's and DGPO's copies start from them too
@@ -193,9 +194,9 @@ class Trainer:
         if self.resume_from is None:
             return
         if before_prepare:  # the optimizer state comes with the engine's own (resume_engine_state)
-            load_checkpoint(self.resume_from, self.adapter, model.finetune_type, None, model.target_components)
+            load_checkpoint(self.resume_from, self.adapter, model.finetune_type, None, model.trained_components)
         elif not load_checkpoint(self.resume_from, self.adapter, model.finetune_type, self.optimizer,
-                                 model.target_components):
+                                 model.trained_components):
             logger.warning("model.resume_path %s holds no optimizer state (saved with log.save_model_only); "
                            "the optimizer restarts", self.resume_from)
         scaler_state = Path(self.resume_from) / SCALER_FILE
@@ -265,7 +266,7 @@ class Trainer:
                                     keep_reference=self.algorithm.needs_reference,
                                     ref_param_device=train.ref_param_device, ema=self.ema,
                                     sampling_weights=self.ema if train.off_policy else self.rollout_weights,
-                                    snapshots=self.snapshots, components=model.target_components,
+                                    snapshots=self.snapshots, components=model.trained_components,
                                     reference=reference, one_scale_for_experts=train.train_guidance_scale is not None)
 
     def _prepare_sharded(self) -> None:
@@ -358,10 +359,10 @@ class Trainer:
         return result
 
     def _make_trainable(self) -> list[torch.nn.Parameter]:
-        """LoRA on, or every weight of, the networks ``model.target_components`` names; the others (a
+        """LoRA on, or every weight of, the networks ``model.trained_components`` names; the others (a
         multi-expert model's frozen expert) get no adapter and no gradient."""
         model = self.cfg.model
-        self.trained = {name: self.adapter.transformers[name] for name in model.target_components}
+        self.trained = {name: self.adapter.transformers[name] for name in model.trained_components}
         params = []
         for name, transformer in self.trained.items():
             if model.finetune_type == "lora":
@@ -379,21 +380,22 @@ class Trainer:
 
     def _check_trained_steps(self) -> None:
         """A step of the grpo family trains the expert that denoises it: a step of an expert that
-        ``model.target_components`` leaves frozen trains nothing (Wan2.2 A14B)."""
+        the run leaves frozen (``model.target_components``, ``target_modules``) trains nothing (Wan2.2 A14B)."""
         cfg = self.cfg
         if cfg.train.trainer_type not in COUPLED_TRAINER_TYPES or len(self.adapter.transformers) == 1:
             return
         height, width = self.train_size
         sigmas = self.adapter.sigmas(cfg.train.num_inference_steps, height, width, cfg.train.num_frames)
         experts = self.adapter.experts_at(sigmas[:-1])
-        frozen = {s: experts[s] for s in cfg.sde_step_candidates if experts[s] not in cfg.model.target_components}
+        frozen = {s: experts[s] for s in cfg.sde_step_candidates if experts[s] not in cfg.model.trained_components}
         if not frozen:
             return
         message = (f"scheduler.sde_steps: steps {sorted(frozen)} are denoised by {sorted(set(frozen.values()))}, "
-                   f"which model.target_components ({cfg.model.target_components}) does not train")
+                   f"which the run does not train (it trains {cfg.model.trained_components}: model.target_components "
+                   "and target_modules)")
         if len(frozen) == len(cfg.sde_step_candidates):
             raise ConfigError(f"{message}; no step of the window trains anything: choose steps of "
-                              f"{cfg.model.target_components} (sigmas {[round(float(x), 3) for x in sigmas[:-1]]})")
+                              f"{cfg.model.trained_components} (sigmas {[round(float(x), 3) for x in sigmas[:-1]]})")
         logger.warning("%s; those steps train nothing", message)
 
     # ------------------------------------------------------------------ phases
@@ -648,7 +650,7 @@ class Trainer:
             if self.accelerator.scaler is not None and optimizer is not None:  # fp16: the loss scale resumes too
                 extra[SCALER_FILE] = self.accelerator.scaler.state_dict()
             save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, optimizer, state, extra,
-                            self.cfg.model.target_components, weights=weights, folders=folders)
+                            self.cfg.model.trained_components, weights=weights, folders=folders)
         # what ff-sample and ff-eval read to sample a checkpoint as this run's eval did
         write_atomic(self.run_dir / RUN_CONFIG, self.cfg.to_yaml())
         self._plot_rewards()
