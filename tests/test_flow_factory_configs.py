@@ -346,7 +346,7 @@ def test_the_newest_layout_one_dataset_and_one_optimizer():
 @pytest.mark.parametrize("change, message", [
     ({"data": {"datasets": [{"dataset_dir": "a"}, {"dataset_dir": "b"}]}},
      r"data.datasets: expected a list of one mapping \(one dataset per run here\)"),
-    ({"optimizers": [{"learning_rate": 1e-4}, {"learning_rate": 1e-5}]}, "one AdamW trains the transformer"),
+    ({"optimizers": [{"learning_rate": 1e-4}, {"learning_rate": 1e-5}]}, "one optimizer trains the transformer"),
     ({"optimizers": [{"learning_rate": 1e-4, "momentum": 0.9}]}, r"optimizers\[0\]: unknown keys \['momentum'\]"),
     ({"optimizers": [{"learning_rate": 1e-4}], "train": {"learning_rate": 1e-5}},
      r"optimizers\[0\].learning_rate: 0.0001 and train.learning_rate: 1e-05 are two spellings"),

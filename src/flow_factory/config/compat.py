@@ -48,8 +48,8 @@ _LTX2_FIXED = {
 }
 FIXED.update({f"{section}.{key}": fixed for section in ("train", "eval") for key, fixed in _LTX2_FIXED.items()})
 # the single optimizer of Flow-Factory's newest layout (``optimizers: [{...}]``) -> train keys
-OPTIMIZER_KEYS = {"learning_rate": "learning_rate", "weight_decay": "adam_weight_decay", "betas": "adam_betas",
-                  "eps": "adam_epsilon", "max_grad_norm": "max_grad_norm"}
+OPTIMIZER_KEYS = {"optimizer": "optimizer", "learning_rate": "learning_rate", "weight_decay": "adam_weight_decay",
+                  "betas": "adam_betas", "eps": "adam_epsilon", "max_grad_norm": "max_grad_norm"}
 # the single dataset of its newest layout (``data.datasets: [{...}]``) -> ours
 DATASET_KEYS = {"dataset_dir": "data.dataset_dir", "image_dir": "data.image_dir", "video_dir": "data.video_dir",
                 "train.max_dataset_size": "data.max_dataset_size",
@@ -114,7 +114,7 @@ def read_flow_factory_spellings(data: dict) -> dict:
         _put(data, "model.resume_type", "state", "model.resume_training_state: true")
     found, optimizers = _pop(data, "optimizers")
     if found:
-        optimizer = _only_entry(optimizers, "optimizers", "one AdamW trains the transformer here")
+        optimizer = _only_entry(optimizers, "optimizers", "one optimizer trains the transformer here")
         optimizer.pop("name", None)
         unknown = sorted(set(optimizer) - set(OPTIMIZER_KEYS))
         if unknown:

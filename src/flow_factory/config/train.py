@@ -148,8 +148,10 @@ class TrainConfig(Section):
     max_epochs: PositiveInt = setting(100, "number of epochs (sample + optimise rounds) to run")
     same_latent: bool = setting(False, "the samples of a group start from the same noise")
 
-    learning_rate: float | None = setting(None, "AdamW learning rate; null = 1e-4 for LoRA, 1e-5 for full",
-                                          gt=0)
+    optimizer: Literal["adamw", "muon"] = setting(
+        "adamw", "adamw, or muon: Muon (Newton-Schulz orthogonalised momentum) for the weight matrices, AdamW "
+        "for the other weights (DDP or one process; not under fsdp2 or DeepSpeed, which shard the matrices)")
+    learning_rate: float | None = setting(None, "learning rate; null = 1e-4 for LoRA, 1e-5 for full", gt=0)
     adam_beta1: float = setting(0.9, "AdamW beta1", ge=0, lt=1)
     adam_beta2: float = setting(0.999, "AdamW beta2", ge=0, lt=1)
     adam_betas: list[float] | None = setting(
@@ -157,6 +159,12 @@ class TrainConfig(Section):
         expects="[beta1, beta2]")
     adam_weight_decay: float = setting(1e-4, "AdamW decoupled weight decay", ge=0)
     adam_epsilon: float = setting(1e-8, "AdamW epsilon", gt=0)
+    muon_momentum: float = setting(0.95, "muon: momentum", ge=0, lt=1)
+    muon_nesterov: bool = setting(True, "muon: Nesterov momentum")
+    muon_ns_steps: PositiveInt = setting(5, "muon: Newton-Schulz iterations per update")
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = setting(
+        "match_rms_adamw", "muon: scale each update to AdamW's RMS (match_rms_adamw: an AdamW learning_rate carries "
+        "over) or by sqrt(max(1, rows / columns)) (original, Keller Jordan's)")
     max_grad_norm: float = setting(1.0, "clip the gradient's global norm to this", gt=0)
     max_nonfinite_in_a_row: NonNegativeInt = setting(
         3, "a NaN / inf reward, advantage or gradient norm skips its update; this many skips in a row "

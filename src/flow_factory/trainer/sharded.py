@@ -44,6 +44,13 @@ def check_deepspeed_skips_nonfinite(cfg, accelerator) -> None:
                           "same update) or a ZeRO stage (zero1, zero2, zero3)")
 
 
+def check_optimizer_backend(cfg, backend: str) -> None:
+    """Muon orthogonalises whole weight matrices; FSDP2 and DeepSpeed hand the optimizer shards of them."""
+    if cfg.train.optimizer == "muon" and backend != "ddp":
+        raise ConfigError(f"train.optimizer: muon updates each weight matrix whole, but config_file: "
+                          f"{cfg.config_file} shards them ({backend}); use adamw, or multi_gpu (DDP)")
+
+
 def check_experts_before_loading(cfg, accelerator) -> None:
     """``check_shardable`` from a pipeline folder's model_index.json, before anything loads (a hub id's
     experts are known once it has loaded: the trainer checks them then); and, as early,

@@ -49,7 +49,9 @@ from .interrupt import StopFlag, TrainingInterrupted
 from .optimize import optimize_epoch
 from .policy import AdapterPolicy
 from .run_folder import RunFolder, RunFolderError
-from .sharded import check_experts_before_loading, check_shardable, gather_for_save, resume_engine_state
+from .optimizers import make_optimizer
+from .sharded import (check_experts_before_loading, check_optimizer_backend, check_shardable, gather_for_save,
+                      resume_engine_state)
 from .tracking import check_backend, flat_hparams, log_media
 
 logger = logging.getLogger(__name__)
@@ -119,6 +121,7 @@ class Trainer:
         """The rewards, the model and what trains it; the resumed state (``resumed``: its trainer state)."""
         cfg, train, model = self.cfg, self.cfg.train, self.cfg.model
         check_experts_before_loading(cfg, self.accelerator)
+        check_optimizer_backend(cfg, backend_of(self.accelerator))
         self.rewards = RewardSet.from_configs(cfg.rewards, accelerator=self.accelerator)
         self.eval_rewards = (RewardSet.from_configs(cfg.eval_rewards, accelerator=self.accelerator)
                              if cfg.eval_rewards else self.rewards)
@@ -224,9 +227,7 @@ class Trainer:
                                "resumed weights", self.resume_from, name, name)
 
     def _make_optimizer(self, params: list) -> torch.optim.Optimizer:
-        train = self.cfg.train
-        return torch.optim.AdamW(params, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2),
-                                 weight_decay=train.adam_weight_decay, eps=train.adam_epsilon)
+        return make_optimizer(params, self.cfg.train)
 
     def _compile(self) -> None:
         model = self.cfg.model

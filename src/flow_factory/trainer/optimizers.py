@@ -1,0 +1,68 @@
+"""The optimizer ``train.optimizer`` names: AdamW, or Muon for the weight matrices with AdamW for the rest.
+
+Muon (K. Jordan et al., 2024; torch.optim.Muon) orthogonalises each 2-D update with Newton-Schulz
+iterations, so it only applies to matrices: biases, norms and other 1-D weights keep AdamW, as Muon is
+used everywhere. A LoRA's weights are all matrices. ``muon_adjust_lr: match_rms_adamw`` (the default
+here) scales Muon's update to AdamW's RMS (Moonshot's rule), so a ``learning_rate`` tuned for AdamW
+carries over.
+
+Both run as one ``torch.optim.Optimizer`` (``MuonWithAdamW``): accelerate, the gradient scaler, the
+non-finite guard and the checkpoint see one object whose param groups and state are those of the two
+inner optimizers, so a checkpoint saves and resumes both exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon over the 2-D parameters, AdamW over the others; one param group list and one state."""
+
+    def __init__(self, params, lr: float, betas, eps: float, weight_decay: float, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str | None = "match_rms_adamw"):
+        params = list(params)
+        matrices, others = [p for p in params if p.ndim == 2], [p for p in params if p.ndim != 2]
+        self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                     nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn) if matrices else None
+        self.adamw = torch.optim.AdamW(others, lr=lr, betas=betas, eps=eps,
+                                       weight_decay=weight_decay) if others else None
+        # the inner optimizers' own group dicts: a change of lr here (a scheduler, the scaler) reaches them
+        super().__init__([g for inner in self._inner() for g in inner.param_groups], {})
+        self._share()
+
+    def _inner(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.muon, self.adamw) if o is not None]
+
+    def _share(self) -> None:
+        start = 0
+        for inner in self._inner():
+            n = len(inner.param_groups)
+            inner.param_groups = self.param_groups[start:start + n]
+            inner.state = self.state
+            start += n
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for inner in self._inner():
+            inner.step()
+        return loss
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)  # new group dicts and a new state: point the inner ones at them
+        self._share()
+
+
+def make_optimizer(params: list, train) -> torch.optim.Optimizer:
+    """The optimizer of ``train`` (the config's ``train`` section) over ``params``."""
+    betas = (train.adam_beta1, train.adam_beta2)
+    if train.optimizer == "muon":
+        return MuonWithAdamW(params, lr=train.learning_rate, betas=betas, eps=train.adam_epsilon,
+                             weight_decay=train.adam_weight_decay, momentum=train.muon_momentum,
+                             nesterov=train.muon_nesterov, ns_steps=train.muon_ns_steps,
+                             adjust_lr_fn=train.muon_adjust_lr)
+    return torch.optim.AdamW(params, lr=train.learning_rate, betas=betas, weight_decay=train.adam_weight_decay,
+                             eps=train.adam_epsilon)
