@@ -352,8 +352,8 @@ def test_model_type_aliases(alias, canonical):
 
 def test_missing_required_keys_are_named():
     assert problem_of({"model": {"model_name_or_path": "m", "model_type": "sd3"}, "rewards": {"reward_model": "a"}}) \
-        == "data.dataset_dir: required key is missing (folder of prompts: train.txt / train.jsonl " \
-           "(and test.* for eval))"
+        == "data: dataset_dir is required: a folder of prompts (train.txt / train.jsonl, and test.* for eval); " \
+           "or datasets, for several"
     data = minimal()
     del data["model"]["model_type"], data["rewards"]
     err = pytest.raises(ConfigError, parse_config, data).value

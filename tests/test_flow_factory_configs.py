@@ -344,8 +344,10 @@ def test_the_newest_layout_one_dataset_and_one_optimizer():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"data": {"datasets": [{"dataset_dir": "a"}, {"dataset_dir": "b"}]}},
-     r"data.datasets: expected a list of one mapping \(one dataset per run here\)"),
+    ({"data": {"datasets": [{"name": "a", "dataset_dir": "a", "eval": {"guidance_scale": 3}},
+                            {"name": "b", "dataset_dir": "b", "eval": {"guidance_scale": 4}}]}},
+     r"data.datasets\[1\].eval.guidance_scale: 4, another dataset 3; one eval.guidance_scale holds for every "
+     r"dataset here"),
     ({"optimizers": [{"learning_rate": 1e-4}, {"learning_rate": 1e-5}]}, "one optimizer trains the transformer"),
     ({"optimizers": [{"learning_rate": 1e-4, "momentum": 0.9}]}, r"optimizers\[0\]: unknown keys \['momentum'\]"),
     ({"optimizers": [{"learning_rate": 1e-4}], "train": {"learning_rate": 1e-5}},

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from .data import load_prompts
+from .data import load_sources
 from .data.conditions import check_batchable, check_conditions, generated_size
 from .dynamics.ode import ODE
 from .models.base import ConditionMedia, Conditioning, cat_cond, index_cond
@@ -76,8 +76,7 @@ def condition_size(section) -> tuple[int, int] | None:
 def load_split(cfg, split: str, adapter_cls) -> list:
     """The prompts of ``split`` (train / test) with their condition files, checked against what the model of
     ``adapter_cls`` takes: before it loads (PromptFileError naming the file and line)."""
-    data = cfg.data
-    items = load_prompts(data.dataset_dir, split, data.max_dataset_size, data.image_dir, data.video_dir)
+    items = load_sources(cfg.data.sources, split)
     per_sample, note = checkpoint_conditions(adapter_cls, cfg.model.model_name_or_path)
     check_conditions(items, cfg.model.model_type, adapter_cls.condition_inputs, per_sample, note)
     # a model whose conditions keep their own sizes (Qwen-Image-Edit-Plus) batches only rows that agree

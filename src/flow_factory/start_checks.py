@@ -40,7 +40,7 @@ def start_problems(cfg, processes_on_command_line: bool = False) -> list[str]:
     try:
         check_prompt_counts(cfg)
     except MissingPromptFile as err:
-        problems.append(f"data.dataset_dir: {err}")
+        problems.append(f"data.{'dataset_dir' if cfg.data.dataset_dir else 'datasets'}: {err}")
     except (ConfigError, ValueError) as err:  # a prompt file's own error names its file and line
         problems.append(str(err))
     sources, servers, reward_problems = reward_needs(cfg)
@@ -77,21 +77,27 @@ def backend_problem(backend: str) -> str | None:
             f"(or pip install {package}), or set log.logging_backend: {instead}")
 
 
-def check_prompt_counts(cfg, train_count: int | None = None) -> None:
-    """``ConfigError`` when the epoch draws more distinct prompts than the training split holds
-    (``train_count``: the prompts already loaded; else the split is read here)."""
-    from .data import load_prompts
+def check_prompt_counts(cfg, items: list | None = None) -> None:
+    """``ConfigError`` when the epoch draws more distinct prompts than the training split holds, or than a
+    dataset of several holds for its weight (``items``: the prompts already loaded; else read here)."""
+    from .data import epoch_sampler, load_sources
 
-    if train_count is None:
-        data = cfg.data
-        train_count = len(load_prompts(data.dataset_dir, "train", data.max_dataset_size, data.image_dir,
-                                       data.video_dir))
+    if items is None:
+        items = load_sources(cfg.data.sources, "train")
     wanted = cfg.train.unique_sample_num_per_epoch
-    if wanted > train_count:
-        cap = " (data.max_dataset_size)" if cfg.data.max_dataset_size == train_count else ""
+    if len(cfg.data.sources) > 1:
+        try:
+            epoch_sampler(cfg, items, seed=0)
+        except ValueError as err:
+            raise ConfigError(f"train.unique_sample_num_per_epoch: {wanted} distinct prompts an epoch, shared by "
+                              f"data.datasets' weights; {err}: lower it, or give those datasets less weight") from None
+        return
+    if wanted > len(items):
+        data = cfg.data
+        cap = " (data.max_dataset_size)" if data.max_dataset_size == len(items) else ""
         raise ConfigError(f"train.unique_sample_num_per_epoch: {wanted} distinct prompts an epoch, and "
-                          f"{cfg.data.dataset_dir} holds {train_count} training prompts{cap}; set it to at most "
-                          f"{train_count}")
+                          f"{data.dataset_dir} holds {len(items)} training prompts{cap}; set it to at most "
+                          f"{len(items)}")
 
 
 def reward_needs(cfg) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[str]]:

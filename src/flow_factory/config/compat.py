@@ -127,8 +127,12 @@ def read_flow_factory_spellings(data: dict) -> dict:
         if "condition_image_size" not in (data.get("eval") or {}):
             _put(data, "eval.condition_image_size", size, "data.condition_image_size")
     found, datasets = _pop(data, "data.datasets")
-    if found:
-        _read_dataset(data, _only_entry(datasets, "data.datasets", "one dataset per run here"))
+    if found and _upstream_layout(datasets) and len(datasets) == 1:
+        _read_dataset(data, dict(datasets[0]))
+    elif found and _upstream_layout(datasets):
+        _put(data, "data.datasets", _read_datasets(data, datasets), "data.datasets")
+    elif found:  # ours: [{name, dataset_dir, weight, ...}]
+        data.setdefault("data", {})["datasets"] = datasets
     _read_overlap(data)
     _read_ema_warmup(data)
     _read_frozen_dtypes(data)
@@ -255,6 +259,50 @@ def _read_dataset(data: dict, dataset: dict) -> None:
                       f"{', '.join(DATASET_KEYS)}, train.weight")
     for key, value in dataset.items():
         _put(data, DATASET_KEYS[key], value, f"data.datasets[0].{key}")
+
+
+def _upstream_layout(datasets) -> bool:
+    """Flow-Factory's ``data.datasets`` entries nest their split settings (``train: {weight}``, ``eval: {}``)."""
+    return isinstance(datasets, list) and any(isinstance(d, dict) and ({"train", "eval"} & set(d)) for d in datasets)
+
+
+# what one of several Flow-Factory datasets may set -> our data.datasets entry's key
+SOURCE_KEYS = {"name": "name", "dataset_dir": "dataset_dir", "image_dir": "image_dir", "video_dir": "video_dir",
+               "train.weight": "weight", "train.max_dataset_size": "max_dataset_size",
+               "eval.max_dataset_size": "eval_max_dataset_size"}
+SHARED_EVAL_KEYS = ("resolution", "num_inference_steps", "guidance_scale")
+
+
+def _read_datasets(data: dict, datasets: list) -> list[dict]:
+    """Several Flow-Factory datasets as ours; an eval setting of theirs is one for the run here, so the
+    datasets that set it must agree."""
+    ours, shared = [], {}
+    for i, dataset in enumerate(datasets):
+        if not isinstance(dataset, dict):
+            raise problem(f"data.datasets[{i}]: expected a mapping, got {show(dataset)}")
+        flat = {}
+        for key, value in dataset.items():
+            if key in ("train", "eval"):
+                if not isinstance(value or {}, dict):
+                    raise problem(f"data.datasets[{i}].{key}: expected a mapping, got {show(value)}")
+                flat.update({f"{key}.{k}": v for k, v in (value or {}).items()})
+            else:
+                flat[key] = value
+        if flat.pop("eval.split", "test") != "test":
+            raise problem(f"data.datasets[{i}].eval.split: evaluation reads the test split (test.jsonl / test.txt)")
+        for key in SHARED_EVAL_KEYS:
+            if f"eval.{key}" in flat:
+                value = flat.pop(f"eval.{key}")
+                if shared.setdefault(key, value) != value:
+                    raise problem(f"data.datasets[{i}].eval.{key}: {show(value)}, another dataset {show(shared[key])}; "
+                                  f"one eval.{key} holds for every dataset here")
+        unknown = sorted(set(flat) - set(SOURCE_KEYS))
+        if unknown:
+            raise problem(f"data.datasets[{i}]: keys {unknown} are not taken here; valid: {', '.join(SOURCE_KEYS)}")
+        ours.append({SOURCE_KEYS[k]: v for k, v in flat.items()})
+    for key, value in shared.items():
+        _put(data, f"eval.{key}", value, f"data.datasets[].eval.{key}")
+    return ours
 
 
 def without_effect(cfg) -> list[str]:

@@ -58,6 +58,10 @@ def sections() -> Iterator[tuple[str, str, str, type[BaseModel]]]:
         model = _section_model(field)
         if model is not None and model is not RewardConfig:
             yield f"`{name}`", f"{name}.", field.description or "", model
+            for inner, inner_field in model.model_fields.items():  # a list of entries inside (data.datasets)
+                entry = _section_model(inner_field)
+                if entry is not None:
+                    yield f"`{name}.{inner}` entries", f"{name}.{inner}[].", inner_field.description or "", entry
     yield ("`rewards` and `eval_rewards` entries", "rewards[].", Config.model_fields["rewards"].description or "",
            RewardConfig)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import NonNegativeInt, PositiveInt, field_validator
+from pydantic import NonNegativeInt, PositiveInt, field_validator, model_validator
 
 from ..class_path import import_class
 from .base import (DTYPE_NAMES, Section, as_list, canonical_choice, check_resolution, close_match, problem,
@@ -130,8 +130,27 @@ DYNAMICS_ALIASES = {"flow-sde": "Flow-SDE", "flowsde": "Flow-SDE", "dance-sde": 
                     "dpm-solver++": "DPM-Solver++2M", "dpmpp-2m": "DPM-Solver++2M", "dpm++2m": "DPM-Solver++2M"}
 
 
-class DataConfig(Section):
+class DatasetSource(Section):
+    """One of several datasets a run draws its groups from (``data.datasets``)."""
+
+    name: str = setting(description="the dataset's name, in its metrics (source/<name>/...)", min_length=1)
     dataset_dir: str = setting(description="folder of prompts: train.txt / train.jsonl (and test.* for eval)")
+    image_dir: str | None = setting(None, "folder its jsonl rows' image paths are relative to; null = "
+                                    "dataset_dir/images")
+    video_dir: str | None = setting(None, "folder its jsonl rows' video paths are relative to; null = "
+                                    "dataset_dir/videos")
+    weight: PositiveInt = setting(1, "its share of each epoch's groups: weight / the sum of the weights")
+    max_dataset_size: PositiveInt | None = setting(None, "use at most this many of its prompts per split; null = all")
+    eval_max_dataset_size: PositiveInt | None = setting(
+        None, "use at most this many of its test prompts; null = max_dataset_size")
+
+
+class DataConfig(Section):
+    dataset_dir: str | None = setting(
+        None, "folder of prompts: train.txt / train.jsonl (and test.* for eval); or give datasets")
+    datasets: list[DatasetSource] | None = setting(
+        None, "several datasets instead of dataset_dir, each group of an epoch drawn from one of them in "
+        "proportion to its weight: [{name, dataset_dir, weight, ...}]")
     image_dir: str | None = setting(
         None, "folder the jsonl rows' image / images paths are relative to (condition images); null = "
         "dataset_dir/images")
@@ -159,6 +178,34 @@ class DataConfig(Section):
         "auto", "how a group's samples are spread over processes (Flow-Factory compatibility: here each process "
         "takes a contiguous share of the epoch's group-ordered samples, dgpo its share of each global micro-batch; "
         "advantages use the gathered batch)")
+
+
+    @model_validator(mode="after")
+    def _one_way_to_name_the_data(self):
+        if (self.dataset_dir is None) == (self.datasets is None):
+            raise problem("give dataset_dir (one dataset) or datasets (several: [{name, dataset_dir, weight}]), "
+                          "not both" if self.dataset_dir else "dataset_dir is required: a folder of prompts "
+                          "(train.txt / train.jsonl, and test.* for eval); or datasets, for several")
+        if self.datasets is not None:
+            if not self.datasets:
+                raise problem("datasets: an empty list names no prompts")
+            names = [d.name for d in self.datasets]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise problem(f"datasets: the names {twice} are used more than once; each names its metrics")
+            shared = [k for k in ("image_dir", "video_dir", "max_dataset_size") if getattr(self, k) is not None]
+            if shared:
+                raise problem(f"{', '.join(shared)}: with datasets, set {'them' if len(shared) > 1 else 'it'} "
+                              "per dataset")
+        return self
+
+    @property
+    def sources(self) -> list[DatasetSource]:
+        """The datasets a run draws from: ``datasets``, or ``dataset_dir`` as the one source ``default``."""
+        if self.datasets is not None:
+            return list(self.datasets)
+        return [DatasetSource(name="default", dataset_dir=self.dataset_dir, image_dir=self.image_dir,
+                              video_dir=self.video_dir, max_dataset_size=self.max_dataset_size)]
 
 
 def component_targets(target_modules, component: str, components: list[str]):

@@ -47,6 +47,7 @@ class PromptItem:
     videos: tuple[MediaFile, ...] = ()  # condition videos
     metadata: dict = field(default_factory=dict, hash=False)  # the row's other keys
     source: str | None = field(default=None, compare=False)  # "file:line", for errors about the row
+    dataset: str | None = field(default=None, compare=False)  # its dataset's name (data.datasets)
 
     @property
     def condition_key(self) -> tuple:

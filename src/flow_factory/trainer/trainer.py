@@ -26,7 +26,8 @@ from ..checkpoint import (RUN_CONFIG, CheckpointError, check_fits, checkpoint_di
 from ..config import ConfigError
 from ..config.sections import component_targets
 from ..config.train import COUPLED_TRAINER_TYPES
-from ..data import EpochSampler, MissingPromptFile, process_share, share_slice
+from ..data import MissingPromptFile, epoch_sampler, process_share, share_slice
+from ..data.sources import per_source_means, source_indices
 from ..dynamics import make_dynamics
 from ..dynamics.window import choose_sde_steps
 from ..guards import NonFiniteError, NonFiniteGuard, all_finite, check_pipeline_finite, nonfinite_rewards
@@ -102,12 +103,14 @@ class Trainer:
         # the prompts and the condition files they name, checked against what the model takes
         adapter_cls = get_adapter_class(model.model_type)
         self.train_prompts = load_split(cfg, "train", adapter_cls)
-        check_prompt_counts(cfg, len(self.train_prompts))
+        check_prompt_counts(cfg, self.train_prompts)
         self.test_prompts = self._test_prompts(adapter_cls)
         self.train_size = split_size(cfg, "train", self.train_prompts, adapter_cls)
         self.eval_size = split_size(cfg, "eval", self.test_prompts, adapter_cls)
-        self.sampler = EpochSampler(len(self.train_prompts), train.unique_sample_num_per_epoch,
-                                    train.group_size, self.seed)
+        self.sampler = epoch_sampler(cfg, self.train_prompts, self.seed)
+        # several datasets: their names, and each training prompt's dataset (by position in the names)
+        self.source_names = [s.name for s in cfg.data.sources] if len(cfg.data.sources) > 1 else []
+        self.train_sources = source_indices(self.train_prompts, self.source_names) if self.source_names else None
         self.run_folder = RunFolder(self.run_dir)
         self._say(f"run folder {self.run_dir}")
         self._from_main(lambda: self.run_folder.claim(self.resume_from, resumed["epoch"], cfg.log.overwrite))
@@ -412,6 +415,8 @@ class Trainer:
         share = process_share(len(indices), acc.process_index, acc.num_processes,
                               train.per_device_batch_size if self.algorithm.lockstep else None)
         sample_ids = share.tolist()
+        if self.source_names:  # this process's samples' datasets, gathered beside their rewards
+            self.epoch_sources = self.train_sources[indices[share]].to(acc.device)
         sde_steps = None
         if self.dynamics.stochastic:
             sde_steps = choose_sde_steps(cfg.rollout_steps, cfg.sde_step_candidates,
@@ -505,7 +510,11 @@ class Trainer:
                 self.adapter.strength = train_strength
         scores = rollouts.rewards
         # the mean over every test prompt once, whatever the shares' sizes
-        means = {f"eval/reward/{k}": v.mean().item() for k, v in gather_scores(scores).items()}
+        every = gather_scores(scores)
+        means = {f"eval/reward/{k}": v.mean().item() for k, v in every.items()}
+        if self.source_names:
+            means.update(per_source_means(every, source_indices(items, self.source_names), self.source_names,
+                                          "eval/source/{source}/reward/{reward}"))
         self.eval_history.append({"epoch": epoch, **means})
         if self.accelerator.is_main_process:  # its grid: its own share, the first test prompts
             shown = min(16, len(rollouts.prompts))
@@ -602,6 +611,13 @@ class Trainer:
                 metrics[f"reward/{name}/std"] = finite.std(unbiased=False).item()
             if len(finite) < len(scores):
                 metrics[f"reward/{name}/nonfinite"] = len(scores) - len(finite)
+        if self.source_names:  # several datasets: each one's rewards and groups apart
+            sources = self.accelerator.gather(self.epoch_sources).cpu()
+            metrics.update(per_source_means({k: self.accelerator.gather(v) for k, v in rollouts.rewards.items()},
+                                            sources, self.source_names, "source/{source}/reward/{reward}/mean"))
+            size = self.cfg.train.group_size
+            metrics.update({f"source/{name}/groups": int((sources == s).sum()) // size
+                            for s, name in enumerate(self.source_names)})
         if advantages is not None:
             adv = self.accelerator.gather(advantages)
             metrics.update({"advantage/mean": adv.mean().item(), "advantage/std": adv.std(unbiased=False).item(),

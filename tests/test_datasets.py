@@ -1,0 +1,108 @@
+"""Several datasets in one run (``data.datasets``, Flow-Factory's weighted multi-source data): each epoch's
+groups drawn from each dataset in proportion to its weight (exactly, when the weights divide the epoch;
+in the long run otherwise, within a stated tolerance), every group from one dataset, each dataset's rewards
+logged apart, and the same update on one process and on two."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from helpers_launch import ff_train_forked
+from helpers_runs import ff_train_in_this_process, tiny_run_config, write_config
+from safetensors.torch import load_file
+from test_config import minimal
+from test_train_cli import EPOCHS, LINEAR_STEP, TOLERANCE, _difference_over_movement, _free_port
+
+from flow_factory.config import ConfigError, parse_config
+from flow_factory.data import WeightedEpochSampler
+from flow_factory.start_checks import check_prompt_counts
+
+
+def _counts(sampler, epoch):
+    indices, groups = sampler.draw(epoch)
+    per_group = indices.reshape(-1, sampler.group_size)
+    assert (per_group == per_group[:, :1]).all()  # a group is one prompt, so one dataset
+    source = torch.bucketize(per_group[:, 0].contiguous(), torch.tensor(sampler.offsets[1:]), right=True)
+    return torch.bincount(source, minlength=len(sampler.sizes)).tolist()
+
+
+def test_weights_that_divide_the_epoch_give_exactly_their_share_every_epoch():
+    sampler = WeightedEpochSampler([5, 9], [1, 3], unique_per_epoch=8, group_size=2, seed=3)
+    assert all(_counts(sampler, epoch) == [2, 6] for epoch in range(50))
+    assert torch.equal(sampler.draw(7).prompt_indices, sampler.draw(7).prompt_indices)  # (seed, epoch) alone
+    assert not torch.equal(sampler.draw(7).prompt_indices, sampler.draw(8).prompt_indices)
+
+
+def test_weights_that_do_not_divide_the_epoch_reach_their_share_in_the_long_run():
+    """Weights 1 : 2 over 4 prompts an epoch: the first dataset's expected count is 4/3, so each epoch gives
+    it 1 or 2 (2 with probability 1/3, variance 2/9). Over 3000 epochs its mean count has standard deviation
+    sqrt(2/9 / 3000) = 0.0086: allowed 5 of them."""
+    sampler = WeightedEpochSampler([6, 6], [1, 2], unique_per_epoch=4, group_size=1, seed=0)
+    counts = torch.tensor([_counts(sampler, epoch) for epoch in range(3000)], dtype=torch.float64)
+    assert set(counts[:, 0].tolist()) == {1.0, 2.0} and (counts.sum(dim=1) == 4).all()
+    assert abs(counts[:, 0].mean().item() - 4 / 3) < 5 * math.sqrt(2 / 9 / 3000)
+
+
+def test_a_dataset_with_too_few_prompts_for_its_weight_is_named():
+    with pytest.raises(ValueError, match=r"too few prompts for their weight: b \(2 prompts, up to 3 an epoch\)"):
+        WeightedEpochSampler([10, 2], [1, 3], unique_per_epoch=4, group_size=2, names=["a", "b"])
+
+
+def _datasets(folder, sizes=(4, 4)):
+    out = []
+    for name, n in zip("ab", sizes):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        (folder / name / "train.txt").write_text("".join(f"a {name} thing number {i}\n" for i in range(n)))
+        (folder / name / "test.txt").write_text(f"a {name} test\n")
+        out.append({"name": name, "dataset_dir": str(folder / name)})
+    return out
+
+
+def test_flow_factorys_layout_reads_as_ours_and_the_start_check_counts_each_dataset(tmp_path):
+    upstream = minimal()
+    upstream["data"] = {"datasets": [
+        {"name": "a", "dataset_dir": str(tmp_path / "a"), "train": {"weight": 1, "max_dataset_size": 3},
+         "eval": {"max_dataset_size": 1, "guidance_scale": 3.0}},
+        {"name": "b", "dataset_dir": str(tmp_path / "b"), "train": {"weight": 3}, "eval": {"guidance_scale": 3.0}}]}
+    cfg = parse_config(upstream)
+    a, b = cfg.data.sources
+    assert (a.name, a.weight, a.max_dataset_size, a.eval_max_dataset_size, b.weight) == ("a", 1, 3, 1, 3)
+    assert cfg.eval.guidance_scale == 3.0
+    _datasets(tmp_path, sizes=(3, 2))
+    with pytest.raises(ConfigError, match=r"train.unique_sample_num_per_epoch: 4 distinct prompts an epoch, shared "
+                                          r"by data.datasets' weights; too few prompts for their weight: b \(2 "
+                                          r"prompts, up to 3 an epoch\)"):
+        check_prompt_counts(cfg)
+
+
+def _run_config(tmp_path, tiny_sd3_path):
+    config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path, group_size=4, max_epochs=EPOCHS, **LINEAR_STEP)
+    config["data"] = {"datasets": _datasets(tmp_path / "data"), "cache_dir": str(tmp_path / "cache")}
+    config["rewards"] = [{"name": "brightness", "reward_model": "helpers_rewards.MeanBrightness"}]
+    config["eval"]["eval_freq"] = 1
+    return config
+
+
+def test_each_dataset_is_logged_apart_and_two_processes_make_one_processs_update(tmp_path, tiny_sd3_path):
+    """Two datasets of weight 1 and two prompts an epoch: one group of each every epoch, its rewards under
+    source/<name>/ in the history, each dataset's test prompt scored under eval/source/<name>/."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    for folder, processes in ((one, 1), (two, 2)):
+        argv = [str(write_config(folder, _run_config(folder, tiny_sd3_path))), "--num_processes", str(processes),
+                "--main_process_port", str(_free_port())]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+        (out, err), code = ff_train_in_this_process(argv) if processes == 1 else ff_train_forked(argv, env)
+        assert code == 0, err[-3000:]
+    history = json.loads((one / "saves" / "run" / "history.json").read_text())
+    for record in history["train"]:
+        assert record["source/a/groups"] == record["source/b/groups"] == 1
+        assert {"source/a/reward/brightness/mean", "source/b/reward/brightness/mean"} <= set(record)
+    assert {"eval/source/a/reward/brightness", "eval/source/b/reward/brightness"} <= set(history["eval"][-1])
+
+    def lora(folder):
+        return load_file(folder / "saves" / "run" / "checkpoints" / f"epoch_{EPOCHS}" /
+                         "pytorch_lora_weights.safetensors")
+    relative, moved = _difference_over_movement(lora(one), lora(two))
+    assert moved > 1e-4 and relative <= TOLERANCE, (relative, moved)
