@@ -151,6 +151,18 @@ def test_condition_keys_on_a_text_only_model_load_with_a_note(model_type, size):
     assert f"changes nothing: {model_type} generates from text alone" in cfg.notes()[0]
 
 
+def test_a_frame_rate_loads_with_a_note_except_where_it_would_change_ltx2s_run():
+    # examples/sft/lora/wan22/t2v_ti2v5b.yaml: frame_rate 10 for Wan, whose videos are written at 16 fps here
+    plain = run(model={"model_type": "wan2_t2v"}, train={"num_frames": 9})
+    cfg = parse_config(run(model=plain["model"], train={**plain["train"], "frame_rate": 10.0}))
+    assert resolved(cfg) == resolved(parse_config(plain))
+    assert cfg.notes()[0] == "train.frame_rate: 10.0 changes nothing: wan2_t2v writes its videos at its own frame rate here"
+    parse_config(run(model={"model_type": "ltx2_t2av"}, train={"num_frames": 9, "frame_rate": 24}))
+    with pytest.raises(ConfigError, match=r"eval.frame_rate: 25.0; only 24 here: LTX-2's videos play at the "
+                                          r"pipeline's default 24 fps"):
+        parse_config(run(model={"model_type": "ltx2_t2av"}, train={"num_frames": 9}, eval={"frame_rate": 25}))
+
+
 # --------------------------------------------------------------- AWM's EMA and KL block
 # examples/awm/lora/{sd3_5,flux1}/default.yaml: kl_weight: 'Uniform', ema_decay_schedule: linear,
 # ema_decay: 0.3, warmup_steps: 1000 (sd3_5) / 300 (flux1). Upstream's AWM arguments have no kl_weight

@@ -42,7 +42,6 @@ _LTX2_FIXED = {
     "guidance_rescale": (0, _LTX2_GUIDANCE + " (no rescale)"),
     **{f"audio_{key}": (None, "the audio takes the video's value here") for key in
        ("guidance_scale", "stg_scale", "modality_scale", "guidance_rescale")},
-    "frame_rate": (24, "LTX-2's videos play at the pipeline's default 24 fps here (LTX2Adapter.frame_rate)"),
     "system_prompt": (None, "prompt enhancement is not in this version"),
     "prompt_enhancement_seed": (10, "prompt enhancement is not in this version"),
 }

@@ -139,7 +139,8 @@ class Config(Section):
         self._clear_conditions_of_text_only_models()
         self._note_untrained_components()
         # checks next: they must see what the user wrote, not the filled-in defaults
-        problems = self._contradictions() + self._size_problems() + self._window_problems()
+        problems = (self._read_frame_rates() + self._contradictions() + self._size_problems()
+                    + self._window_problems())
         if not problems:
             problems = self._geometry_problems()
         if problems:
@@ -181,6 +182,23 @@ class Config(Section):
                     self._cleared.append(f"{part}.{key}: {show(value)} changes nothing: {name} generates from text "
                                          "alone (the key is for conditioned models)")
                     setattr(section, key, None)
+
+    def _read_frame_rates(self) -> list[str]:
+        """Flow-Factory's ``frame_rate``: LTX-2 samples at 24 fps only; another model writes videos at its own
+        rate, so the key is cleared with a note."""
+        out = []
+        for part, section in (("train", self.train), ("eval", self.eval)):
+            rate = section.frame_rate
+            if rate is None:
+                continue
+            if self.model.model_type == "ltx2_t2av" and rate != 24:
+                out.append(f"{part}.frame_rate: {show(rate)}; only 24 here: LTX-2's videos play at the pipeline's "
+                           "default 24 fps here (LTX2Adapter.frame_rate)")
+            elif self.model.model_type != "ltx2_t2av":
+                self._cleared.append(f"{part}.frame_rate: {show(rate)} changes nothing: {self.model.model_type} "
+                                     "writes its videos at its own frame rate here")
+                section.frame_rate = None
+        return out
 
     def _note_untrained_components(self) -> None:
         """A network of ``target_components`` whose modules a LoRA ``target_modules`` never names trains

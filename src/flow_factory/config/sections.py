@@ -408,6 +408,7 @@ class EvalConfig(Section):
         None, "eval image size, an int or [height, width]; null = train.resolution",
         expects="an integer, [height, width] or null")
     num_frames: PositiveInt | None = setting(None, "video frames at eval; null = train.num_frames")
+    frame_rate: float | None = setting(None, "Flow-Factory compatibility: as train.frame_rate", gt=0)
     num_inference_steps: PositiveInt | None = setting(None, "ODE steps at eval; null = train.num_inference_steps")
     guidance_scale: float | None = setting(None, "CFG / guidance scale at eval; null = train.guidance_scale", ge=0)
     guidance_scale_2: float | None = setting(
