@@ -328,7 +328,7 @@ def test_reward_extra_keys_are_constructor_options():
     ("scheduler.sde_steps=[1, x]", "scheduler.sde_steps: expected a list of integers or null, got [1, 'x']"),
     ("scheduler.sde_steps=[2, 2]", "scheduler.sde_steps: steps [2] are listed more than once"),
     ("model.target_modules=[]", "model.target_modules: an empty list trains nothing"),
-    ("rewards.0.weight=heavy", "rewards[0].weight: expected a number, got 'heavy'"),
+    ("rewards.0.weight=heavy", "rewards[0].weight: expected a number or a mapping, got 'heavy'"),
     ("rewards=5", "rewards: expected a list of reward entries"),
     ("train=5", "train: expected a mapping of settings, got 5"),
 ])

@@ -15,8 +15,11 @@ from safetensors.torch import load_file
 from test_config import minimal
 from test_train_cli import EPOCHS, LINEAR_STEP, TOLERANCE, _difference_over_movement, _free_port
 
+from flow_factory.advantages import combine_advantages
 from flow_factory.config import ConfigError, parse_config
 from flow_factory.data import WeightedEpochSampler
+from flow_factory.rewards import PointwiseRewardModel, RewardModelOutput
+from flow_factory.rewards.reward_set import RewardSet
 from flow_factory.start_checks import check_prompt_counts
 
 
@@ -77,17 +80,80 @@ def test_flow_factorys_layout_reads_as_ours_and_the_start_check_counts_each_data
         check_prompt_counts(cfg)
 
 
+class PromptLength(PointwiseRewardModel):
+    """The prompt's length; remembers every prompt it scored."""
+
+    def __init__(self):
+        super().__init__(batch_size=2)
+        self.seen = []
+
+    def __call__(self, prompt=None, image=None, video=None, condition_images=None, condition_videos=None):
+        self.seen += list(prompt)
+        return RewardModelOutput(rewards=torch.tensor([float(len(p)) for p in prompt]))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_routed_reward_scores_its_datasets_samples_only(asynchronous):
+    """Flow-Factory's routing: applicable_datasets, or a weight per dataset (a dataset left out is not scored).
+    The samples a reward does not score get NaN, and it weighs 0 there."""
+    only_a, weighted = PromptLength(), PromptLength()
+    rewards = RewardSet({"only_a": only_a, "weighted": weighted}, {"only_a": 1.0, "weighted": {"a": 0.5, "c": 2.0}},
+                        {"only_a": 1, "weighted": 1} if asynchronous else None, {"only_a": ["a"], "weighted": None})
+    datasets = ["a", "a", "b", "b", "c", "c"]
+    job = rewards.start(torch.tensor([0, 0, 1, 1, 2, 2]), datasets)
+    prompts = ["a1", "a22", "b333", "b4444", "c55555", "c666666"]
+    for start in (0, 3):
+        job.add(prompts[start:start + 3])
+    scores = job.finish()
+    rewards.close()
+    assert sorted(only_a.seen) == ["a1", "a22"] and sorted(weighted.seen) == ["a1", "a22", "c55555", "c666666"]
+    nan = float("nan")
+    torch.testing.assert_close(scores["only_a"], torch.tensor([2.0, 3.0, nan, nan, nan, nan]), equal_nan=True)
+    torch.testing.assert_close(scores["weighted"], torch.tensor([2.0, 3.0, nan, nan, 6.0, 7.0]), equal_nan=True)
+    weights = rewards.sample_weights(datasets)
+    assert weights["only_a"].tolist() == [1, 1, 0, 0, 0, 0] and weights["weighted"].tolist() == [.5, .5, 0, 0, 2, 2]
+
+
+def test_routed_weights_combine_per_sample_and_a_reward_that_did_not_score_counts_zero():
+    """Groups {0,1} of dataset a, {2,3} of b: reward x scores a only, y both (weight 0.5 on a, 1 on b). Summed:
+    a's totals x + 0.5 y, b's y alone; each group's advantage is its totals' (t - mean) / (std + eps)."""
+    nan, eps = float("nan"), 1e-4
+    x, y = torch.tensor([1.0, 3.0, nan, nan]), torch.tensor([2.0, 6.0, 5.0, 1.0])
+    weights = {"x": torch.tensor([1.0, 1.0, 0.0, 0.0]), "y": torch.tensor([0.5, 0.5, 1.0, 1.0])}
+    adv = combine_advantages({"x": x, "y": y}, weights, torch.tensor([0, 0, 1, 1]), "sum")
+    # a: totals 2 and 6 (mean 4, std 2); b: 5 and 1 (mean 3, std 2)
+    expected = torch.tensor([-2 / (2 + eps), 2 / (2 + eps), 2 / (2 + eps), -2 / (2 + eps)])
+    torch.testing.assert_close(adv, expected)
+    gdpo = combine_advantages({"x": x, "y": y}, weights, torch.tensor([0, 0, 1, 1]), "gdpo")
+    assert torch.isfinite(gdpo).all()
+
+
+def test_routing_names_datasets_of_the_run():
+    config = minimal(rewards=[{"reward_model": "PickScore", "weight": {"a": 1.0}}])
+    with pytest.raises(ConfigError, match=r"rewards\[0\].weight: routes a reward to datasets, but the run reads one"):
+        parse_config(config)
+    config["data"] = {"datasets": [{"name": "a", "dataset_dir": "x"}, {"name": "b", "dataset_dir": "y"}]}
+    config["rewards"][0]["applicable_datasets"] = ["a", "z"]
+    with pytest.raises(ConfigError, match=r"rewards\[0\].applicable_datasets: \['z'\] are not datasets of the run; "
+                                          r"data.datasets names \['a', 'b'\]"):
+        parse_config(config)
+
+
 def _run_config(tmp_path, tiny_sd3_path):
     config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path, group_size=4, max_epochs=EPOCHS, **LINEAR_STEP)
     config["data"] = {"datasets": _datasets(tmp_path / "data"), "cache_dir": str(tmp_path / "cache")}
-    config["rewards"] = [{"name": "brightness", "reward_model": "helpers_rewards.MeanBrightness"}]
+    # brightness weighs 1 on a, 0.5 on b; jpeg scores a's samples only
+    config["rewards"] = [{"name": "brightness", "reward_model": "helpers_rewards.MeanBrightness",
+                          "weight": {"a": 1.0, "b": 0.5}},
+                         {"name": "jpeg", "reward_model": "jpeg_compressibility", "applicable_datasets": ["a"]}]
     config["eval"]["eval_freq"] = 1
     return config
 
 
 def test_each_dataset_is_logged_apart_and_two_processes_make_one_processs_update(tmp_path, tiny_sd3_path):
     """Two datasets of weight 1 and two prompts an epoch: one group of each every epoch, its rewards under
-    source/<name>/ in the history, each dataset's test prompt scored under eval/source/<name>/."""
+    source/<name>/ in the history, each dataset's test prompt scored under eval/source/<name>/; one reward
+    weighted per dataset, one scoring a's samples only."""
     one, two = tmp_path / "one", tmp_path / "two"
     for folder, processes in ((one, 1), (two, 2)):
         argv = [str(write_config(folder, _run_config(folder, tiny_sd3_path))), "--num_processes", str(processes),
@@ -98,8 +164,11 @@ def test_each_dataset_is_logged_apart_and_two_processes_make_one_processs_update
     history = json.loads((one / "saves" / "run" / "history.json").read_text())
     for record in history["train"]:
         assert record["source/a/groups"] == record["source/b/groups"] == 1
-        assert {"source/a/reward/brightness/mean", "source/b/reward/brightness/mean"} <= set(record)
+        assert {"source/a/reward/brightness/mean", "source/b/reward/brightness/mean", "source/a/reward/jpeg/mean",
+                "reward/jpeg/mean"} <= set(record)
+        assert "source/b/reward/jpeg/mean" not in record and "reward/jpeg/nonfinite" not in record
     assert {"eval/source/a/reward/brightness", "eval/source/b/reward/brightness"} <= set(history["eval"][-1])
+    assert all(math.isfinite(v) for v in history["eval"][-1].values())
 
     def lora(folder):
         return load_file(folder / "saves" / "run" / "checkpoints" / f"epoch_{EPOCHS}" /

@@ -330,7 +330,7 @@ def test_config_errors_name_the_reward():
         RewardSet.from_configs([{"name": "j", "reward_model": "jpeg_compressibility", "qualty": 80}])
     with pytest.raises(ConfigError, match=r"two entries are named 'j' \(entries 0 and 1\)"):
         RewardSet.from_configs([{"name": "j", "reward_model": "jpeg_compressibility"}] * 2)
-    with pytest.raises(ConfigError, match=r"rewards\[1\]\.weight: expected a number, got nan"):
+    with pytest.raises(ConfigError, match=r"rewards\[1\]\.weight: expected a number or a mapping, got nan"):
         RewardSet.from_configs([{"reward_model": "jpeg_compressibility"},
                                 {"name": "j", "reward_model": "jpeg_compressibility", "weight": float("nan")}])
 

@@ -26,6 +26,10 @@ Several rewards (weights ``w_k``) combine in one of two ways:
   the per-reward advantages differ by the constant factor sqrt(G / (G - 1)) for
   groups of size G, which the final batch normalisation removes (up to eps).
 
+A weight may be one per sample (a (B,) tensor): a reward routed to some datasets (``data.datasets``)
+weighs 0 on the others' samples, where it was not scored (NaN) and counts as 0. A group is one prompt,
+so one dataset: its rewards are all scored or all not.
+
 Clipping to ``adv_clip_range`` is the algorithm's job, not done here.
 
 Distributed: call these on rewards and group ids gathered from every rank, then
@@ -84,7 +88,7 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, global_std: bool = Fals
     return _group_advantages64(rewards, group_ids, global_std, eps).to(torch.float32)
 
 
-def combine_advantages(rewards: Mapping[str, Tensor], weights: Mapping[str, float], group_ids: Tensor,
+def combine_advantages(rewards: Mapping[str, Tensor], weights: Mapping[str, float | Tensor], group_ids: Tensor,
                        aggregation: str = "sum", global_std: bool = False, eps: float = 1e-4) -> Tensor:
     """One advantage per sample from several rewards (see the module docstring for the formulas).
 
@@ -101,9 +105,16 @@ def combine_advantages(rewards: Mapping[str, Tensor], weights: Mapping[str, floa
                          f"no weight for {missing}, no rewards for {unused}")
     names = list(rewards)
     group_ids = torch.as_tensor(group_ids)
+
+    def weighted(k: str, values: Tensor) -> Tensor:  # w_k x values, 0 where a per-sample weight is 0
+        w = weights[k]
+        if not isinstance(w, Tensor):
+            return float(w) * values
+        w = w.to(device=values.device, dtype=torch.float64)
+        return torch.where(w != 0, w * values, torch.zeros_like(values))
+
     if aggregation == "sum":
-        total = sum(float(weights[k]) * torch.as_tensor(rewards[k]).to(torch.float64) for k in names)
+        total = sum(weighted(k, torch.as_tensor(rewards[k]).to(torch.float64)) for k in names)
         return _group_advantages64(total, group_ids, global_std, eps).to(torch.float32)
-    combined = sum(float(weights[k]) * _group_advantages64(rewards[k], group_ids, False, eps)
-                   for k in names)
+    combined = sum(weighted(k, _group_advantages64(rewards[k], group_ids, False, eps)) for k in names)
     return ((combined - combined.mean()) / (_population_std(combined) + eps)).to(torch.float32)

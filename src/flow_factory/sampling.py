@@ -130,7 +130,7 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
     s, timer = settings, timer or PhaseTimer()
     sigmas = adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float()
     # async rewards start on each batch as soon as it is decoded; the rest score at the end
-    job = reward_set.start(group_ids) if reward_set is not None else None
+    job = reward_set.start(group_ids, [it.dataset for it in items]) if reward_set is not None else None
     media_key = "videos" if adapter.is_video else "images"
     # a soundtrack is decoded only for a reward that asks for it, or to be kept
     keep_audio = s.keep_audio and adapter.has_audio

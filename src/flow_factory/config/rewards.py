@@ -22,13 +22,17 @@ from .explain import explain
 # Flow-Factory's older spelling of the options mapping
 KWARGS_KEYS = ("kwargs", "reward_model_kwargs")
 # the fields the RewardSet reads itself; every other field (and kwargs) goes to the reward's constructor
-SET_FIELDS = ("name", "reward_model", "weight", "async_reward", "num_workers")
+SET_FIELDS = ("name", "reward_model", "weight", "applicable_datasets", "async_reward", "num_workers")
 
 
 class RewardConfig(Section):
     name: str | None = setting(None, "unique name of this reward in logs and weights; null = reward_model")
     reward_model: str = setting(description="registered reward name or a dotted class path (pkg.module.Class)")
-    weight: float = setting(1.0, "weight of this reward when rewards are combined")
+    weight: float | dict[str, float] = setting(
+        1.0, "weight of this reward when rewards are combined; or, with data.datasets, a weight per dataset "
+        "({name: weight}: a dataset left out is not scored by this reward)")
+    applicable_datasets: list[str] | None = setting(
+        None, "with data.datasets: the datasets whose samples this reward scores (Flow-Factory's routing); null = all")
     batch_size: PositiveInt = setting(16, "samples per reward-model call")
     device: str | None = setting(None, "device of the reward model; null = the training process's device")
     dtype: Literal["float32", "float16", "bfloat16"] = setting("float32", "dtype of the reward model")

@@ -183,6 +183,21 @@ class Config(Section):
                                          "alone (the key is for conditioned models)")
                     setattr(section, key, None)
 
+    def _reward_routing_problems(self) -> list[str]:
+        """A reward routed to datasets (a weight per dataset, applicable_datasets) names datasets of the run's."""
+        out, names = [], [s.name for s in self.data.sources]
+        for part, entries in (("rewards", self.rewards), ("eval_rewards", self.eval_rewards or [])):
+            for i, entry in enumerate(entries):
+                named = {f"{part}[{i}].weight": list(entry.weight) if isinstance(entry.weight, dict) else [],
+                         f"{part}[{i}].applicable_datasets": entry.applicable_datasets or []}
+                for key, given in named.items():
+                    if given and self.data.datasets is None:
+                        out.append(f"{key}: routes a reward to datasets, but the run reads one (data.dataset_dir); "
+                                   "name its datasets in data.datasets")
+                    elif unknown := sorted(set(given) - set(names)):
+                        out.append(f"{key}: {unknown} are not datasets of the run; data.datasets names {names}")
+        return out
+
     def _read_frame_rates(self) -> list[str]:
         """Flow-Factory's ``frame_rate``: LTX-2 samples at 24 fps only; another model writes videos at its own
         rate, so the key is cleared with a note."""
@@ -240,6 +255,7 @@ class Config(Section):
             out.append(f"train.train_guidance_scale: {train.trainer_type} trains the rollout's own steps, which ran "
                        f"at guidance_scale {train.guidance_scale:g}; another scale would make even the first update "
                        "off-policy. Remove it, or use a decoupled algorithm (nft, awm, dpo, dgpo, crd)")
+        out += self._reward_routing_problems()
         # off_policy with grpo is allowed: the importance ratio corrects for sampling with the EMA
         if train.off_policy and train.ema_decay == 0:
             out.append("train.off_policy: true samples with the EMA weights, but train.ema_decay is 0 (no EMA); "

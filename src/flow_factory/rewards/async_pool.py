@@ -10,6 +10,7 @@ of the async ones.
   micro-batch, a groupwise reward per group once every member of that group has been
   added (so it always sees the complete group, whatever the micro-batch size).
 - Every other reward is scored in ``finish`` on the whole batch, as without async.
+- A reward routed to some datasets (``data.datasets``) scores only their samples; the others get NaN.
 
 Threads fit rewards that wait (remote servers, VLM APIs) or release the GIL (torch
 forward passes). A worker's exception is re-raised on the main thread, at the next
@@ -34,10 +35,12 @@ class RewardError(RuntimeError):
 
 class RewardJob:
     def __init__(self, models: Mapping[str, BaseRewardModel], pools: Mapping[str, Executor],
-                 group_ids: Tensor | None):
+                 group_ids: Tensor | None, masks: Mapping[int, Tensor] | None = None):
         """``models``: every reward by name (entries may share an instance); ``pools``: the
-        executor of each async reward, by name (entries sharing an instance share one)."""
+        executor of each async reward, by name (entries sharing an instance share one); ``masks``: id(model) ->
+        (N,) bool, the samples a routed reward scores (the others get NaN); None: every reward scores all."""
         self.models = dict(models)
+        self._masks = dict(masks or {})
         self.group_ids = None if group_ids is None else torch.as_tensor(group_ids).reshape(-1).cpu()
         self._chunks: list[tuple[int, RewardInputs]] = []  # (first index, inputs)
         self._next = 0  # samples are added in order
@@ -76,12 +79,20 @@ class RewardJob:
             futures = self._futures.setdefault(key, [])
             if isinstance(model, GroupwiseRewardModel):
                 for g in complete:
-                    members = self._arrived[g]
-                    group_inputs = self._gather(members)
-                    futures.append((torch.tensor(members),
-                                    pool.submit(model.score, group_inputs, torch.full((len(members),), g))))
+                    members = [i for i in self._arrived[g] if self._scores(key, i)]
+                    if members:
+                        futures.append((torch.tensor(members), pool.submit(model.score, self._gather(members),
+                                                                           torch.full((len(members),), g))))
             else:
-                futures.append((torch.arange(start, self._next), pool.submit(model.score, inputs)))
+                mine = [i for i in range(start, self._next) if self._scores(key, i)]
+                if len(mine) == len(inputs):
+                    futures.append((torch.arange(start, self._next), pool.submit(model.score, inputs)))
+                elif mine:
+                    futures.append((torch.tensor(mine), pool.submit(model.score, self._gather(mine))))
+
+    def _scores(self, key: int, index: int) -> bool:
+        mask = self._masks.get(key)
+        return mask is None or bool(mask[index])
 
     def _gather(self, indices: list[int]) -> RewardInputs:
         """The inputs of samples ``indices`` (which may lie in several chunks)."""
@@ -115,11 +126,21 @@ class RewardJob:
         if self.group_ids is not None and n != len(self.group_ids):
             raise ValueError(f"{n} samples added for {len(self.group_ids)} group ids")
         scored: dict[int, Tensor] = {}
-        sync = [m for m in self.models.values() if id(m) not in self._async]
-        if sync:
-            scored.update(score_each_once(sync, self._gather(list(range(n))), self.group_ids))
+        sync = {id(m): m for m in self.models.values() if id(m) not in self._async}
+        whole = [m for key, m in sync.items() if key not in self._masks]
+        if whole:
+            scored.update(score_each_once(whole, self._gather(list(range(n))), self.group_ids))
+        for key, mask in self._masks.items():  # a routed reward: its samples only, NaN for the others
+            if key in sync:
+                out = torch.full((n,), float("nan"), dtype=torch.float32)
+                mine = mask.nonzero().flatten()
+                if len(mine):
+                    groups = None if self.group_ids is None else self.group_ids[mine]
+                    out[mine] = score_each_once([sync[key]], self._gather(mine.tolist()), groups)[key].float()
+                scored[key] = out
         for key, futures in self._futures.items():
-            out = torch.zeros(n, dtype=torch.float32)
+            out = torch.full((n,), float("nan"), dtype=torch.float32) if key in self._masks else \
+                torch.zeros(n, dtype=torch.float32)
             for indices, future in futures:
                 try:
                     out[indices] = future.result()
@@ -127,4 +148,6 @@ class RewardJob:
                     self.raise_failures()
                     raise
             scored[key] = out
+        for key in set(self._async) - set(self._futures):  # an async reward that had nothing to score
+            scored[key] = torch.full((n,), float("nan") if key in self._masks else 0.0, dtype=torch.float32)
         return {name: scored[id(m)].clone() for name, m in self.models.items()}

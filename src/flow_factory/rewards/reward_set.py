@@ -51,15 +51,20 @@ def build_reward(config: RewardConfig, accelerator=None) -> BaseRewardModel:
 
 
 class RewardSet:
-    def __init__(self, models: Mapping[str, BaseRewardModel], weights: Mapping[str, float],
-                 async_workers: Mapping[str, int] | None = None):
-        """``async_workers``: name -> thread count for the rewards scored asynchronously."""
+    def __init__(self, models: Mapping[str, BaseRewardModel], weights: Mapping[str, float | Mapping[str, float]],
+                 async_workers: Mapping[str, int] | None = None,
+                 applicable: Mapping[str, Sequence[str] | None] | None = None):
+        """``async_workers``: name -> thread count for the rewards scored asynchronously. Routing to datasets
+        (``data.datasets``): a weight may be ``{dataset: weight}`` (a dataset left out is not scored), and
+        ``applicable``: name -> the datasets a reward scores (None: all)."""
         if not models:
             raise ValueError("a RewardSet needs at least one reward")
         if set(models) != set(weights):
             raise ValueError(f"reward names {sorted(models)} and weight names {sorted(weights)} differ")
         self.models = dict(models)
-        self._weights = {k: float(weights[k]) for k in self.models}
+        self._weights = {k: dict(weights[k]) if isinstance(weights[k], Mapping) else float(weights[k])
+                         for k in self.models}
+        self._applicable = {k: None if (applicable or {}).get(k) is None else set(applicable[k]) for k in self.models}
         unknown = sorted(set(async_workers or {}) - set(self.models))
         if unknown:
             raise ValueError(f"async_workers names unknown rewards {unknown}; rewards: {sorted(self.models)}")
@@ -86,11 +91,43 @@ class RewardSet:
                 built[key] = build_reward(config, accelerator)
             models[config.name] = built[key]
         return cls(models, {c.name: c.weight for c in configs},
-                   {c.name: c.num_workers for c in configs if c.async_reward})
+                   {c.name: c.num_workers for c in configs if c.async_reward},
+                   {c.name: c.applicable_datasets for c in configs})
 
     @property
     def weights(self) -> dict[str, float]:
-        return dict(self._weights)
+        """One number a reward: its weight, or a weight per dataset's mean (the progress bar's headline)."""
+        return {k: sum(w.values()) / max(1, len(w)) if isinstance(w, dict) else w for k, w in self._weights.items()}
+
+    @property
+    def routed(self) -> bool:
+        """Whether a reward scores some datasets only, or weighs them apart."""
+        return any(isinstance(w, dict) for w in self._weights.values()) or any(
+            a is not None for a in self._applicable.values())
+
+    def scores(self, name: str, dataset: str | None) -> bool:
+        """Whether reward ``name`` scores a sample of ``dataset``."""
+        weight, applicable = self._weights[name], self._applicable[name]
+        return (applicable is None or dataset in applicable) and (not isinstance(weight, dict) or dataset in weight)
+
+    def weight(self, name: str, dataset: str | None) -> float:
+        """Reward ``name``'s weight on a sample of ``dataset`` (0 where it does not score)."""
+        if not self.scores(name, dataset):
+            return 0.0
+        weight = self._weights[name]
+        return float(weight[dataset]) if isinstance(weight, dict) else weight
+
+    def sample_weights(self, datasets: Sequence[str] | None) -> dict[str, float | Tensor]:
+        """Each reward's weight, per sample (a (N,) tensor) when the set is routed and ``datasets`` given."""
+        if datasets is None or not self.routed:
+            return self.weights
+        return {k: torch.tensor([self.weight(k, d) for d in datasets], dtype=torch.float32) for k in self.models}
+
+    def scored_mask(self, name: str, datasets: Sequence[str] | None, n: int) -> Tensor:
+        """(n,) bool: the samples reward ``name`` scores (all of them when ``datasets`` is None)."""
+        if datasets is None or not self.routed:
+            return torch.ones(n, dtype=torch.bool)
+        return torch.tensor([self.scores(name, d) for d in datasets], dtype=torch.bool)
 
     @property
     def names(self) -> list[str]:
@@ -149,12 +186,19 @@ class RewardSet:
             self._pools[key] = ThreadPoolExecutor(self._workers[key], thread_name_prefix=f"reward-{name}")
         return self._pools[key]
 
-    def start(self, group_ids: Tensor | None = None) -> RewardJob:
+    def start(self, group_ids: Tensor | None = None, datasets: Sequence[str] | None = None) -> RewardJob:
         """Open a job for one batch; ``group_ids`` (N,) of the whole batch, in the order samples
-        will be added (needed when any reward is groupwise)."""
+        will be added (needed when any reward is groupwise); ``datasets``: each sample's dataset, for a routed
+        set (a reward scores only its datasets' samples, NaN elsewhere)."""
         self._check_groups(group_ids)
         pools = {name: self.pool(model) for name, model in self.models.items() if self.is_async(name)}
-        return RewardJob(self.models, pools, group_ids)
+        masks = None
+        if datasets is not None and self.routed:  # an instance shared by entries scores what any of them does
+            masks = {}
+            for name, model in self.models.items():
+                mask = self.scored_mask(name, datasets, len(datasets))
+                masks[id(model)] = mask | masks.get(id(model), torch.zeros_like(mask))
+        return RewardJob(self.models, pools, group_ids, masks)
 
     def close(self) -> None:
         """Stop the thread pools (pending work is cancelled)."""

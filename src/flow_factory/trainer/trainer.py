@@ -109,7 +109,7 @@ class Trainer:
         self.eval_size = split_size(cfg, "eval", self.test_prompts, adapter_cls)
         self.sampler = epoch_sampler(cfg, self.train_prompts, self.seed)
         # several datasets: their names, and each training prompt's dataset (by position in the names)
-        self.source_names = [s.name for s in cfg.data.sources] if len(cfg.data.sources) > 1 else []
+        self.source_names = [s.name for s in cfg.data.datasets] if cfg.data.datasets is not None else []
         self.train_sources = source_indices(self.train_prompts, self.source_names) if self.source_names else None
         self.run_folder = RunFolder(self.run_dir)
         self._say(f"run folder {self.run_dir}")
@@ -447,10 +447,13 @@ class Trainer:
         when a reward or an advantage is NaN or inf."""
         gather = self.accelerator.gather
         rewards = {k: gather(v) for k, v in rollouts.rewards.items()}
-        problem = nonfinite_rewards(rewards)
+        datasets = self._gathered_datasets()
+        # a reward routed to some datasets was not scored (NaN) on the others' samples, where it weighs 0
+        scored = {k: v[self.rewards.scored_mask(k, datasets, len(v)).to(v.device)] for k, v in rewards.items()}
+        problem = nonfinite_rewards(scored)
         if problem is None:
             group_ids = gather(rollouts.group_ids.to(self.accelerator.device))
-            adv = combine_advantages(rewards, self.rewards.weights, group_ids,
+            adv = combine_advantages(rewards, self.rewards.sample_weights(datasets), group_ids,
                                      self.cfg.train.advantage_aggregation, self.cfg.train.global_std)
             if all_finite([adv]):
                 return adv[self._local_share(len(adv))]
@@ -511,7 +514,9 @@ class Trainer:
         scores = rollouts.rewards
         # the mean over every test prompt once, whatever the shares' sizes
         every = gather_scores(scores)
-        means = {f"eval/reward/{k}": v.mean().item() for k, v in every.items()}
+        datasets = [it.dataset for it in items] if self.source_names else None
+        means = {f"eval/reward/{k}": v[self.eval_rewards.scored_mask(k, datasets, len(v))].mean().item()
+                 for k, v in every.items()}
         if self.source_names:
             means.update(per_source_means(every, source_indices(items, self.source_names), self.source_names,
                                           "eval/source/{source}/reward/{reward}"))
@@ -601,10 +606,18 @@ class Trainer:
     def _save_due(self) -> bool:
         return bool(self.cfg.log.save_freq) and self.epoch % self.cfg.log.save_freq == 0
 
+    def _gathered_datasets(self) -> list[str] | None:
+        """The dataset of each of the epoch's samples, in the order of the gathered rewards (several datasets)."""
+        if not self.source_names:
+            return None
+        return [self.source_names[i] for i in self.accelerator.gather(self.epoch_sources).tolist()]
+
     def _epoch_metrics(self, rollouts: Rollouts, advantages: torch.Tensor | None) -> dict[str, float]:
         metrics = {}
+        datasets = self._gathered_datasets()
         for name, scores in rollouts.rewards.items():
             scores = self.accelerator.gather(scores)
+            scores = scores[self.rewards.scored_mask(name, datasets, len(scores)).to(scores.device)]
             finite = scores[torch.isfinite(scores)]  # a skipped epoch still plots its finite rewards
             if len(finite):
                 metrics[f"reward/{name}/mean"] = finite.mean().item()
@@ -612,7 +625,7 @@ class Trainer:
             if len(finite) < len(scores):
                 metrics[f"reward/{name}/nonfinite"] = len(scores) - len(finite)
         if self.source_names:  # several datasets: each one's rewards and groups apart
-            sources = self.accelerator.gather(self.epoch_sources).cpu()
+            sources = torch.tensor([self.source_names.index(d) for d in datasets])
             metrics.update(per_source_means({k: self.accelerator.gather(v) for k, v in rollouts.rewards.items()},
                                             sources, self.source_names, "source/{source}/reward/{reward}/mean"))
             size = self.cfg.train.group_size
