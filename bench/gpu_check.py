@@ -197,7 +197,7 @@ def part_flux(budget: float, work: Path) -> None:
     from flow_factory.models.lora import apply_lora
     from flow_factory.precision import Precision, avoid_cudnn_attention, run_mixed_precision
     from flow_factory.sampling import SamplingSettings, collect_rollouts
-    from flow_factory.trainer.optimize import optimize_epoch
+    from flow_factory.trainer.optimize import OptimizeSettings, optimize_epoch
     from flow_factory.trainer.policy import AdapterPolicy
 
     deadline = time.perf_counter() + budget
@@ -246,10 +246,10 @@ def part_flux(budget: float, work: Path) -> None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         begin = time.perf_counter()
-        _, steps = optimize_epoch(algorithm, policy, rollouts, advantages, accelerator=accelerator,
-                                  optimizer=optimizer, params=trained, denoiser=None, batch_size=1,
-                                  num_inner_epochs=1, accumulation=2, max_grad_norm=1.0, seed=0, epoch=0,
-                                  guard=NonFiniteGuard(10), steps_per_call=steps_per_call)
+        _, steps = optimize_epoch(algorithm, policy, rollouts, advantages,
+                                  OptimizeSettings(batch_size=1, accumulation=2, steps_per_call=steps_per_call),
+                                  accelerator=accelerator, optimizer=optimizer, params=trained, syncing_module=None,
+                                  seed=0, epoch=0, guard=NonFiniteGuard(10))
         if gpu:
             torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else None

@@ -27,7 +27,7 @@ from flow_factory.models.base import Conditioning, FlowAdapter
 from flow_factory.rollout import sample_trajectory
 from flow_factory.sampling import Rollouts
 from flow_factory.trainer.ema import WeightCopy
-from flow_factory.trainer.optimize import optimize_epoch
+from flow_factory.trainer.optimize import OptimizeSettings, optimize_epoch
 from flow_factory.trainer.policy import AdapterPolicy
 
 TARGET = torch.tensor([1.5, -1.0])
@@ -117,10 +117,11 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
         rollouts = Rollouts([""] * n, group_ids, traj.latents, traj.log_probs, traj.sigmas, traj.sde_steps, cond,
                             media=traj.final, means=traj.means, latent_steps=traj.latent_steps)
         advantages = combine_advantages({"r": rewards}, {"r": 1.0}, group_ids, "sum", False)
-        _, done = optimize_epoch(algorithm, policy, rollouts, advantages, accelerator=acc, optimizer=optimizer,
-                                 params=params, denoiser=adapter.transformer, batch_size=n, num_inner_epochs=1,
-                                 accumulation=accumulation, max_grad_norm=max_grad_norm, seed=seed, epoch=epoch,
-                                 steps_per_call=cfg.steps_per_call, guard=NonFiniteGuard(0), steps_before=steps,
+        settings = OptimizeSettings(batch_size=n, accumulation=accumulation, max_grad_norm=max_grad_norm,
+                                    steps_per_call=cfg.steps_per_call)
+        _, done = optimize_epoch(algorithm, policy, rollouts, advantages, settings, accelerator=acc,
+                                 optimizer=optimizer, params=params, syncing_module=adapter.transformer, seed=seed,
+                                 epoch=epoch, guard=NonFiniteGuard(0), steps_before=steps,
                                  step_snapshots={k: (snapshots[k], d) for k, d in algorithm.step_snapshots.items()})
         steps += done
         for name, decay_of in algorithm.weight_snapshots.items():

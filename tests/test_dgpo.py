@@ -248,7 +248,7 @@ def test_the_fast_ema_moves_after_every_optimizer_step():
     from flow_factory.guards import NonFiniteGuard
     from flow_factory.sampling import Rollouts
     from flow_factory.trainer.ema import WeightCopy
-    from flow_factory.trainer.optimize import optimize_epoch
+    from flow_factory.trainer.optimize import OptimizeSettings, optimize_epoch
     from flow_factory.trainer.policy import AdapterPolicy
 
     torch.manual_seed(0)
@@ -274,10 +274,10 @@ def test_the_fast_ema_moves_after_every_optimizer_step():
     rollouts = Rollouts([""] * n, torch.zeros(n, dtype=torch.long), x0.unsqueeze(1), torch.zeros(n, 3),
                         adapter.sigmas(3), [], adapter.encode([""] * n, None, 1.0), media=x0, latent_steps=[3])
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    _, steps = optimize_epoch(algo, policy, rollouts, advantages, accelerator=Accelerator(cpu=True),
-                              optimizer=optimizer, params=params, denoiser=adapter.transformer, batch_size=4,
-                              num_inner_epochs=1, accumulation=1, max_grad_norm=10.0, seed=0, epoch=0,
-                              guard=NonFiniteGuard(0), steps_before=5,
+    _, steps = optimize_epoch(algo, policy, rollouts, advantages, OptimizeSettings(batch_size=4, max_grad_norm=10.0),
+                              accelerator=Accelerator(cpu=True), optimizer=optimizer, params=params,
+                              syncing_module=adapter.transformer, seed=0, epoch=0, guard=NonFiniteGuard(0),
+                              steps_before=5,
                               step_snapshots={"ema_ref": (ema_ref, algo.step_snapshots["ema_ref"])})
     assert steps == 3 and len(after_each_step) == 3
     expected = start

@@ -412,7 +412,7 @@ def test_shuffle_samples_false_trains_in_rollout_order(shuffle):
     from accelerate import Accelerator
 
     from flow_factory.guards import NonFiniteGuard
-    from flow_factory.trainer.optimize import optimize_epoch
+    from flow_factory.trainer.optimize import OptimizeSettings, optimize_epoch
 
     @dataclass
     class Batch:
@@ -439,10 +439,9 @@ def test_shuffle_samples_false_trains_in_rollout_order(shuffle):
             return (weight ** 2).sum(), {}
 
     rollouts = type("Rollouts", (), {"group_ids": torch.arange(8) // 2})
-    optimize_epoch(Recorder(), None, rollouts, torch.zeros(8), accelerator=Accelerator(cpu=True),
-                   optimizer=torch.optim.SGD([weight], lr=0.1), params=[weight], denoiser=torch.nn.Linear(1, 1),
-                   batch_size=2, num_inner_epochs=1, accumulation=1, max_grad_norm=1.0, seed=0, epoch=0,
-                   guard=NonFiniteGuard(3), shuffle=shuffle)
+    optimize_epoch(Recorder(), None, rollouts, torch.zeros(8), OptimizeSettings(batch_size=2, shuffle=shuffle),
+                   accelerator=Accelerator(cpu=True), optimizer=torch.optim.SGD([weight], lr=0.1), params=[weight],
+                   syncing_module=torch.nn.Linear(1, 1), seed=0, epoch=0, guard=NonFiniteGuard(3))
     assert sorted(seen) == list(range(8)) and (seen == list(range(8))) == (not shuffle)
 
 

@@ -32,7 +32,7 @@ from flow_factory.dynamics import ODE
 from flow_factory.guards import NonFiniteGuard
 from flow_factory.sampling import Rollouts
 from flow_factory.trainer.ema import WeightCopy
-from flow_factory.trainer.optimize import optimize_epoch
+from flow_factory.trainer.optimize import OptimizeSettings, optimize_epoch
 from flow_factory.trainer.policy import AdapterPolicy
 from flow_factory.trainer.trainer import Trainer
 
@@ -73,9 +73,10 @@ def train_dgpo_epoch(rank: int, world: int, batch_size: int, shared_noise: bool,
         return torch.cat([p.detach().flatten() for p in params])
     optimizer = torch.optim.SGD(params, lr=0.05)
     micro_steps = len(mine) // batch_size * 2
-    optimize_epoch(algo, policy, rollouts, advantages[mine], accelerator=accelerator, optimizer=optimizer,
-                   params=params, denoiser=None, batch_size=batch_size, num_inner_epochs=1,
-                   accumulation=micro_steps // 2, max_grad_norm=100.0, seed=5, epoch=0, guard=NonFiniteGuard(0),
+    optimize_epoch(algo, policy, rollouts, advantages[mine],
+                   OptimizeSettings(batch_size=batch_size, accumulation=micro_steps // 2, max_grad_norm=100.0),
+                   accelerator=accelerator, optimizer=optimizer, params=params, syncing_module=None, seed=5, epoch=0,
+                   guard=NonFiniteGuard(0),
                    steps_before=1,  # the fast EMA's decay is 0.2 from the first step: it lags behind the weights
                    step_snapshots={k: (snapshots[k], d) for k, d in algo.step_snapshots.items()})
     return torch.cat([p.detach().flatten() for p in params])
@@ -90,10 +91,13 @@ def grpo_advantages(accelerator):
     mine = process_share(N + 4, accelerator.process_index, accelerator.num_processes)
     group_ids = torch.arange(GROUPS + 1).repeat_interleave(GROUP_SIZE)
     rewards = torch.cat([rewards, rewards[:4] * 0.5])
-    trainer = SimpleNamespace(accelerator=accelerator, rewards=SimpleNamespace(weights={"r": 1.0}),
+    from flow_factory.rewards.reward_set import RewardSet
+
+    trainer = SimpleNamespace(accelerator=accelerator, rewards=RewardSet({"r": object()}, {"r": 1.0}),
                               cfg=SimpleNamespace(train=TrainConfig(advantage_aggregation="sum", global_std=False)),
-                              guard=NonFiniteGuard(0))
+                              guard=NonFiniteGuard(0), source_names=[])
     trainer._local_share = lambda n: Trainer._local_share(trainer, n)
+    trainer._gathered_datasets = lambda: Trainer._gathered_datasets(trainer)
     rollouts = SimpleNamespace(rewards={"r": rewards[mine]}, group_ids=group_ids[mine])
     return Trainer.compute_advantages(trainer, rollouts, 0), combine_advantages(
         {"r": rewards}, {"r": 1.0}, group_ids, "sum", False)[mine]

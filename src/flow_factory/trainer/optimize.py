@@ -15,8 +15,8 @@ Up to ``steps_per_call`` consecutive micro-batches of a chunk are merged into on
 the gradient is the sum the separate calls would give; merging never crosses an optimizer
 step, so every step sees the same gradient either way.
 
-Gradients sync across processes through the DDP wrapper ``denoiser``; a multi-expert model
-is not wrapped (``FlowAdapter.wrap_transformer``), so with ``denoiser=None`` this loop
+Gradients sync across processes through the DDP wrapper ``syncing_module``; a multi-expert model
+is not wrapped (``FlowAdapter.wrap_transformer``), so with ``syncing_module=None`` this loop
 averages them itself before the optimizer step. FSDP2 reduce-scatters every backward into the
 sharded gradients. DeepSpeed's engine accumulates, clips and steps
 inside ``backward`` at the end of an accumulation; the optimizer's own step is then a no-op. The engine
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import DistributedType
@@ -44,23 +45,45 @@ from ..sampling import on_device
 from ..seeding import generator
 
 
-def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, accelerator, optimizer,
-                   params: list, denoiser, batch_size: int, num_inner_epochs: int, accumulation: int,
-                   max_grad_norm: float, seed: int, epoch: int,
-                   guard: NonFiniteGuard, shuffle: bool = True,
-                   steps_per_call: int | str = 1, step_snapshots: dict | None = None,
-                   steps_before: int = 0) -> tuple[dict[str, float], int]:
+@dataclass(frozen=True)
+class OptimizeSettings:
+    """How an epoch's rollouts are trained on (``from_config``: the run's ``train`` section)."""
+
+    batch_size: int  # training units (samples; DPO: pairs) a micro-batch draws
+    accumulation: int = 1  # micro-steps per optimizer step
+    max_grad_norm: float = 1.0
+    num_inner_epochs: int = 1  # passes over the rollouts
+    shuffle: bool = True  # the units' order, reshuffled each pass
+    steps_per_call: int | str = 1  # micro-batches merged into one transformer call
+
+    @classmethod
+    def from_config(cls, cfg) -> "OptimizeSettings":
+        train = cfg.train
+        return cls(batch_size=train.per_device_batch_size, accumulation=cfg.gradient_accumulation,
+                   max_grad_norm=train.max_grad_norm, num_inner_epochs=train.num_inner_epochs,
+                   shuffle=train.shuffle_samples, steps_per_call=train.steps_per_call)
+
+
+def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, settings: OptimizeSettings, *,
+                   accelerator, optimizer, params: list, syncing_module, guard: NonFiniteGuard, seed: int,
+                   epoch: int, step_snapshots: dict | None = None, steps_before: int = 0) -> tuple[dict[str, float], int]:
     """Returns the epoch's mean (``_min`` / ``_max``: extreme) metrics and the optimizer steps taken.
+
+    ``syncing_module``: the module whose backend syncs the gradients (DDP's wrapper, whose all-reduce this
+    loop defers to the micro-step that steps; an FSDP2 root; DeepSpeed's engine), or None, when this loop
+    averages them over the processes itself (a multi-expert model DDP cannot wrap). ``seed`` and ``epoch``
+    seed the shuffles and the training draws, so that a resumed run repeats them.
 
     Metrics that are NaN or inf are left out of the means; ``skipped_updates`` counts the
     optimizer steps skipped for a non-finite gradient."""
     acc = accelerator
+    batch_size, accumulation, max_grad_norm = settings.batch_size, settings.accumulation, settings.max_grad_norm
     deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
     engine = acc.deepspeed_engine_wrapped.engine if deepspeed else None
     scaled = acc.scaler is not None or (deepspeed and engine.fp16_enabled())  # fp16: a loss scaler skips overflows
     # DDP skips the all-reduce of micro-steps that do not step. FSDP2 reduce-scatters every backward
     # instead (deferring would keep whole gradients on every process); DeepSpeed knows its boundary itself
-    defer_sync = isinstance(denoiser, torch.nn.parallel.DistributedDataParallel)
+    defer_sync = isinstance(syncing_module, torch.nn.parallel.DistributedDataParallel)
     units = algorithm.training_units(rollouts.group_ids, advantages)
     batch_size = algorithm.units_per_chunk(batch_size)
     sums: dict[str, float] = {}
@@ -70,21 +93,21 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
     # a tensor, read only when a step overflowed, so that no micro-step waits on the device for it
     bad_loss = torch.zeros((), dtype=torch.bool, device=acc.device)
     rank = 0 if algorithm.lockstep else acc.process_index  # which process's draws this one makes
-    for inner in range(num_inner_epochs):
+    for inner in range(settings.num_inner_epochs):
         order = (torch.randperm(len(units), generator=generator("shuffle", seed, epoch, inner, rank))
-                 if shuffle else torch.arange(len(units)))
+                 if settings.shuffle else torch.arange(len(units)))
         for b, start in enumerate(range(0, len(units), batch_size)):
             chosen = units[order[start:start + batch_size]]
             # training noise / timesteps of the decoupled algorithms: seeded per micro-batch, so a
             # resumed run draws the same ones
             draws = generator("train", seed, epoch, inner, rank, b)
-            for batch in _merged(algorithm.micro_batches(rollouts, advantages, chosen, draws), steps_per_call,
+            for batch in _merged(algorithm.micro_batches(rollouts, advantages, chosen, draws), settings.steps_per_call,
                                  lambda: accumulation - micro % accumulation):
                 batch = on_device(batch, acc.device)
                 parts = batch.parts
                 # gradients sync across processes only on the micro-step that steps the optimizer
                 syncs = (micro + parts) % accumulation == 0
-                with nullcontext() if syncs or not defer_sync else acc.no_sync(denoiser), acc.autocast():
+                with nullcontext() if syncs or not defer_sync else acc.no_sync(syncing_module), acc.autocast():
                     loss, metrics = algorithm.loss(policy, batch)
                     # no gradient when only a frozen expert denoised the batch (Wan2.2 training one expert)
                     if deepspeed:
@@ -93,7 +116,7 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                         # so a micro-step without a gradient (on every process: the experts run in lockstep)
                         # backs a zero through the trained weights, and the engine still counts and steps
                         tied = loss if loss.requires_grad else loss + 0 * sum(p.sum() for p in params)
-                        acc.gradient_state._set_sync_gradients(syncs)
+                        _tell_deepspeed_the_boundary(acc, syncs)
                         acc.backward(tied * parts)
                     elif loss.requires_grad:
                         acc.backward(loss * parts / accumulation)
@@ -102,7 +125,7 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                 if scaled:
                     bad_loss |= ~torch.isfinite(loss.detach()).to(bad_loss.device)
                 if syncs:
-                    if denoiser is None and acc.num_processes > 1:
+                    if syncing_module is None and acc.num_processes > 1:
                         average_gradients(params)
                     metrics["grad_norm"] = grad_norm = _norm(acc.clip_grad_norm_(params, max_grad_norm))
                     # DeepSpeed's engine has stepped already, unless its overflow check found the reduced
@@ -145,7 +168,7 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
                         sums[k] = sums.get(k, 0.0) + v * weight
                         counts[k] = counts.get(k, 0) + weight
     if deepspeed:
-        acc.gradient_state._set_sync_gradients(True)
+        _tell_deepspeed_the_boundary(acc, True)
     out = {f"train/{k}": (v / counts[k] if k in counts else v) for k, v in sums.items()}
     out["train/skipped_updates"] = skipped
     if scaled:
@@ -153,6 +176,13 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, *, acc
     if acc.scaler is not None:
         out["train/loss_scale"] = float(acc.scaler.get_scale())
     return out, steps
+
+
+def _tell_deepspeed_the_boundary(acc, steps: bool) -> None:
+    """Whether DeepSpeed's engine ends its accumulation (reduces, clips, steps) in the next backward. accelerate
+    has no public setter for it: it counts micro-steps itself, which a merged batch of several parts or a
+    micro-step without a gradient would put out of step with this loop's count."""
+    acc.gradient_state._set_sync_gradients(steps)
 
 
 def _everywhere(acc, flag: bool) -> bool:

@@ -47,7 +47,7 @@ from ..start_checks import check_prompt_counts
 from ..timer import PhaseTimer
 from .ema import EMA_FILE, WeightCopy, ema_decay_at, load_ema
 from .interrupt import StopFlag, TrainingInterrupted
-from .optimize import optimize_epoch
+from .optimize import OptimizeSettings, optimize_epoch
 from .policy import AdapterPolicy
 from .run_folder import RunFolder, RunFolderError
 from .optimizers import make_optimizer
@@ -164,7 +164,7 @@ class Trainer:
             self.optimizer = self.accelerator.prepare(self._make_optimizer(self.params))
             self._compile()  # after LoRA (the compiled graph holds its layers), before DDP's wrapper
             # False for a multi-expert model: optimize_epoch then averages the gradients across processes itself
-            self.ddp = self.adapter.wrap_transformer(self.accelerator.prepare)
+            self.backend_syncs_gradients = self.adapter.wrap_transformer(self.accelerator.prepare)
             self._load_weights(resumed)
         elif self.sharding == "fsdp":
             self._compile()
@@ -283,7 +283,7 @@ class Trainer:
         prepared, self.optimizer, self.engine = prepare_sharded(acc, self.sharding, self.trained,
                                                                 self._make_optimizer)
         self.adapter.use_prepared(prepared)
-        self.ddp = True  # the backend syncs the gradients: optimize_epoch must not average them again
+        self.backend_syncs_gradients = True  # FSDP2 / DeepSpeed: optimize_epoch must not average them again
         # FSDP2 replaced every parameter with its shard (a DTensor): what trains from here on
         self.params = [p for module in self.trained.values() for p in module.parameters() if p.requires_grad]
 
@@ -466,12 +466,10 @@ class Trainer:
         for transformer in self.trained.values():
             transformer.train()
         metrics, steps = optimize_epoch(
-            self.algorithm, self.policy, rollouts, advantages, accelerator=self.accelerator,
-            optimizer=self.optimizer, params=self.params, denoiser=self.adapter.denoiser if self.ddp else None,
-            batch_size=train.per_device_batch_size, num_inner_epochs=train.num_inner_epochs,
-            accumulation=self.cfg.gradient_accumulation, max_grad_norm=train.max_grad_norm,
-            seed=self.seed, epoch=epoch, guard=self.guard, shuffle=train.shuffle_samples,
-            steps_per_call=train.steps_per_call, steps_before=self.global_step,
+            self.algorithm, self.policy, rollouts, advantages, OptimizeSettings.from_config(self.cfg),
+            accelerator=self.accelerator, optimizer=self.optimizer, params=self.params,
+            syncing_module=self.adapter.denoiser if self.backend_syncs_gradients else None, guard=self.guard,
+            seed=self.seed, epoch=epoch, steps_before=self.global_step,
             step_snapshots={name: (self.snapshots[name], decay) for name, decay in self.step_snapshot_decays.items()})
         self.global_step += steps
         finite = all_finite_everywhere(self.params) if self.sharding != "ddp" else all_finite(self.params)
