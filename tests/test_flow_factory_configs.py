@@ -136,7 +136,6 @@ def resolved(cfg) -> dict:
 @pytest.mark.parametrize("model_type, size", [
     ("qwen-image", 512),       # examples/grpo/lora/qwen_image/rational_rewards_t2i.yaml
     ("wan2_t2v", [480, 832]),  # examples/grpo/lora/wan21/t2v.yaml
-    ("flux2-klein", 1024),     # the flux2-klein defaults
 ])
 def test_condition_keys_on_a_text_only_model_load_with_a_note(model_type, size):
     # Flow-Factory ignores them on a text-only model; here they are cleared and named by a note
@@ -149,6 +148,16 @@ def test_condition_keys_on_a_text_only_model_load_with_a_note(model_type, size):
     assert [note.split(":")[0] for note in cfg.notes()[:3]] == [
         "train.condition_image_size", "train.auto_resize", "eval.condition_image_size"]
     assert f"changes nothing: {model_type} generates from text alone" in cfg.notes()[0]
+
+
+def test_flux2s_condition_image_size_is_its_reference_images_area():
+    # examples/grpo/lora/flux2_klein/default.yaml, flux2/i2i.yaml: FLUX.2 takes reference images from the rows, so
+    # the key is kept (their area); a dataset without them makes it change nothing
+    for model_type in ("flux2", "flux2-klein"):
+        cfg = parse_config(run(model={"model_type": model_type}, train={"condition_image_size": [384, 384]},
+                               eval={"condition_image_size": 1024}))
+        assert (cfg.train.condition_image_size, cfg.eval.condition_image_size) == ([384, 384], 1024)
+        assert not [n for n in cfg.notes() if "condition_image_size" in n]
 
 
 def test_a_frame_rate_loads_with_a_note_except_where_it_would_change_ltx2s_run():

@@ -42,8 +42,9 @@ MODEL_FAMILIES = {
                             components=("transformer", "transformer_2")),
     "qwen-image": ModelFamily(16, "VAE x8, then 2x2 token packing"),
     "z-image": ModelFamily(16, "VAE x8, then 2x2 transformer patches"),
-    "flux2": ModelFamily(16, "VAE x8, then 2x2 latent patchify"),
-    "flux2-klein": ModelFamily(16, "VAE x8, then 2x2 latent patchify"),
+    # FLUX.2 and Klein: text-to-image, or image-to-image from the reference images a row names
+    "flux2": ModelFamily(16, "VAE x8, then 2x2 latent patchify", conditions=("images",)),
+    "flux2-klein": ModelFamily(16, "VAE x8, then 2x2 latent patchify", conditions=("images",)),
     "hunyuanvideo15": ModelFamily(16, "VAE x16, then 1x1 transformer patches", frame_factor=4),
     "ltx2_t2av": ModelFamily(32, "VAE x32, then 1x1 transformer patches", frame_factor=8),
     "flux1-kontext": ModelFamily(16, "VAE x8, then 2x2 token packing", conditions=("images",)),
@@ -229,8 +230,8 @@ def component_targets(target_modules, component: str, components: list[str]):
 class ModelConfig(Section):
     model_name_or_path: str = setting(description="Hugging Face hub id or local folder of a diffusers pipeline")
     model_type: str = setting(
-        description="model family: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2, flux2-klein, "
-        "hunyuanvideo15, ltx2_t2av, flux1-kontext (image editing: condition images from the dataset's rows), or "
+        description="model family: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2, flux2-klein (text-to-image, "
+        "or image-to-image from 1 to 10 reference images a row names), hunyuanvideo15, ltx2_t2av, flux1-kontext (image editing: condition images from the dataset's rows), or "
         "wan2_i2v (image-to-video, Wan2.1 and Wan2.2: the first frame from the dataset's rows), wan2_v2v "
         "(video-to-video: a condition video per row), qwen-image-edit-plus (image editing from 1 to 3 condition "
         "images per row) "

@@ -13,10 +13,19 @@ layers stacked (``text_encoder_out_layers``, the pipeline's defaults), 512 padde
 FLUX.2 [dev] is guidance-distilled (an embedding, one pass); Klein passes no guidance: the
 distilled checkpoints (``is_distilled``) ignore ``guidance_scale``, the base ones run
 classifier-free guidance on "" or the negative prompt.
+
+Reference images (image-to-image, the pipelines' ``image=[...]``): a row may name condition images; none makes
+the sample text-to-image. Each is resized as the pipelines resize it (down to ``condition_image_size``'s area,
+by default their 1024^2, then floored to multiples of 16, keeping its aspect ratio), VAE-encoded (the
+distribution's mode), normalised and packed like the latents, and appended to the latents' tokens with position
+ids whose first coordinate is 10, 20, ... per image; the prediction for the latents' own tokens is kept. The
+tokens are encoded once per sample (``encode_conditions``) and stored ragged, padded with their mask: one
+transformer call takes samples whose references come out the same sizes (``call_shape``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -26,7 +35,7 @@ from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from torch import Tensor
 
 from ..config.sections import MODEL_FAMILIES
-from .base import Conditioning, FlowAdapter
+from .base import ConditionMedia, Conditioning, FlowAdapter, pad_text
 
 # Flow-Factory's FLUX.2 targets: the double-stream blocks' attention and both feed-forwards, the
 # single-stream blocks' fused projection. (Its list also names "attn.to_out.0", which in a single-
@@ -37,6 +46,7 @@ FLUX2_LORA_TARGETS = [
     "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
     "attn.to_qkv_mlp_proj",
 ]
+REFERENCE_AREA = 1024 * 1024  # the pipelines resize a larger reference image down to this many pixels
 
 
 class Flux2FamilyAdapter(FlowAdapter):
@@ -44,6 +54,8 @@ class Flux2FamilyAdapter(FlowAdapter):
 
     default_lora_targets = FLUX2_LORA_TARGETS
     max_sequence_length = 512  # text tokens, the pipelines' default
+    condition_inputs = ("images",)  # reference images, optional: a row without any is text-to-image
+    conditions_per_sample = (0, 10)  # FLUX.2's multi-reference limit (its model card); the pipelines set none
 
     @staticmethod
     def pixel_factor_of(vae: Mapping, transformer: Mapping) -> int | None:
@@ -70,24 +82,99 @@ class Flux2FamilyAdapter(FlowAdapter):
         scheduler.set_timesteps(num_steps, device="cpu", sigmas=grid, mu=compute_empirical_mu(h * w, num_steps))
         return scheduler.sigmas.float().to(self.device)
 
-    def _transformer(self, latents: Tensor, sigma: Tensor, embeds: Tensor, guidance: Tensor | None) -> Tensor:
-        """One call on (B, C, h, w) latents; returns the float32 prediction in that layout."""
+    # --- reference images ---------------------------------------------------------------------
+    @classmethod
+    def call_shape(cls, sizes, condition_size) -> tuple:
+        """Each reference image's (width, height) as the pipelines resize it: the pipelines' image checks (sides of
+        64 pixels or more, aspect ratio 8 or less), down to ``condition_size``'s area (default theirs) when larger,
+        then floored to multiples of the pixel factor."""
+        area, out = condition_size[0] * condition_size[1] if condition_size else REFERENCE_AREA, []
+        for w, h in sizes:
+            if min(w, h) < 64 or max(w / h, h / w) > 8:
+                raise ValueError(f"{cls.model_type}: a {w}x{h} reference image; the pipeline takes sides of 64 pixels "
+                                 "or more and an aspect ratio of 8 or less")
+            if w * h > area:  # Flux2ImageProcessor._resize_to_target_area's size
+                scale = math.sqrt(area / (w * h))
+                w, h = int(w * scale), int(h * scale)
+            f = cls.pixel_factor
+            if w < f or h < f:
+                raise ValueError(f"{cls.model_type}: a reference image resized to an area of {area} pixels is {w}x{h}, "
+                                 f"under {f} pixels; raise condition_image_size")
+            out.append((w // f * f, h // f * f))
+        return tuple(out)
+
+    def prepare_conditions(self, images, videos, height, width, num_frames, condition_size) -> ConditionMedia:
+        """Each reference image as the pipelines preprocess it, in [0, 1]; a sample without any: (0, 3, H, W)."""
+        processor, per_sample = self.pipeline.image_processor, []
+        area = condition_size[0] * condition_size[1] if condition_size else REFERENCE_AREA
+        for sample in images:
+            shown = []
+            for image, (w, h) in zip(sample, self.call_shape([im.size for im in sample], condition_size)):
+                if image.width * image.height > area:
+                    image = processor._resize_to_target_area(image, area)
+                image = processor.resize(image, h, w, resize_mode="crop")
+                shown.append(processor.numpy_to_pt(processor.pil_to_numpy([image]))[0])
+            sizes = {tuple(s.shape) for s in shown}
+            per_sample.append(torch.stack(shown) if len(sizes) == 1 else shown if shown
+                              else torch.zeros(0, 3, height, width))
+        return ConditionMedia(images=per_sample)
+
+    @torch.no_grad()
+    def encode_conditions(self, media: ConditionMedia, height, width, num_frames) -> Conditioning:
+        """Each sample's reference tokens (L_i, C) and position ids (L_i, 4), as ``prepare_image_latents`` makes
+        them, padded to the batch's longest with a mask of the real tokens."""
+        pipe, tokens, ids = self.pipeline, [], []
+        for sample in media.images:
+            latents = [pipe._encode_vae_image((image[None] * 2 - 1).to(self.device, pipe.vae.dtype), generator=None)
+                       for image in sample]  # one at a time, as the pipelines; the mode: deterministic
+            channels = self.transformer.config.in_channels
+            tokens.append(torch.cat([pipe._pack_latents(z)[0] for z in latents]) if latents
+                          else torch.zeros(0, channels, device=self.device, dtype=pipe.vae.dtype))
+            ids.append(pipe._prepare_image_ids(latents)[0].to(self.device) if latents
+                       else torch.zeros(0, 4, dtype=torch.long, device=self.device))
+        longest = max(len(t) for t in tokens)
+        image_latents, mask = pad_text(tokens, longest)
+        return {"image_latents": image_latents, "image_latents_mask": mask, "image_ids": pad_text(ids, longest)[0]}
+
+    def _references(self, cond: Conditioning, n: int) -> tuple[Tensor, Tensor] | None:
+        """The reference tokens and ids of a call on ``n`` rows (CFG's doubled batch repeats them); None if none."""
+        if "image_latents" not in cond:
+            return None
+        counts = cond["image_latents_mask"].sum(1)
+        if not (counts == counts[:1]).all():
+            raise ValueError(f"{self.model_type}: the samples of one transformer call must have reference images of "
+                             f"the same sizes; got {counts.tolist()} tokens; set per_device_batch_size: 1")
+        k = int(counts[0]) if len(counts) else 0
+        if k == 0:
+            return None
+        tokens, ids = cond["image_latents"][:, :k], cond["image_ids"][:, :k]
+        repeat = n // tokens.shape[0]
+        return tokens.repeat(repeat, 1, 1).to(self.device, self.dtype), ids.repeat(repeat, 1, 1).to(self.device)
+
+    def _transformer(self, latents: Tensor, sigma: Tensor, embeds: Tensor, guidance: Tensor | None,
+                     cond: Conditioning) -> Tensor:
+        """One call on (B, C, h, w) latents, with ``cond``'s reference tokens after theirs; returns the float32
+        prediction of the latents' tokens in that layout."""
         pipe = type(self.pipeline)
         n = latents.shape[0]
         x = latents.to(self.device, self.dtype)
         image_ids = pipe._prepare_latent_ids(x).to(self.device)
         text_ids = pipe._prepare_text_ids(embeds).to(self.device)
         t = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000
+        hidden, ids = pipe._pack_latents(x), image_ids
+        references = self._references(cond, n)
+        if references is not None:  # as the pipelines: appended to the latents' tokens, their prediction dropped
+            hidden, ids = torch.cat([hidden, references[0]], dim=1), torch.cat([image_ids, references[1]], dim=1)
         out = self.denoiser(
-            hidden_states=pipe._pack_latents(x),
+            hidden_states=hidden,
             # the pipeline's round trip 1000 sigma / 1000, kept so the result is bit-identical
             timestep=t.to(self.dtype) / 1000,
             guidance=guidance,
             encoder_hidden_states=embeds.to(self.device, self.dtype),
             txt_ids=text_ids,
-            img_ids=image_ids,
+            img_ids=ids,
             return_dict=False,
-        )[0]
+        )[0][:, :image_ids.shape[1]]
         return pipe._unpack_latents_with_ids(out, image_ids).float()
 
     @torch.no_grad()
@@ -121,7 +208,7 @@ class Flux2Adapter(Flux2FamilyAdapter):
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         # the pipeline passes the guidance embedding's input whether or not the transformer has one
         guidance = torch.full((latents.shape[0],), float(guidance_scale), device=self.device, dtype=torch.float32)
-        return self._transformer(latents, sigma, cond["prompt_embeds"], guidance)
+        return self._transformer(latents, sigma, cond["prompt_embeds"], guidance, cond)
 
 
 class Flux2KleinAdapter(Flux2FamilyAdapter):
@@ -147,9 +234,9 @@ class Flux2KleinAdapter(Flux2FamilyAdapter):
 
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         if not self.uses_cfg(guidance_scale):
-            return self._transformer(latents, sigma, cond["prompt_embeds"], None)
+            return self._transformer(latents, sigma, cond["prompt_embeds"], None, cond)
         # the pipeline makes one call per branch; one call on both is the same up to float rounding
         sigmas = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).reshape(-1)
         _, x, s, (embeds,) = self.cfg_inputs(cond, guidance_scale, latents, sigmas.expand(latents.shape[0]),
                                              ("prompt_embeds",))
-        return self.combine_cfg(self._transformer(x, s, embeds, None), guidance_scale)
+        return self.combine_cfg(self._transformer(x, s, embeds, None, cond), guidance_scale)
