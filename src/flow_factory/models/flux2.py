@@ -85,21 +85,18 @@ class Flux2FamilyAdapter(FlowAdapter):
     # --- reference images ---------------------------------------------------------------------
     @classmethod
     def call_shape(cls, sizes, condition_size) -> tuple:
-        """Each reference image's (width, height) as the pipelines resize it: the pipelines' image checks (sides of
-        64 pixels or more, aspect ratio 8 or less), down to ``condition_size``'s area (default theirs) when larger,
-        then floored to multiples of the pixel factor."""
+        """Each reference image's (width, height) as the pipelines resize it: down to ``condition_size``'s area
+        (default theirs) when larger, then floored to multiples of the pixel factor. (The pipelines also refuse a
+        side under 64 pixels or an aspect ratio over 8; Flow-Factory does not, nor does this.)"""
         area, out = condition_size[0] * condition_size[1] if condition_size else REFERENCE_AREA, []
         for w, h in sizes:
-            if min(w, h) < 64 or max(w / h, h / w) > 8:
-                raise ValueError(f"{cls.model_type}: a {w}x{h} reference image; the pipeline takes sides of 64 pixels "
-                                 "or more and an aspect ratio of 8 or less")
             if w * h > area:  # Flux2ImageProcessor._resize_to_target_area's size
                 scale = math.sqrt(area / (w * h))
                 w, h = int(w * scale), int(h * scale)
             f = cls.pixel_factor
             if w < f or h < f:
                 raise ValueError(f"{cls.model_type}: a reference image resized to an area of {area} pixels is {w}x{h}, "
-                                 f"under {f} pixels; raise condition_image_size")
+                                 f"a side under {f} pixels; give a larger image, or raise condition_image_size")
             out.append((w // f * f, h // f * f))
         return tuple(out)
 
