@@ -167,15 +167,18 @@ def _reference_dataset(folder):
     return folder
 
 
-@pytest.mark.parametrize("model_type", ["flux2", "flux2-klein"])
-def test_ff_train_runs_from_a_dataset_of_reference_images(request, tmp_path, model_type):
-    """grpo for 2 epochs, a sample a call (per_device_batch_size 1, as Flow-Factory's i2i example), rows with and
+@pytest.mark.parametrize("model_type,trainer_type", [("flux2", "grpo"), ("flux2-klein", "grpo"), ("flux2", "nft")])
+def test_ff_train_runs_from_a_dataset_of_reference_images(request, tmp_path, model_type, trainer_type, gpu_precision):
+    """In a GPU's precision (bf16 autocast, fp16 trajectories): grpo (and nft) for 2 epochs, a sample a call (per_device_batch_size 1, as Flow-Factory's i2i example), rows with and
     without references in one run, the references encoded once into the condition cache; the saved LoRA loads with
     the pipeline's load_lora_weights and changes its image-to-image output."""
     fixture, guidance = CASES[model_type]
     path = request.getfixturevalue(fixture)
-    config = tiny_run_config(tmp_path, model_type, path, max_epochs=2, per_device_batch_size=1,
-                             condition_image_size=[96, 96])
+    config = tiny_run_config(tmp_path, model_type, path, trainer_type=trainer_type, max_epochs=2,
+                             per_device_batch_size=1, condition_image_size=[96, 96])
+    if trainer_type == "nft":
+        config["train"]["num_train_timesteps"] = 1
+        config["scheduler"] = {"dynamics_type": "ODE", "noise_level": 0.0}
     config["data"]["dataset_dir"] = str(_reference_dataset(tmp_path / "refs"))
     config["eval"].update(per_device_batch_size=1)
     (_out, err), code = ff_train_in_this_process([write_config(tmp_path, config)])
