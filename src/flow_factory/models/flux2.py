@@ -88,12 +88,11 @@ class Flux2FamilyAdapter(FlowAdapter):
         """Each reference image's (width, height) as the pipelines resize it: down to ``condition_size``'s area
         (default theirs) when larger, then floored to multiples of the pixel factor. (The pipelines also refuse a
         side under 64 pixels or an aspect ratio over 8; Flow-Factory does not, nor does this.)"""
-        area, out = condition_size[0] * condition_size[1] if condition_size else REFERENCE_AREA, []
+        area, f, out = condition_size[0] * condition_size[1] if condition_size else REFERENCE_AREA, cls.pixel_factor, []
         for w, h in sizes:
             if w * h > area:  # Flux2ImageProcessor._resize_to_target_area's size
                 scale = math.sqrt(area / (w * h))
                 w, h = int(w * scale), int(h * scale)
-            f = cls.pixel_factor
             if w < f or h < f:
                 raise ValueError(f"{cls.model_type}: a reference image resized to an area of {area} pixels is {w}x{h}, "
                                  f"a side under {f} pixels; give a larger image, or raise condition_image_size")
@@ -120,11 +119,10 @@ class Flux2FamilyAdapter(FlowAdapter):
     def encode_conditions(self, media: ConditionMedia, height, width, num_frames) -> Conditioning:
         """Each sample's reference tokens (L_i, C) and position ids (L_i, 4), as ``prepare_image_latents`` makes
         them, padded to the batch's longest with a mask of the real tokens."""
-        pipe, tokens, ids = self.pipeline, [], []
+        pipe, tokens, ids, channels = self.pipeline, [], [], self.transformer.config.in_channels
         for sample in media.images:
             latents = [pipe._encode_vae_image((image[None] * 2 - 1).to(self.device, pipe.vae.dtype), generator=None)
                        for image in sample]  # one at a time, as the pipelines; the mode: deterministic
-            channels = self.transformer.config.in_channels
             tokens.append(torch.cat([pipe._pack_latents(z)[0] for z in latents]) if latents
                           else torch.zeros(0, channels, device=self.device, dtype=pipe.vae.dtype))
             ids.append(pipe._prepare_image_ids(latents)[0].to(self.device) if latents
