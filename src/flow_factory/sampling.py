@@ -73,10 +73,11 @@ def condition_size(section) -> tuple[int, int] | None:
     return None if value is None else (value, value) if isinstance(value, int) else (value[0], value[-1])
 
 
-def load_split(cfg, split: str, adapter_cls) -> list:
+def load_split(cfg, split: str, adapter_cls, items: list | None = None) -> list:
     """The prompts of ``split`` (train / test) with their condition files, checked against what the model of
-    ``adapter_cls`` takes: before it loads (PromptFileError naming the file and line)."""
-    items = load_sources(cfg.data.sources, split)
+    ``adapter_cls`` takes: before it loads (PromptFileError naming the file and line). ``items``: prompts read
+    already (an offline run's records'), to check."""
+    items = load_sources(cfg.data.sources, split) if items is None else items
     per_sample, note = checkpoint_conditions(adapter_cls, cfg.model.model_name_or_path)
     check_conditions(items, cfg.model.model_type, adapter_cls.condition_inputs, per_sample, note)
     # a model whose conditions keep their own sizes (Qwen-Image-Edit-Plus) batches only rows that agree
@@ -140,15 +141,8 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
         batch = items[start:start + s.batch_size]
         ids = sample_ids[start:start + s.batch_size]
         groups = group_ids[start:start + s.batch_size]
-        conditions = None
         with timer.phase("sampling"):
-            encode_at = s.guidance_scale if s.conditioning_guidance_scale is None else s.conditioning_guidance_scale
-            # a model whose text encoder reads the conditions encodes its prompts with them (_conditions)
-            cond = {} if adapter.text_reads_conditions else _conditioning(adapter, batch, encode_at, autocast,
-                                                                          prompt_cache)
-            if adapter.condition_inputs:
-                conditions, condition_cond = _conditions(adapter, batch, s, encode_at, autocast, condition_cache)
-                cond = {**cond, **condition_cond}
+            conditions, cond = encode_batch(adapter, batch, s, autocast, prompt_cache, condition_cache)
             keys = [("noise", s.seed, epoch, "group", int(g)) if s.same_latent else ("noise", s.seed, epoch, i)
                     for g, i in zip(groups.tolist(), ids)]
             noise = per_sample_noise(adapter, keys, s.height, s.width, s.num_frames)
@@ -242,6 +236,20 @@ def on_device(batch, device):
             return {k: v.to(device, non_blocking=True) for k, v in value.items()}
         return value
     return replace(batch, **{f.name: move(getattr(batch, f.name)) for f in fields(batch)})
+
+
+def encode_batch(adapter, batch: list, s: SamplingSettings, autocast, prompt_cache=None,
+                 condition_cache=None) -> tuple[ConditionMedia | None, Conditioning]:
+    """``batch``'s (``PromptItem``s) condition media (None for a text-only model) and conditioning: the
+    prompts at the settings' guidance scale, a conditioned model's condition files too, from the caches when
+    they hold them."""
+    encode_at = s.guidance_scale if s.conditioning_guidance_scale is None else s.conditioning_guidance_scale
+    # a model whose text encoder reads the conditions encodes its prompts with them (_conditions)
+    cond = {} if adapter.text_reads_conditions else _conditioning(adapter, batch, encode_at, autocast, prompt_cache)
+    if not adapter.condition_inputs:
+        return None, cond
+    conditions, condition_cond = _conditions(adapter, batch, s, encode_at, autocast, condition_cache)
+    return conditions, {**cond, **condition_cond}
 
 
 def _conditioning(adapter, batch: list, guidance_scale: float, autocast, prompt_cache) -> Conditioning:

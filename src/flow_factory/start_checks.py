@@ -79,9 +79,17 @@ def backend_problem(backend: str) -> str | None:
 
 def check_prompt_counts(cfg, items: list | None = None) -> None:
     """``ConfigError`` when the epoch draws more distinct prompts than the training split holds, or than a
-    dataset of several holds for its weight (``items``: the prompts already loaded; else read here)."""
+    dataset of several holds for its weight (``items``: the prompts already loaded; else read here). An offline
+    run's records are read (each row checked) and not counted."""
+    from .config.train import OFFLINE_TRAINER_TYPES
     from .data import epoch_sampler, load_sources
 
+    if cfg.train.trainer_type in OFFLINE_TRAINER_TYPES:  # an epoch is a pass over the records: read them (checked)
+        if items is None:
+            from .data.offline import OFFLINE_KINDS, load_offline_sources
+
+            load_offline_sources(cfg.data.sources, "train", OFFLINE_KINDS[cfg.train.trainer_type])
+        return
     if items is None:
         items = load_sources(cfg.data.sources, "train")
     wanted = cfg.train.unique_sample_num_per_epoch

@@ -76,3 +76,11 @@ class DPO(DecoupledAlgorithm):
         loss, metrics = mean_over_parts(batch, pairs_of)
         metrics.update(policy_loss=loss.detach(), **self.advantage_metrics(adv))
         return loss, metrics
+
+
+class OfflineDPO(DPO):
+    """Diffusion-DPO on a dataset's preference pairs (Flow-Factory's ``offline-dpo``): each record a group of
+    two, the chosen image with advantage +1, the rejected -1 (``Trainer``'s offline epoch), so the pair
+    ``best_and_worst`` picks is the record's own."""
+
+    name = "offline-dpo"

@@ -34,7 +34,7 @@ from .explain import explain
 from .rewards import RewardConfig, as_entry_list, duplicate_names
 from .sections import (DEFAULT_STRENGTH, DataConfig, EvalConfig, LogConfig, ModelConfig, SchedulerConfig, model_family,
                        strength_steps)
-from .train import (COUPLED_TRAINER_TYPES, TrainConfig, fill_trainer_defaults, resolve_num_train_timesteps,
+from .train import (COUPLED_TRAINER_TYPES, OFFLINE_TRAINER_TYPES, TrainConfig, fill_trainer_defaults, resolve_num_train_timesteps,
                     trainer_problems)
 
 STOCHASTIC = ("Flow-SDE", "Dance-SDE", "CPS")
@@ -69,8 +69,8 @@ class Config(Section):
     train: TrainConfig = setting(default_factory=TrainConfig, description="rollouts and optimisation")
     eval: EvalConfig = setting(default_factory=EvalConfig, description="periodic evaluation")
     log: LogConfig = setting(default_factory=LogConfig, description="run naming, tracking, checkpoints")
-    rewards: list[RewardConfig] = setting(description="reward entries (a list, or one mapping)",
-                                          expects=ENTRIES)
+    rewards: list[RewardConfig] = setting(default_factory=list, description="reward entries (a list, or one "
+                                          "mapping); sft and offline-dpo train without", expects=ENTRIES)
     eval_rewards: list[RewardConfig] | None = setting(None, "rewards at eval; null = the training rewards",
                                                       expects=f"{ENTRIES}, or null")
     # keys the config gave that were cleared because they mean nothing for this model, each with
@@ -126,8 +126,6 @@ class Config(Section):
     @field_validator("rewards", "eval_rewards")
     @classmethod
     def _named_entries(cls, value, info):
-        if info.field_name == "rewards" and not value:
-            raise problem("at least one reward is needed, e.g. [{reward_model: PickScore}]")
         message = duplicate_names(value) if value else None
         if message:
             raise problem(message)
@@ -235,6 +233,9 @@ class Config(Section):
     def _contradictions(self) -> list[str]:
         train, sched, model = self.train, self.scheduler, self.model
         out = self._launch_problems() + trainer_problems(train)
+        if not self.rewards and train.trainer_type not in OFFLINE_TRAINER_TYPES:
+            out.append("rewards: at least one reward is needed, e.g. [{reward_model: PickScore}] (sft and "
+                       "offline-dpo train from a dataset without)")
         coupled = train.trainer_type in COUPLED_TRAINER_TYPES
         if not coupled:
             out += self._decoupled_contradictions()
@@ -260,7 +261,7 @@ class Config(Section):
         if train.off_policy and train.ema_decay == 0:
             out.append("train.off_policy: true samples with the EMA weights, but train.ema_decay is 0 (no EMA); "
                        "set ema_decay > 0 (e.g. 0.9)")
-        if train.group_size < 2:
+        if train.group_size < 2 and train.trainer_type not in OFFLINE_TRAINER_TYPES:
             out.append(f"train.group_size: {train.trainer_type} compares samples of the same prompt, so a group "
                        f"needs at least 2, got {train.group_size}")
         if model.resume_type in ("lora", "full") and model.resume_type != model.finetune_type:

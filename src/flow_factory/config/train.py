@@ -12,9 +12,11 @@ from pydantic import NonNegativeInt, PositiveInt, field_validator, model_validat
 
 from .base import DTYPE_NAMES, Section, as_list, canonical_choice, check_resolution, problem, resolution_pair, setting, show
 
-TRAINER_TYPES = ("grpo", "grpo-guard", "dppo", "nft", "awm", "dpo", "dgpo", "crd")
+TRAINER_TYPES = ("grpo", "grpo-guard", "dppo", "nft", "awm", "dpo", "dgpo", "crd", "sft", "offline-dpo")
 COUPLED_TRAINER_TYPES = ("grpo", "grpo-guard", "dppo")  # train the sampler's own SDE steps
-DECOUPLED_TRAINER_TYPES = ("nft", "awm", "dpo", "dgpo", "crd")  # train on the forward process at their own timesteps
+# train on the forward process at their own timesteps (of rollouts, or of a dataset's images)
+DECOUPLED_TRAINER_TYPES = ("nft", "awm", "dpo", "dgpo", "crd", "sft", "offline-dpo")
+OFFLINE_TRAINER_TYPES = ("sft", "offline-dpo")  # train on a dataset's images: no rollout, no reward
 TIME_SAMPLING_STRATEGIES = ("uniform", "logit_normal", "discrete", "discrete_with_init", "discrete_wo_init")
 
 
@@ -39,10 +41,12 @@ def resolve_num_train_timesteps(train) -> int:
 # time_shift: null is resolved per trainer too (TIME_SHIFT, else 3)
 TRAINER_DEFAULTS = {
     "dpo": {"time_sampling_strategy": "logit_normal", "timestep_range": 0.99, "num_train_timesteps": 1},
+    "offline-dpo": {"time_sampling_strategy": "logit_normal", "timestep_range": 0.99, "num_train_timesteps": 1},
+    "sft": {"time_sampling_strategy": "logit_normal", "timestep_range": 0.99, "num_train_timesteps": 1},
     "dgpo": {"timestep_range": 0.6},
     "crd": {"timestep_range": 0.99, "kl_beta": 0.1, "kl_cfg": 4.5},
 }
-TIME_SHIFT = {"dpo": 1.0}
+TIME_SHIFT = {"dpo": 1.0, "offline-dpo": 1.0, "sft": 1.0}
 # keys only some algorithms read: set to another value under any other trainer, they are an error
 TRAINER_KEYS = {
     "dppo": ("kl_mask_type", "kl_mask_threshold", "kl_guidance_scale"),
@@ -108,9 +112,10 @@ def parse_decay(schedule: str | int) -> tuple[int, float, float, float]:
 
 
 class TrainConfig(Section):
-    trainer_type: Literal["grpo", "grpo-guard", "dppo", "nft", "awm", "dpo", "dgpo", "crd"] = setting(
-        "grpo", "algorithm: grpo, grpo-guard, dppo (coupled, SDE rollouts) or nft, awm, dpo, dgpo, crd (decoupled, "
-        "any dynamics)")
+    trainer_type: Literal["grpo", "grpo-guard", "dppo", "nft", "awm", "dpo", "dgpo", "crd", "sft",
+                          "offline-dpo"] = setting(
+        "grpo", "algorithm: grpo, grpo-guard, dppo (coupled, SDE rollouts), nft, awm, dpo, dgpo, crd (decoupled, "
+        "any dynamics), or sft, offline-dpo (from a dataset's images: schema_version 2 records, no rewards)")
     resolution: int | list[int] = setting(512, "image size, an int or [height, width]",
                                           expects="an integer or [height, width]")
     num_frames: PositiveInt | None = setting(None, "frames per video (video models only; Wan needs 4k + 1); "

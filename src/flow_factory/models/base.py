@@ -63,6 +63,14 @@ def decode_image(vae, latents: Tensor, device) -> Tensor:
 
 
 @torch.no_grad()
+def encode_image(vae, images: Tensor, device) -> Tensor:
+    """``decode_image``'s inverse: the latents of (B, 3, H, W) images in [0, 1], the VAE's mode (as the
+    image-to-image pipelines encode), float32."""
+    z = vae.encode((images * 2 - 1).to(device, vae.dtype)).latent_dist.mode()
+    return (z.float() - (vae.config.get("shift_factor") or 0.0)) * vae.config.scaling_factor
+
+
+@torch.no_grad()
 def decode_normalized(vae, latents: Tensor, device) -> Tensor:
     """(B, 3, F, H, W) in [0, 1] from (B, C, F, h, w) latents of a VAE with per-channel ``latents_mean``
     and ``latents_std`` (Wan's, Qwen-Image's), as their pipelines decode."""
@@ -442,6 +450,16 @@ class FlowAdapter:
     def decode(self, latents: Tensor) -> Tensor:
         """Images (B, 3, H, W) or videos (B, F, 3, H, W), float32 in [0, 1]."""
         raise NotImplementedError  # abstract
+
+    def encode_images(self, images: Tensor) -> Tensor:
+        """The latents (the sampler's final state) of (B, 3, H, W) images in [0, 1]: what offline training
+        (sft, offline-dpo) trains toward. A model without it cannot train offline."""
+        raise NotImplementedError(f"{self.model_type} does not train from images (sft, offline-dpo) in this "
+                                  "version")
+
+    @classmethod
+    def trains_offline(cls) -> bool:
+        return cls.encode_images is not FlowAdapter.encode_images
 
     def decode_audio(self, latents: Tensor) -> tuple[Tensor, int]:
         """Waveforms (B, channels, T), float32 in [-1, 1], and their sample rate: a model with ``has_audio``."""

@@ -16,8 +16,8 @@ from diffusers import FluxPipeline
 from torch import Tensor
 
 from ..config.sections import MODEL_FAMILIES
-from .base import (JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image, packed_2x2_pixel_factor,
-                   shifted_sigmas)
+from .base import (JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image, encode_image,
+                   packed_2x2_pixel_factor, shifted_sigmas)
 
 
 class FluxAdapter(FlowAdapter):
@@ -85,3 +85,6 @@ class FluxAdapter(FlowAdapter):
 
     def decode(self, latents: Tensor) -> Tensor:
         return decode_image(self.pipeline.vae, latents, self.device)
+
+    def encode_images(self, images: Tensor) -> Tensor:
+        return encode_image(self.pipeline.vae, images, self.device)

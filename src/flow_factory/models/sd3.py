@@ -15,7 +15,7 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from torch import Tensor
 
 from ..config.sections import MODEL_FAMILIES
-from .base import JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image
+from .base import JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image, encode_image
 
 
 class SD3Adapter(FlowAdapter):
@@ -92,3 +92,6 @@ class SD3Adapter(FlowAdapter):
 
     def decode(self, latents: Tensor) -> Tensor:
         return decode_image(self.pipeline.vae, latents, self.device)
+
+    def encode_images(self, images: Tensor) -> Tensor:
+        return encode_image(self.pipeline.vae, images, self.device)

@@ -56,9 +56,8 @@ class RewardSet:
                  applicable: Mapping[str, Sequence[str] | None] | None = None):
         """``async_workers``: name -> thread count for the rewards scored asynchronously. Routing to datasets
         (``data.datasets``): a weight may be ``{dataset: weight}`` (a dataset left out is not scored), and
-        ``applicable``: name -> the datasets a reward scores (None: all)."""
-        if not models:
-            raise ValueError("a RewardSet needs at least one reward")
+        ``applicable``: name -> the datasets a reward scores (None: all). An offline run (sft, offline-dpo) may
+        hold none."""
         if set(models) != set(weights):
             raise ValueError(f"reward names {sorted(models)} and weight names {sorted(weights)} differ")
         self.models = dict(models)

@@ -12,6 +12,7 @@ import logging
 import shutil
 import sys
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,8 +26,9 @@ from ..checkpoint import (RUN_CONFIG, CheckpointError, check_fits, checkpoint_di
                           load_checkpoint, read_state, save_checkpoint, write_atomic)
 from ..config import ConfigError
 from ..config.sections import component_targets
-from ..config.train import COUPLED_TRAINER_TYPES
+from ..config.train import COUPLED_TRAINER_TYPES, OFFLINE_TRAINER_TYPES
 from ..data import MissingPromptFile, epoch_sampler, process_share, share_slice
+from ..data.offline import OFFLINE_KINDS, load_offline_sources
 from ..data.sources import per_source_means, source_indices
 from ..dynamics import make_dynamics
 from ..dynamics.window import choose_sde_steps
@@ -47,6 +49,7 @@ from ..start_checks import check_prompt_counts
 from ..timer import PhaseTimer
 from .ema import EMA_FILE, WeightCopy, ema_decay_at, load_ema
 from .interrupt import StopFlag, TrainingInterrupted
+from .offline import OfflineEpochs
 from .optimize import OptimizeSettings, optimize_epoch
 from .policy import AdapterPolicy
 from .run_folder import RunFolder, RunFolderError
@@ -102,12 +105,21 @@ class Trainer:
                                       f"train.max_epochs above {resumed['epoch']}")
         # the prompts and the condition files they name, checked against what the model takes
         adapter_cls = get_adapter_class(model.model_type)
-        self.train_prompts = load_split(cfg, "train", adapter_cls)
-        check_prompt_counts(cfg, self.train_prompts)
+        self.offline_records = None  # sft, offline-dpo: the dataset's records train instead of rollouts
+        self.offline = None  # their epochs (OfflineEpochs), once the model has loaded
+        if train.trainer_type in OFFLINE_TRAINER_TYPES:
+            if not adapter_cls.trains_offline():
+                raise ConfigError(f"train.trainer_type: {train.trainer_type} trains from images, which "
+                                  f"{model.model_type} does not encode in this version (sd3-5, flux1, flux1-kontext do)")
+            self.offline_records = load_offline_sources(cfg.data.sources, "train", OFFLINE_KINDS[train.trainer_type])
+            self.train_prompts = load_split(cfg, "train", adapter_cls, [r.item for r in self.offline_records])
+        else:
+            self.train_prompts = load_split(cfg, "train", adapter_cls)
+            check_prompt_counts(cfg, self.train_prompts)
         self.test_prompts = self._test_prompts(adapter_cls)
         self.train_size = split_size(cfg, "train", self.train_prompts, adapter_cls)
         self.eval_size = split_size(cfg, "eval", self.test_prompts, adapter_cls)
-        self.sampler = epoch_sampler(cfg, self.train_prompts, self.seed)
+        self.sampler = None if self.offline_records else epoch_sampler(cfg, self.train_prompts, self.seed)
         # several datasets: their names, and each training prompt's dataset (by position in the names)
         self.source_names = [s.name for s in cfg.data.datasets] if cfg.data.datasets is not None else []
         self.train_sources = source_indices(self.train_prompts, self.source_names) if self.source_names else None
@@ -290,10 +302,15 @@ class Trainer:
     def _test_prompts(self, adapter_cls) -> list:
         """The test split when evaluation is on; a dataset without one trains without evaluation,
         as in Flow-Factory (a broken test file is still an error)."""
-        if not self.cfg.eval.eval_freq:
+        cfg = self.cfg
+        if not cfg.eval.eval_freq or not (cfg.eval_rewards or cfg.rewards):  # an offline run may score nothing
             return []
         try:
-            return load_split(self.cfg, "test", adapter_cls)
+            if self.offline_records is not None:  # its test split holds records too: their prompts
+                kind = OFFLINE_KINDS[cfg.train.trainer_type]
+                return load_split(cfg, "test", adapter_cls,
+                                  [r.item for r in load_offline_sources(cfg.data.sources, "test", kind)])
+            return load_split(cfg, "test", adapter_cls)
         except MissingPromptFile as missing:
             logger.warning("%s; evaluation is off for this run (eval.eval_freq: %d)", missing,
                            self.cfg.eval.eval_freq)
@@ -410,6 +427,8 @@ class Trainer:
 
     def sample_epoch(self, epoch: int) -> Rollouts:
         cfg, train, acc = self.cfg, self.cfg.train, self.accelerator
+        if self.offline_records is not None:
+            return self._offline_epoch(epoch)
         indices, group_ids = self.sampler.draw(epoch)
         # a lockstep algorithm (DGPO) takes its part of every global micro-batch, which holds whole groups
         share = process_share(len(indices), acc.process_index, acc.num_processes,
@@ -442,9 +461,22 @@ class Trainer:
                 condition_cache=self.condition_cache)
         return rollouts
 
+    def _offline_epoch(self, epoch: int) -> Rollouts:
+        """An offline run's epoch: the dataset's images in place of rollouts (``trainer/offline.py``)."""
+        acc, train = self.accelerator, self.cfg.train
+        if self.offline is None:
+            settings = self._train_settings(conditioning_guidance_scale=train.conditioning_guidance_scale)
+            self.offline = OfflineEpochs(self.offline_records, self.adapter, settings, self.seed)
+        with self.timer.phase("sampling"):
+            rollouts, self.offline_advantages = self.offline.epoch(
+                epoch, acc.process_index, acc.num_processes, acc.autocast, self.prompt_cache, self.condition_cache)
+        return rollouts
+
     def compute_advantages(self, rollouts: Rollouts, epoch: int) -> torch.Tensor | None:
         """Over the global batch (all ranks), then this rank's share; None (and a counted skip)
-        when a reward or an advantage is NaN or inf."""
+        when a reward or an advantage is NaN or inf. An offline run's are its records' (``_offline_epoch``)."""
+        if self.offline_records is not None:
+            return self.offline_advantages
         gather = self.accelerator.gather
         rewards = {k: gather(v) for k, v in rollouts.rewards.items()}
         datasets = self._gathered_datasets()
@@ -466,7 +498,7 @@ class Trainer:
         for transformer in self.trained.values():
             transformer.train()
         metrics, steps = optimize_epoch(
-            self.algorithm, self.policy, rollouts, advantages, OptimizeSettings.from_config(self.cfg),
+            self.algorithm, self.policy, rollouts, advantages, self._optimize_settings(),
             accelerator=self.accelerator, optimizer=self.optimizer, params=self.params,
             syncing_module=self.adapter.denoiser if self.backend_syncs_gradients else None, guard=self.guard,
             seed=self.seed, epoch=epoch, steps_before=self.global_step,
@@ -603,6 +635,20 @@ class Trainer:
 
     def _save_due(self) -> bool:
         return bool(self.cfg.log.save_freq) and self.epoch % self.cfg.log.save_freq == 0
+
+    def _optimize_settings(self) -> OptimizeSettings:
+        """The config's; an offline run's accumulation counts its epoch: a pass over the dataset, this process's
+        share of the records in micro-batches, ``gradient_step_per_epoch`` optimizer steps (or
+        ``gradient_accumulation_steps`` micro-steps each)."""
+        settings, train = OptimizeSettings.from_config(self.cfg), self.cfg.train
+        if self.offline_records is None:
+            return settings
+        if isinstance(train.gradient_accumulation_steps, int):
+            return replace(settings, accumulation=train.gradient_accumulation_steps)
+        mine = len(process_share(len(self.offline_records), self.accelerator.process_index,
+                                 self.accelerator.num_processes))
+        micro = -(-mine // train.per_device_batch_size) * self.algorithm.num_timesteps
+        return replace(settings, accumulation=max(1, micro // train.gradient_step_per_epoch))
 
     def _gathered_datasets(self) -> list[str] | None:
         """The dataset of each of the epoch's samples, in the order of the gathered rewards (several datasets)."""

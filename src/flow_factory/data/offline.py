@@ -1,0 +1,151 @@
+"""Offline data: Flow-Factory's version-2 JSONL records, for training from images instead of rollouts.
+
+A row names the model's input and what it is supervised with, as Flow-Factory's ``schema_version: 2``::
+
+    {"schema_version": 2,
+     "input": {"prompt": "a red cube", "negative_prompt": null, "media": [{"type": "image", "path": "in.png"}]},
+     "supervision": {"type": "demonstration", "target": {"media": [{"type": "image", "path": "cube.png"}]}},
+     "metadata": {}}
+
+``supervision.type: preference`` gives ``chosen`` and ``rejected`` instead of ``target``. Paths are relative
+to the dataset folder. ``sft`` trains on demonstrations, ``offline-dpo`` on preferences; every row of a file
+must be of the run's kind. Every file a row names is opened when the records load, before the model does:
+a missing or unreadable file, a video where the model makes images, a pair whose two images differ in size,
+or another schema version is an error naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .media import MediaError, MediaFile, check_image, check_video
+from .prompts import PromptFileError, PromptItem
+
+OFFLINE_KINDS = {"sft": "demonstration", "offline-dpo": "preference"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Media(_Strict):
+    type: Literal["image", "video", "audio"]
+    path: str = Field(min_length=1)
+    slot: str | None = None
+    fps: float | None = None
+    sample_rate: int | None = None
+
+
+class _Candidate(_Strict):
+    media: list[_Media] = Field(min_length=1)
+
+
+class _Input(_Strict):
+    prompt: str = Field(min_length=1)
+    negative_prompt: str | None = None
+    media: list[_Media] = []
+
+
+class _Supervision(_Strict):
+    type: Literal["demonstration", "preference"]
+    target: _Candidate | None = None
+    chosen: _Candidate | None = None
+    rejected: _Candidate | None = None
+
+
+class _Record(_Strict):
+    schema_version: Literal[2]
+    input: _Input
+    supervision: _Supervision
+    metadata: dict = {}
+
+
+@dataclass(frozen=True)
+class OfflineRecord:
+    """One row: its prompt (with the input's condition images, a ``PromptItem``) and its output images,
+    ``(target,)`` for a demonstration or ``(chosen, rejected)`` for a preference."""
+
+    item: PromptItem
+    outputs: tuple[MediaFile, ...]
+
+
+def load_offline(dataset_dir: str | Path, split: str, kind: str, max_size: int | None = None,
+                 dataset: str | None = None) -> list[OfflineRecord]:
+    """The records of ``split``.jsonl in ``dataset_dir`` of supervision ``kind`` (demonstration or preference),
+    every file they name checked (PromptFileError naming file and line)."""
+    folder = Path(dataset_dir).expanduser()
+    path = folder / f"{split}.jsonl"
+    if not path.is_file():
+        from .prompts import MissingPromptFile
+
+        raise MissingPromptFile(f"no {split} records in {folder}: looked for {path.name} (offline training reads "
+                                "schema_version 2 jsonl)")
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = _Record.model_validate(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise PromptFileError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except ValidationError as e:
+            first = e.errors()[0]
+            at = ".".join(str(p) for p in first["loc"])
+            raise PromptFileError(f"{where}: {at}: {first['msg']} (a schema_version 2 record: input, "
+                                  "supervision, metadata)") from None
+        if row.supervision.type != kind:
+            raise PromptFileError(f"{where}: supervision type {row.supervision.type!r}; this run trains on "
+                                  f"{kind} records only")
+        if max_size is not None and len(records) >= max_size:
+            continue
+        wanted = ("target",) if kind == "demonstration" else ("chosen", "rejected")
+        missing = [name for name in wanted if getattr(row.supervision, name) is None]
+        if missing:
+            raise PromptFileError(f"{where}: supervision.{missing[0]} is missing: a {kind} names {' and '.join(wanted)}")
+        outputs = tuple(_image(getattr(row.supervision, name).media, f"{where}: supervision.{name}", folder)
+                        for name in wanted)
+        if kind == "preference" and outputs[0].size != outputs[1].size:
+            raise PromptFileError(f"{where}: chosen is {outputs[0].size[0]}x{outputs[0].size[1]} and rejected "
+                                  f"{outputs[1].size[0]}x{outputs[1].size[1]}: a pair's two images must be one size")
+        if any(m.type == "audio" for m in row.input.media):
+            raise PromptFileError(f"{where}: input.media: audio inputs are not in this version")
+        images = tuple(_check(m, f"{where}: input.media", folder) for m in row.input.media if m.type == "image")
+        videos = tuple(_check(m, f"{where}: input.media", folder) for m in row.input.media if m.type == "video")
+        item = PromptItem(row.input.prompt.strip(), row.input.negative_prompt, images, videos, dict(row.metadata),
+                          where, dataset=dataset)
+        records.append(OfflineRecord(item, outputs))
+    if not records:
+        raise PromptFileError(f"{path}: no records in the file")
+    return records
+
+
+def _image(media: list[_Media], where: str, folder: Path) -> MediaFile:
+    """The one image an output candidate names (images only in this version)."""
+    if len(media) != 1 or media[0].type != "image":
+        kinds = [m.type for m in media]
+        raise PromptFileError(f"{where}: {kinds}: an output here is one image (video and audio outputs are not "
+                              "in this version)")
+    return _check(media[0], where, folder)
+
+
+def _check(media: _Media, where: str, folder: Path) -> MediaFile:
+    file = Path(media.path).expanduser()
+    file = file if file.is_absolute() else folder / file
+    try:
+        return (check_image if media.type == "image" else check_video)(file)
+    except MediaError as e:
+        raise PromptFileError(f"{where} {media.path!r} ({file}) {e}") from None
+
+
+def load_offline_sources(sources, split: str, kind: str) -> list[OfflineRecord]:
+    """The records of ``split`` of every dataset (``data.sources``), each item's ``dataset`` its name."""
+    return [record for source in sources
+            for record in load_offline(source.dataset_dir, split, kind,
+                                       source.eval_max_dataset_size if split == "test" and source.eval_max_dataset_size
+                                       else source.max_dataset_size, dataset=source.name)]

@@ -1,0 +1,64 @@
+"""An epoch of an offline run (``sft``, ``offline-dpo``): a dataset's images in place of rollouts.
+
+Each epoch visits every record once, in an order drawn from ``(seed, epoch)`` (so a resumed run visits them
+as the uninterrupted one), each process its contiguous share. A record's output images are resized to the
+training size and encoded by the VAE once, on first use, and kept on the CPU: they never change. What an
+epoch hands the shared optimisation loop is what a rollout would: ``Rollouts`` whose final latents are
+the images' (the decoupled algorithms train on the forward process from them), the prompts' conditioning,
+and the advantages: 1 for a demonstration; +1 for the chosen and -1 for the rejected image of a preference
+pair, a record making a group of two, so that DPO's best-and-worst pair is the record's own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..data import process_share
+from ..data.offline import OfflineRecord
+from ..models.base import cat_cond
+from ..sampling import Rollouts, SamplingSettings, encode_batch
+from ..seeding import generator
+
+
+class OfflineEpochs:
+    def __init__(self, records: list[OfflineRecord], adapter, settings: SamplingSettings, seed: int):
+        self.records, self.adapter, self.settings, self.seed = records, adapter, settings, seed
+        self._latents: dict[int, torch.Tensor] = {}  # record -> (outputs, *latent), float32 on the CPU
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def epoch(self, epoch: int, rank: int, processes: int, autocast, prompt_cache=None,
+              condition_cache=None) -> tuple[Rollouts, torch.Tensor]:
+        """This process's share of epoch ``epoch``: its samples (a record's outputs consecutive, one group a
+        record) and their advantages."""
+        order = torch.randperm(len(self.records), generator=generator("offline", self.seed, epoch))
+        mine = order[process_share(len(order), rank, processes)].tolist()
+        s, outputs = self.settings, len(self.records[0].outputs)
+        items = [self.records[r].item for r in mine for _ in range(outputs)]
+        x0 = torch.cat([self.latents(r) for r in mine]) if mine else torch.empty(0)
+        conds = [encode_batch(self.adapter, items[i:i + s.batch_size], s, autocast, prompt_cache, condition_cache)[1]
+                 for i in range(0, len(items), s.batch_size)]
+        sigmas = self.adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float()
+        final = len(sigmas) - 1
+        rollouts = Rollouts(prompts=[it.prompt for it in items],
+                            group_ids=torch.tensor(mine, dtype=torch.long).repeat_interleave(outputs),
+                            latents=x0.unsqueeze(1), log_probs=torch.zeros(len(items), final), sigmas=sigmas,
+                            sde_steps=[], cond=cat_cond(conds) if conds else {}, media=torch.empty(0),
+                            latent_steps=[final], rewards={})
+        signs = torch.tensor([1.0] if outputs == 1 else [1.0, -1.0])  # chosen, rejected
+        return rollouts, signs.repeat(len(mine)).to(self.adapter.device)
+
+    def latents(self, record: int) -> torch.Tensor:
+        """(outputs, *latent): record ``record``'s images at the training size, encoded (once)."""
+        if record not in self._latents:
+            height, width = self.settings.height, self.settings.width
+            pixels = []
+            for file in self.records[record].outputs:
+                with Image.open(file.path) as im:
+                    rgb = im.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
+                pixels.append(torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).float() / 255)
+            self._latents[record] = self.adapter.encode_images(torch.stack(pixels)).float().cpu()
+        return self._latents[record].to(self.adapter.device)
