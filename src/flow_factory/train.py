@@ -26,11 +26,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("config", help="the run's YAML file")
     parser.add_argument("overrides", nargs="*", help="section.key=value, value parsed as YAML")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--plan", action="store_true", help="estimate memory per GPU and time per epoch from the "
+                        "config alone (no weights, no GPU) and exit: 0 if it fits, 1 if not")
+    parser.add_argument("--gpu", choices=PLAN_GPUS, default="h100", help="--plan: the GPU planned for")
+    parser.add_argument("--json", action="store_true", help="--plan: print the plan as JSON")
+    parser.add_argument("--utilisation", type=float, default=0.4, help="--plan: share of the GPU's bf16 peak "
+                        "the transformer calls reach")
     for key, kind in LAUNCH_KEYS.items():
         parser.add_argument(f"--{key}", type=kind, default=None, help=f"overrides the config's {key}")
     return parser.parse_intermixed_args(argv)  # overrides may follow the flags
 
 
+PLAN_GPUS = ("h100", "h200", "a100-80", "a100-40", "l40s")  # flow_factory.plan.gpus.GPUS, without importing torch
 LAUNCH_KEYS = {"num_processes": int, "num_machines": int, "machine_rank": int, "main_process_ip": str,
                "main_process_port": int}
 # the variables cluster schedulers set, as Flow-Factory reads them (first set wins)
@@ -88,6 +95,9 @@ def main(argv=None) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    if args.plan:  # before any check of this machine or launch: a plan needs neither
+        from .plan.report import run as plan
+        return plan(args.config, overrides, args.gpu, args.num_processes, args.json, args.utilisation)
     if not launcher.launched():  # a launched process: its launcher checked
         problems = start_problems(cfg, any(o.startswith("num_processes=") for o in overrides))
         if problems:

@@ -1,0 +1,251 @@
+"""A config's plan: the model's sizes, the measured calls, memory per GPU by backend, work and time per epoch.
+
+``make_plan(cfg, gpu)`` builds the pipeline on the meta device (plan/pipeline.py), trains it as the
+trainer does (LoRA through ``models.lora.apply_lora`` on ``model.target_components``, gradient
+checkpointing, trained weights in ``master_weight_dtype``), measures one sampling call, one training
+micro-batch and one decode (plan/measure.py), and puts the figures together with the config's epoch
+arithmetic (``Config.samples_per_epoch``, ``micro_steps_per_epoch``) and the algorithm's own
+``kept_states`` and weight snapshots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..config.train import COUPLED_TRAINER_TYPES
+from ..precision import Precision
+from . import memory
+from .conditioning import conditioning
+from .gpus import GPUS, UTILISATION
+from .measure import Measured, measure_call, measure_velocity
+from .pipeline import build_model, build_pipeline
+
+OPTIMIZER_STATE = {"adamw": 2, "muon": 1}  # float32 values per trained parameter (AdamW's two moments)
+
+
+@dataclass
+class Plan:
+    config: object
+    gpu: str
+    num_processes: int
+    backend: str
+    precision: Precision
+    source: str
+    components: dict[str, dict]  # name -> class, params, bytes, role
+    trained: dict[str, int]  # trained parameters per network
+    sizes: memory.Sizes
+    calls: dict[str, Measured]  # rollout, training, decode
+    flops: dict[str, float] = field(default_factory=dict)  # per GPU per epoch, by phase
+    notes: list[str] = field(default_factory=list)
+    utilisation: float = UTILISATION
+
+    def memory(self, backend: str | None = None) -> dict[str, dict[str, int]]:
+        return memory.per_gpu(self.sizes, backend or self.backend, self.num_processes)
+
+    def peak(self, backend: str | None = None) -> tuple[str, int]:
+        return memory.peak(self.memory(backend))
+
+    @property
+    def usable(self) -> int:
+        return GPUS[self.gpu].memory - memory.RESERVE
+
+    def fits(self, backend: str | None = None) -> bool:
+        return self.peak(backend)[1] <= self.usable
+
+    @property
+    def seconds_per_epoch(self) -> float:
+        return sum(self.flops.values()) / (GPUS[self.gpu].bf16_flops * self.utilisation)
+
+
+def largest_block(module: nn.Module) -> int:
+    """Parameters of the largest block of the network's ``*blocks`` lists: what FSDP2 gathers at a time."""
+    sizes = [sum(p.numel() for p in block.parameters()) for name, child in module.named_children()
+             if isinstance(child, nn.ModuleList) and name.endswith("blocks") for block in child]
+    return max(sizes, default=sum(p.numel() for p in module.parameters()))
+
+
+def make_trainable(adapter, cfg, master: torch.dtype) -> dict[str, int]:
+    """What ``Trainer._make_trainable`` does, on the meta networks; trained parameters per network."""
+    from accelerate import init_empty_weights
+
+    from ..models.lora import apply_lora
+    try:
+        from ..config.sections import component_targets
+    except ImportError:  # where it was before it moved to the config
+        from ..models.lora import component_targets
+
+    model, trained = cfg.model, {}
+    for name in model.target_components:
+        transformer = adapter.transformers[name]
+        if model.finetune_type == "lora":
+            with init_empty_weights():
+                apply_lora(transformer, model.lora_rank, model.lora_alpha,
+                           component_targets(model.target_modules, name, model.target_components),
+                           adapter.default_lora_targets)
+        else:
+            transformer.requires_grad_(True)
+        if cfg.train.enable_gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        params = [p for p in transformer.parameters() if p.requires_grad]
+        for p in params:
+            p.data = p.data.to(master)
+        trained[name] = sum(p.numel() for p in params)
+    return trained
+
+
+def trajectory_bytes(cfg, adapter, latent_numel: int, storage: torch.dtype, cond_bytes: int) -> tuple[int, int]:
+    """(this process's rollouts of an epoch, one micro-batch of them): the kept states, log-probs and each
+    sample's conditioning, as ``Rollouts`` holds them on the device."""
+    from ..algorithms import make_algorithm
+    from ..dynamics import make_dynamics
+
+    algorithm = make_algorithm(cfg.train.trainer_type, cfg.train,
+                               make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level))
+    steps = cfg.rollout_steps
+    window = (cfg.sde_step_candidates[:cfg.trained_steps_per_sample]
+              if cfg.train.trainer_type in COUPLED_TRAINER_TYPES else None)
+    kept = len(algorithm.kept_states(steps, window))
+    per_sample = kept * latent_numel * storage.itemsize + steps * 4 + cond_bytes
+    samples = cfg.samples_per_epoch // cfg.num_processes
+    return samples * per_sample, cfg.train.per_device_batch_size * per_sample
+
+
+def weight_copies(cfg, trained_bytes: int, reference_bytes: int) -> tuple[dict[str, tuple[int, str]], tuple]:
+    """The copies of the trained weights a run keeps, with where: EMA, the KL's reference (full fine-tuning; a
+    LoRA's reference is the adapter switched off), the algorithm's snapshots (CRD, DGPO)."""
+    from ..algorithms import make_algorithm
+    from ..dynamics import make_dynamics
+
+    train = cfg.train
+    where = lambda device: "cpu" if device == "cpu" else "gpu"  # noqa: E731
+    copies = {}
+    if train.ema_decay > 0:
+        copies["EMA"] = (trained_bytes, where(train.ema_device))
+    if train.kl_beta > 0 and cfg.model.finetune_type == "full":
+        copies["reference"] = (reference_bytes, where(train.ref_param_device))
+    algorithm = make_algorithm(train.trainer_type, train, make_dynamics(cfg.scheduler.dynamics_type,
+                                                                        cfg.scheduler.noise_level))
+    for name in algorithm.weight_snapshots:
+        copies[name] = (trained_bytes, "gpu")
+    for name in algorithm.step_snapshots:
+        copies[name] = (trained_bytes, where(train.ema_ref_device))
+    return copies, tuple(copies)
+
+
+def reward_models(cfg, notes: list[str]) -> tuple[int, list]:
+    """Bytes of the reward models on the device, and (name, meta model) of each that was built."""
+    from ..precision import dtype_of
+    from ..rewards.registry import resolve_reward_class
+
+    total, built = 0, []
+    for entry in cfg.rewards:
+        cls = resolve_reward_class(entry.reward_model)
+        sources = cls.models_to_load(entry.constructor_options())
+        model = build_model(sources[0], dtype_of(entry.dtype)) if sources else None
+        if model is None:
+            if sources:
+                notes.append(f"reward {entry.name}: {sources[0]}'s size is not known here (not counted)")
+            continue
+        if entry.device != "cpu":
+            total += sum(p.numel() * p.element_size() for p in model.parameters())
+        built.append((entry.name, model))
+    return total, built
+
+
+def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: str = "cuda",
+              text_tokens: int | None = None, utilisation: float = UTILISATION) -> Plan:
+    """The plan of ``cfg`` on ``num_processes`` (the config's by default) GPUs of kind ``gpu``; ``device``
+    "cpu" plans a CPU run (float32, as ``precision.run_mixed_precision`` makes it)."""
+    n = num_processes or cfg.num_processes
+    mixed = cfg.mixed_precision if device == "cuda" else "no"
+    precision = Precision.of(mixed, device, cfg.model.master_weight_dtype, cfg.train.latent_storage_dtype)
+    meta = build_pipeline(cfg.model.model_type, cfg.model.model_name_or_path, precision.load)
+    adapter, train, notes = meta.adapter, cfg.train, []
+    trained = make_trainable(adapter, cfg, precision.master)
+    height, width = train.height_width
+    frames, condition_size = train.num_frames, None
+    if train.condition_image_size is not None:
+        from ..config.base import resolution_pair
+        condition_size = resolution_pair(train.condition_image_size)
+    latent = adapter.latent_shape(height, width, frames)
+
+    def call(rows: int, scale: float, grad: bool) -> Measured:
+        cond = conditioning(adapter, rows, scale, height, width, frames, condition_size, text_tokens)
+        return measure_velocity(adapter, torch.zeros(rows, *latent), 1.0 if not grad else 0.9, cond, scale, grad)
+
+    b = train.per_device_batch_size
+    per_call = cfg.trained_steps_per_sample if train.steps_per_call == "all" else train.steps_per_call
+    loss_scale = getattr(train, "loss_guidance_scale", train.guidance_scale)
+    rows = b * 2 if train.trainer_type == "dpo" else b  # dpo's micro-batch holds b pairs
+    calls = {"rollout": call(b, train.guidance_scale, False), "training": call(rows * per_call, loss_scale, True)}
+    try:
+        calls["decode"] = measure_call(adapter.decode, torch.zeros(b, *latent, device="meta", dtype=precision.load))
+    except Exception as err:  # a decode that reads values (LTX-2's video processor) is not measured
+        notes.append(f"VAE decode not measured ({type(err).__name__}: {str(err).splitlines()[0][:80]})")
+        calls["decode"] = Measured(0, 0)
+
+    networks = []
+    for name, module in adapter.transformers.items():
+        load_bytes = precision.load.itemsize
+        networks.append(memory.Network(name, sum(p.numel() for p in module.parameters()), load_bytes,
+                                       trained.get(name, 0), precision.master.itemsize, largest_block(module)))
+    trained_bytes = sum(net.trained * net.master_bytes for net in networks)
+    reference = sum(net.params * net.load_bytes for net in networks if net.trained)
+    copies, sharded = weight_copies(cfg, trained_bytes, reference)
+    reward_bytes, rewards = reward_models(cfg, notes)
+    cond_bytes = sum(v[0].numel() * precision.load.itemsize for v in
+                     conditioning(adapter, 1, train.guidance_scale, height, width, frames, condition_size,
+                                  text_tokens).values())
+    epoch, batch = trajectory_bytes(cfg, adapter, int(torch.Size(latent).numel()), precision.storage, cond_bytes)
+    roles = meta.of_role
+    sizes = memory.Sizes(
+        networks=networks,
+        text_encoders=sum(c.bytes for c in roles("text_encoder").values()),
+        other_networks=sum(c.bytes for c in [*roles("vae").values(), *roles("image_encoder").values()]),
+        rewards=reward_bytes,
+        optimizer_bytes=OPTIMIZER_STATE[getattr(train, "optimizer", "adamw")] * 4,
+        copies=copies, sharded_copies=sharded, trajectories=epoch, trajectory_batch=batch,
+        offload_samples=train.offload_samples_to_cpu, text_encoders_stay=not cfg.data.enable_preprocess,
+        rollout_activations=calls["rollout"].peak, decode_activations=calls["decode"].peak,
+        train_activations=calls["training"].peak)
+    plan = Plan(cfg, gpu, n, memory.backend_of(cfg.config_file), precision, meta.source,
+                {name: {"class": c.class_name, "params": c.params, "bytes": c.bytes, "role": c.role}
+                 for name, c in meta.components.items()}, trained, sizes, calls, notes=notes + meta.notes,
+                utilisation=utilisation)
+    plan.flops = epoch_flops(cfg, n, calls, rewards, per_call)
+    return plan
+
+
+def epoch_flops(cfg, n: int, calls: dict[str, Measured], rewards: list, per_call: int) -> dict[str, float]:
+    """FLOPs one GPU does in an epoch, by phase: the rollout's transformer calls and decodes, the training
+    forward and backward (and the KL's reference forward), and the reward models."""
+    train = cfg.train
+    batches = cfg.batches_per_epoch  # sampling batches per process
+    rollout = batches * cfg.rollout_steps * calls["rollout"].flops
+    micro_calls = cfg.micro_steps_per_epoch * train.num_inner_epochs / per_call
+    training = micro_calls * calls["training"].flops
+    if train.kl_beta > 0:  # one reference forward per micro-batch: about a third of a forward and backward
+        training += micro_calls * calls["training"].flops / 3
+    flops = {"rollout": rollout, "decode": batches * calls["decode"].flops, "training": training}
+    flops["rewards"] = reward_flops(cfg, rewards, batches * train.per_device_batch_size)
+    return flops
+
+
+def reward_flops(cfg, rewards: list, samples: int) -> float:
+    """A CLIP-type reward model's forward per image (its image and text towers), times the samples a GPU scores
+    (each frame of a video). Other reward models: not counted."""
+    total = 0.0
+    frames = cfg.train.num_frames or 1
+    for _, model in rewards:
+        vision = getattr(getattr(model, "config", None), "vision_config", None)
+        if vision is None or not hasattr(model, "get_image_features"):
+            continue
+        pixels = torch.zeros(1, 3, vision.image_size, vision.image_size, device="meta", dtype=model.dtype)
+        tokens = torch.zeros(1, 77, dtype=torch.long, device="meta")
+        measured = measure_call(lambda: (model.get_image_features(pixel_values=pixels),
+                                         model.get_text_features(input_ids=tokens)))
+        total += measured.flops * samples * frames
+    return total

@@ -1,0 +1,77 @@
+"""The verdict against the GPU's memory, and the cheapest change that makes an over-budget config fit.
+
+The changes are tried one at a time, cheapest first: those that cost no compute (rollouts in CPU memory,
+weight copies in CPU memory), then sharding (communication; ZeRO-2 leaves the weights whole, FSDP2 splits
+them), then gradient checkpointing (a second forward in the backward), fewer steps per call, ZeRO-3 and
+FSDP2's CPU offload (slow), and last a smaller batch (fewer samples per call: the slowest epoch). When no
+single one fits, they are taken together in that order until the config fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .build import Plan
+
+
+def _candidates(plan: Plan) -> list[str]:
+    cfg, train = plan.config, plan.config.train
+    experts = len(plan.trained) > 1 or len([c for c in plan.components.values() if c["role"] == "transformer"]) > 1
+    out = []
+    if not train.offload_samples_to_cpu:
+        out.append("train.offload_samples_to_cpu=true")
+    if train.ema_decay > 0 and train.ema_device != "cpu":
+        out.append("train.ema_device=cpu")
+    if train.kl_beta > 0 and cfg.model.finetune_type == "full" and train.ref_param_device != "cpu":
+        out.append("train.ref_param_device=cpu")
+    for backend in ("zero2", "fsdp2"):
+        if plan.backend not in (backend, "zero3", "fsdp2_offload") and plan.num_processes > 1:
+            out.append(f"config_file={backend}")
+    if not train.enable_gradient_checkpointing:
+        out.append("train.enable_gradient_checkpointing=true")
+    if train.steps_per_call != 1:
+        out.append("train.steps_per_call=1")
+    if plan.backend != "zero3" and not experts and plan.num_processes > 1:
+        out.append("config_file=zero3")
+    if plan.backend != "fsdp2_offload":
+        out.append("config_file=fsdp2_offload")
+    batch = train.per_device_batch_size
+    while batch > 1:
+        batch //= 2
+        out.append(f"train.per_device_batch_size={batch}")
+    return out
+
+
+def cheapest_fit(plan: Plan, replan: Callable[[list[str]], Plan]) -> tuple[list[str], Plan | None]:
+    """(the overrides that make ``plan`` fit, the plan with them); ([], plan) when it fits as it is; (all the
+    changes tried, None) when nothing does. ``replan`` plans the config with more ``key=value`` overrides
+    (a change of backend alone is arithmetic on ``plan``, not planned again)."""
+    if plan.fits():
+        return [], plan
+    tried = {}
+
+    def planned(changes: list[str]) -> Plan | None:
+        key = tuple(changes)
+        if key not in tried:
+            try:
+                tried[key] = replan(changes)
+            except ValueError:  # the config refuses this change (a batch the epoch cannot divide)
+                tried[key] = None
+        return tried[key]
+
+    candidates = _candidates(plan)
+    for change in candidates:
+        candidate = planned([change])
+        if candidate is not None and candidate.fits():
+            return [change], candidate
+    taken: list[str] = []
+    for change in candidates:
+        if change.startswith("config_file=") and any(c.startswith("config_file=") for c in taken):
+            taken = [c for c in taken if not c.startswith("config_file=")]
+        if change.startswith("train.per_device_batch_size="):
+            taken = [c for c in taken if not c.startswith("train.per_device_batch_size=")]
+        taken.append(change)
+        candidate = planned(list(taken))
+        if candidate is not None and candidate.fits():
+            return list(taken), candidate
+    return taken, None

@@ -1,0 +1,182 @@
+"""The planner's measurements: the real model code run on the meta device, counted by torch's own tools.
+
+``torch.utils.flop_counter.FlopCounterMode`` counts a call's FLOPs (matmuls, convolutions, attention; its
+backward too, and with gradient checkpointing the recomputed forward), and ``PeakBytes`` the bytes its
+tensors hold at their peak. Both work on meta tensors, whose shapes are real and whose storage is none, so
+a 12 B transformer's call at 1024 px is measured in seconds on a laptop.
+
+The adapter runs on the CPU with the networks on the meta device (``OnMeta`` takes their inputs there):
+some adapters read values, such as the real length of a padded prompt (``trim_text``), which a meta tensor
+does not hold; the CPU tensors they make are counted with the meta ones, as they would be on the GPU.
+
+Not used, and why: ``torch.distributed._tools.MemTracker`` measures the same peak by kind, but updates it
+by scanning every live tensor at every operator: FLUX.1-dev's training call at 1024 px (11 k operators,
+thousands of live activations) ran over five minutes under it. ``PeakBytes`` keeps a running sum instead;
+tests/test_plan.py holds its figures against ``MemTracker`` on the real tiny runs. ``FakeTensorMode`` (the GPU-less mode ``MemTracker``'s docs name) refuses those values
+too (``DataDependentOutputException``), and diffusers' forwards fail on fake CUDA tensors (the note in
+shared/notes/gpu-path-on-cpu.md); meta tensors serve the same. ``FSDPMemTracker`` needs the model
+``fully_shard``-ed over a fake process group of N ranks, once per backend and process count, and nothing of
+it covers DeepSpeed, so the sharded backends are arithmetic on the one-process figures (plan/memory.py);
+``RuntimeEstimator`` times operators on a real device or by roofline per operator, where the plan states one
+utilisation for every FLOP (plan/work.py).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed._tools import MemTracker
+from torch.distributed._tools.mem_tracker import _MemRefType
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils import flop_counter
+from torch.utils.flop_counter import FlopCounterMode
+
+aten = torch.ops.aten
+
+# torch registers no FLOP formula for the CPU's fused attention (FlopCounterMode counts it as 0), where the
+# CUDA kernels have one: the same formula here, so a real CPU call counts what the planned GPU call does
+flop_counter.register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)(flop_counter.sdpa_flop)
+flop_counter.register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)(
+    flop_counter.sdpa_backward_flop)
+
+
+class FrozenAwareMemTracker(MemTracker):
+    """``MemTracker`` of what a call allocates, in a module with frozen parameters: torch 2.13's registers a
+    gradient hook on every parameter of a module it enters, which raises on one that needs no gradient
+    (LoRA's base weights, a frozen expert). Hooks go only on the trained ones here, and the weights are not
+    tracked; the rest of the tracking is torch's."""
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        # the weights are planned apart (their count is exact); tracking them here would also make every
+        # operator's peak update scan each of a large model's thousand weight tensors
+        if install_grad_hooks:
+            for param in module.parameters():
+                if param.requires_grad and param not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(self._track_grad),
+                        param.register_post_accumulate_grad_hook(lambda p: self._track_grad(p.grad)))
+        return 0, 0
+
+    def _track_grad(self, grad: torch.Tensor) -> None:  # a hook that returns a value would replace the gradient
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+
+class PeakBytes(TorchDispatchMode):
+    """The most bytes the tensors made under it held at once: each storage counted once from the operator
+    that made it until it is freed (a weak reference's callback). The weights, made before, are not in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._held: dict[int, object] = {}  # id(storage) -> its weak reference
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._hold(t.untyped_storage())
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _hold(self, storage) -> None:
+        key = id(storage)
+        if key in self._held:
+            return
+        size = storage.nbytes()
+        self.live += size
+
+        def freed(_ref, key=key, size=size):
+            self.live -= size
+            self._held.pop(key, None)
+        self._held[key] = weakref.ref(storage, freed)
+
+
+class FusedAttention(TorchFunctionMode):
+    """``scaled_dot_product_attention`` on meta tensors as a GPU runs it: the fused kernels, which keep no
+    attention matrix for the backward (flash without a mask, memory-efficient with one). On meta, torch would
+    pick the math path, whose saved (L x S) weights are not what a GPU holds."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q = args[0] if args else kwargs["query"]
+            if q.device.type == "meta":
+                return fused_attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    q, k, v = query, key, value
+    if enable_gqa and k.shape[-3] != q.shape[-3]:  # the kernels take grouped heads; on meta a copy is free
+        k, v = (x.repeat_interleave(q.shape[-3] // x.shape[-3], dim=-3) for x in (k, v))
+    if attn_mask is None:
+        return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, -torch.inf)
+    bias = attn_mask.to(q.dtype).expand(*q.shape[:-1], k.shape[-2])
+    return aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal, scale=scale)[0]
+
+
+class OnMeta(nn.Module):
+    """A network on the meta device, called by an adapter that runs on the CPU: its tensor inputs go there."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        move = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
+        return self.module(*tree_map(move, args), **tree_map(move, kwargs))
+
+
+@dataclass
+class Measured:
+    flops: int  # FlopCounterMode's count, forward (and backward)
+    peak: int  # bytes the tensors the call made held at their peak: activations, temporaries, gradients, inputs
+    seconds: float = 0.0
+
+
+@contextmanager
+def adapter_on_cpu(adapter):
+    """The adapter's own code on the CPU, its networks (``denoiser_for``) on the meta device."""
+    saved = adapter.device, dict(adapter._wrapped)
+    adapter.device = torch.device("cpu")
+    adapter._wrapped = {name: OnMeta(module) for name, module in adapter.transformers.items()}
+    try:
+        yield adapter
+    finally:
+        adapter.device, adapter._wrapped = saved
+
+
+def measure_velocity(adapter, latents: torch.Tensor, sigma: float, cond: dict, guidance_scale: float,
+                     train: bool) -> Measured:
+    """One ``adapter.velocity`` call: with ``train``, forward and backward of a loss on it, as a training
+    micro-batch (the algorithms' losses are elementwise on the velocity: nothing a GPU notices). Its peak
+    holds the gradients made by then."""
+    start, tracker = time.perf_counter(), PeakBytes()
+    with adapter_on_cpu(adapter), torch.set_grad_enabled(train), FusedAttention(), \
+            FlopCounterMode(display=False) as counter, tracker:
+        sigmas = torch.full((len(latents),), float(sigma))
+        v = adapter.velocity(latents, sigmas, cond, guidance_scale)
+        if train:
+            v.float().square().mean().backward()
+        del v
+    for module in adapter.transformers.values():
+        for p in module.parameters():
+            p.grad = None
+    return Measured(counter.get_total_flops(), tracker.peak, time.perf_counter() - start)
+
+
+def measure_call(fn, *args) -> Measured:
+    """A no-grad call of ``fn`` (a decode, a reward model's forward) on meta tensors."""
+    start, tracker = time.perf_counter(), PeakBytes()
+    with torch.no_grad(), FusedAttention(), FlopCounterMode(display=False) as counter, tracker:
+        fn(*args)
+    return Measured(counter.get_total_flops(), tracker.peak, time.perf_counter() - start)

@@ -1,0 +1,188 @@
+"""The architectures of the public checkpoints our examples name, for planning without their files.
+
+A hub id's ``model_index.json`` and each component's ``config.json`` are not on a machine that has not
+downloaded them, and ``ff-train --plan`` reaches no network. These are those files' numbers, written
+here by hand from the model cards and released configs (the numbers that set a network's size and its
+call's cost; scheduler settings, which change neither, are left to the class's defaults). Each entry
+is a model_index: ``component: [library, class, config]``, and its plain keys (``boundary_ratio``).
+
+Held by tests: FLUX.1-dev's transformer at 11.9 B parameters, Qwen-Image's at 20.4 B, Wan2.1 14B's at
+14.3 B (the hub's counts; tests/test_plan.py). The others are the released configs as we know them,
+not checked against the files: a local folder's own config.json always wins over this table.
+"""
+
+from __future__ import annotations
+
+# --- text encoders --------------------------------------------------------------------------
+CLIP_L_TEXT = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+               "max_position_embeddings": 77, "vocab_size": 49408, "projection_dim": 768, "hidden_act": "quick_gelu"}
+CLIP_G_TEXT = {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 20,
+               "max_position_embeddings": 77, "vocab_size": 49408, "projection_dim": 1280, "hidden_act": "gelu"}
+T5_XXL = {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 32128,
+          "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32}
+UMT5_XXL = {**T5_XXL, "vocab_size": 256384, "tie_word_embeddings": False}
+BYT5_SMALL = {"d_model": 1472, "d_ff": 3584, "d_kv": 64, "num_heads": 6, "num_layers": 12, "vocab_size": 384,
+              "feed_forward_proj": "gated-gelu"}
+QWEN25_VL_7B_TEXT = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                     "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                     "rope_parameters": {"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}}
+QWEN25_VL_7B = {"text_config": QWEN25_VL_7B_TEXT,
+                "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                                  "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                                  "temporal_patch_size": 2, "window_size": 112,
+                                  "fullatt_block_indexes": [7, 15, 23, 31]}}
+QWEN3_4B = {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True}
+QWEN3_8B = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False}
+MISTRAL_SMALL_31 = {  # Mistral-Small-3.1-24B, FLUX.2 [dev]'s text encoder
+    "text_config": {"model_type": "mistral", "hidden_size": 5120, "intermediate_size": 32768, "num_hidden_layers": 40,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 131072},
+    "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                      "num_attention_heads": 16, "head_dim": 64, "image_size": 1540, "patch_size": 14}}
+GEMMA3_12B = {  # LTX-2's text encoder
+    "text_config": {"hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16,
+                    "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 262208},
+    "vision_config": {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,
+                      "image_size": 896, "patch_size": 14}}
+CLIP_H_VISION = {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 16,
+                 "image_size": 224, "patch_size": 14, "hidden_act": "gelu"}
+
+# --- VAEs -----------------------------------------------------------------------------------
+_KL_BLOCKS = {"in_channels": 3, "out_channels": 3, "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2,
+              "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+              "norm_num_groups": 32, "sample_size": 1024}
+FLUX_VAE = {**_KL_BLOCKS, "latent_channels": 16, "scaling_factor": 0.3611, "shift_factor": 0.1159,
+            "use_quant_conv": False, "use_post_quant_conv": False}
+SD3_VAE = {**FLUX_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609}
+WAN_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+           "temperal_downsample": [False, True, True]}
+WAN22_VAE = {"base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+             "temperal_downsample": [False, True, True], "is_residual": True, "in_channels": 12, "out_channels": 12,
+             "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4}
+
+# --- denoising transformers -----------------------------------------------------------------
+FLUX1_DEV = {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+             "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
+             "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}
+SD35_MEDIUM = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 24, "attention_head_dim": 64,
+               "num_attention_heads": 24, "joint_attention_dim": 4096, "caption_projection_dim": 1536,
+               "pooled_projection_dim": 2048, "out_channels": 16, "pos_embed_max_size": 384,
+               "dual_attention_layers": list(range(13)), "qk_norm": "rms_norm"}
+WAN_14B = {"patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 16,
+           "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
+           "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024}
+WAN_1_3B = {**WAN_14B, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}
+WAN22_5B = {**WAN_14B, "num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30, "in_channels": 48,
+            "out_channels": 48}
+QWEN_IMAGE = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+              "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False,
+              "axes_dims_rope": [16, 56, 56]}
+Z_IMAGE = {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16, "dim": 3840, "n_layers": 30,
+           "n_refiner_layers": 2, "n_heads": 30, "n_kv_heads": 30, "norm_eps": 1e-5, "qk_norm": True,
+           "cap_feat_dim": 2560, "rope_theta": 256.0, "t_scale": 1000.0, "axes_dims": [32, 48, 48],
+           "axes_lens": [1024, 512, 512]}
+FLUX2_DEV = {"in_channels": 128, "num_layers": 8, "num_single_layers": 48, "attention_head_dim": 128,
+             "num_attention_heads": 48, "joint_attention_dim": 15360, "mlp_ratio": 3.0,
+             "axes_dims_rope": [32, 32, 32, 32], "guidance_embeds": True}
+FLUX2_KLEIN_9B = {**FLUX2_DEV, "num_single_layers": 24, "num_attention_heads": 32, "joint_attention_dim": 12288,
+                  "guidance_embeds": False}
+HUNYUAN15_T2V = {"in_channels": 65, "out_channels": 32, "num_attention_heads": 16, "attention_head_dim": 128,
+                 "num_layers": 54, "num_refiner_layers": 2, "mlp_ratio": 4.0, "patch_size": 1, "patch_size_t": 1,
+                 "qk_norm": "rms_norm", "text_embed_dim": 3584, "text_embed_2_dim": 1472, "image_embed_dim": 1152,
+                 "rope_axes_dim": [16, 56, 56], "target_size": 640, "task_type": "t2v"}
+LTX2 = {"in_channels": 128, "out_channels": 128, "num_attention_heads": 32, "attention_head_dim": 128,
+        "cross_attention_dim": 4096, "audio_in_channels": 128, "audio_out_channels": 128,
+        "audio_num_attention_heads": 32, "audio_attention_head_dim": 64, "audio_cross_attention_dim": 2048,
+        "num_layers": 48, "caption_channels": 3840}
+
+_FLOW = ["diffusers", "FlowMatchEulerDiscreteScheduler", {}]
+
+
+def _flux1(pipeline: str) -> dict:
+    return {"_class_name": pipeline, "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler",
+                                                   {"use_dynamic_shifting": True, "shift": 3.0}],
+            "text_encoder": ["transformers", "CLIPTextModel", CLIP_L_TEXT],
+            "text_encoder_2": ["transformers", "T5EncoderModel", T5_XXL],
+            "transformer": ["diffusers", "FluxTransformer2DModel", FLUX1_DEV],
+            "vae": ["diffusers", "AutoencoderKL", FLUX_VAE]}
+
+
+def _wan(transformer: dict, vae: dict = WAN_VAE, experts: int = 1, **extra) -> dict:
+    index = {"_class_name": "WanPipeline", "scheduler": ["diffusers", "UniPCMultistepScheduler", {"flow_shift": 5.0}],
+             "text_encoder": ["transformers", "UMT5EncoderModel", UMT5_XXL],
+             "transformer": ["diffusers", "WanTransformer3DModel", transformer],
+             "vae": ["diffusers", "AutoencoderKLWan", vae], "boundary_ratio": None, **extra}
+    if experts == 2:
+        index.update(transformer_2=["diffusers", "WanTransformer3DModel", transformer], boundary_ratio=0.875)
+    return index
+
+
+def _qwen_image(pipeline: str) -> dict:
+    return {"_class_name": pipeline, "scheduler": _FLOW,
+            "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B],
+            "transformer": ["diffusers", "QwenImageTransformer2DModel", QWEN_IMAGE],
+            "vae": ["diffusers", "AutoencoderKLQwenImage", WAN_VAE]}
+
+
+PUBLIC_PIPELINES: dict[str, dict] = {
+    "black-forest-labs/FLUX.1-dev": _flux1("FluxPipeline"),
+    "black-forest-labs/FLUX.1-Kontext-dev": _flux1("FluxKontextPipeline"),
+    "stabilityai/stable-diffusion-3.5-medium": {
+        "_class_name": "StableDiffusion3Pipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler",
+                                                                 {"shift": 3.0}],
+        "text_encoder": ["transformers", "CLIPTextModelWithProjection", CLIP_L_TEXT],
+        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection", CLIP_G_TEXT],
+        "text_encoder_3": ["transformers", "T5EncoderModel", T5_XXL],
+        "transformer": ["diffusers", "SD3Transformer2DModel", SD35_MEDIUM],
+        "vae": ["diffusers", "AutoencoderKL", SD3_VAE]},
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": _wan(WAN_14B),
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": _wan(WAN_1_3B),
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": _wan(WAN_14B, experts=2),
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": _wan(WAN22_5B, WAN22_VAE, expand_timesteps=True),
+    "Qwen/Qwen-Image": _qwen_image("QwenImagePipeline"),
+    "Qwen/Qwen-Image-2512": _qwen_image("QwenImagePipeline"),
+    "Qwen/Qwen-Image-Edit-2509": _qwen_image("QwenImageEditPlusPipeline"),
+    "Qwen/Qwen-Image-Edit-2511": _qwen_image("QwenImageEditPlusPipeline"),
+    "Tongyi-MAI/Z-Image-Turbo": {
+        "_class_name": "ZImagePipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler", {"shift": 3.0}],
+        "text_encoder": ["transformers", "Qwen3Model", QWEN3_4B],
+        "transformer": ["diffusers", "ZImageTransformer2DModel", Z_IMAGE],
+        "vae": ["diffusers", "AutoencoderKL", FLUX_VAE]},
+    "black-forest-labs/FLUX.2-dev": {
+        "_class_name": "Flux2Pipeline", "scheduler": _FLOW,
+        "text_encoder": ["transformers", "Mistral3ForConditionalGeneration", MISTRAL_SMALL_31],
+        "transformer": ["diffusers", "Flux2Transformer2DModel", FLUX2_DEV],
+        "vae": ["diffusers", "AutoencoderKLFlux2", {}]},
+    "black-forest-labs/FLUX.2-klein-9B": {
+        "_class_name": "Flux2KleinPipeline", "scheduler": _FLOW, "is_distilled": True,
+        "text_encoder": ["transformers", "Qwen3ForCausalLM", QWEN3_8B],
+        "transformer": ["diffusers", "Flux2Transformer2DModel", FLUX2_KLEIN_9B],
+        "vae": ["diffusers", "AutoencoderKLFlux2", {}]},
+    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": {
+        "_class_name": "HunyuanVideo15Pipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler",
+                                                               {"shift": 5.0}],
+        "guider": ["diffusers", "ClassifierFreeGuidance", {"guidance_scale": 6.0}],
+        "text_encoder": ["transformers", "Qwen2_5_VLTextModel", QWEN25_VL_7B_TEXT],
+        "text_encoder_2": ["transformers", "T5EncoderModel", BYT5_SMALL],
+        "transformer": ["diffusers", "HunyuanVideo15Transformer3DModel", HUNYUAN15_T2V],
+        "vae": ["diffusers", "AutoencoderKLHunyuanVideo15", {}]},
+    "Lightricks/LTX-2": {
+        "_class_name": "LTX2Pipeline", "scheduler": _FLOW,
+        "text_encoder": ["transformers", "Gemma3ForConditionalGeneration", GEMMA3_12B],
+        "connectors": ["ltx2", "LTX2TextConnectors", {}], "transformer": ["diffusers", "LTX2VideoTransformer3DModel", LTX2],
+        "vae": ["diffusers", "AutoencoderKLLTX2Video", {}], "audio_vae": ["diffusers", "AutoencoderKLLTX2Audio", {}],
+        "vocoder": ["ltx2", "LTX2Vocoder", {}]},
+}
+
+# the reward models our built-in rewards load by default: CLIPModel configs
+PUBLIC_MODELS: dict[str, list] = {
+    "openai/clip-vit-large-patch14": ["transformers", "CLIPModel", {
+        "text_config": CLIP_L_TEXT, "projection_dim": 768,
+        "vision_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                          "num_attention_heads": 16, "image_size": 224, "patch_size": 14, "hidden_act": "quick_gelu"}}],
+    "yuvalkirstain/PickScore_v1": ["transformers", "CLIPModel", {  # CLIP ViT-H/14
+        "text_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                        "num_attention_heads": 16, "vocab_size": 49408, "hidden_act": "gelu"},
+        "vision_config": CLIP_H_VISION, "projection_dim": 1024}],
+}

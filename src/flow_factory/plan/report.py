@@ -1,0 +1,111 @@
+"""``ff-train --plan``: the plan as text for a person, or as JSON (``--json``) for a script."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from . import memory
+from .build import Plan, make_plan
+from .fit import cheapest_fit
+from .gpus import GPUS
+
+GB = 1e9
+NOT_COUNTED = ("the CUDA context, NCCL buffers and allocator fragmentation (2 GiB kept free for them)",
+               "reward models' activations and eval rollouts (every eval_freq epochs)",
+               "autocast's float32 copies of some operators' inputs", "data loading and checkpoint writing",
+               "communication time (all-reduce, FSDP gathers)")
+
+
+def plan_for_cli(path: str, overrides: list[str], gpu: str, num_processes: int | None,
+                 utilisation: float) -> tuple[Plan, list[str], Plan | None]:
+    """The plan of the config, and the cheapest change that makes it fit with the plan it makes."""
+    from ..config import load_config
+
+    cfg = load_config(path, overrides)
+    plan = make_plan(cfg, gpu, num_processes, utilisation=utilisation)
+
+    def replan(changes: list[str]) -> Plan:
+        changed = load_config(path, overrides + changes)
+        if all(c.startswith("config_file=") for c in changes):  # the same sizes, split otherwise
+            return dataclasses.replace(plan, config=changed, backend=memory.backend_of(changed.config_file))
+        return make_plan(changed, gpu, num_processes, utilisation=utilisation)
+
+    changes, fitted = cheapest_fit(plan, replan)
+    return plan, changes, fitted
+
+
+def as_json(plan: Plan, changes: list[str], fitted: Plan | None) -> dict:
+    peak_phase, peak = plan.peak()
+    backends = list(dict.fromkeys([plan.backend, *memory.BACKENDS]))
+    return {
+        "config": {"model": plan.config.model.model_name_or_path, "model_type": plan.config.model.model_type,
+                   "source": plan.source, "gpu": plan.gpu, "num_processes": plan.num_processes,
+                   "backend": plan.backend, "mixed_precision": plan.precision.mixed_precision},
+        "components": plan.components, "trained_params": plan.trained,
+        "memory": {b: plan.memory(b) for b in backends},
+        "peak": {b: dict(zip(("phase", "bytes"), plan.peak(b))) for b in backends},
+        "gpu_memory": GPUS[plan.gpu].memory, "usable": plan.usable,
+        "fits": plan.fits(), "peak_phase": peak_phase, "peak_bytes": peak,
+        "change": changes if fitted is not None and changes else None,
+        "planned_with_change": None if fitted is None or not changes else {
+            "peak": dict(zip(("phase", "bytes"), fitted.peak())), "seconds_per_epoch": fitted.seconds_per_epoch},
+        "calls": {k: dataclasses.asdict(v) for k, v in plan.calls.items()},
+        "flops_per_epoch_per_gpu": plan.flops, "utilisation": plan.utilisation,
+        "peak_flops": GPUS[plan.gpu].bf16_flops, "seconds_per_epoch": plan.seconds_per_epoch,
+        "notes": plan.notes, "not_counted": list(NOT_COUNTED),
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.1f}"
+
+
+def as_text(plan: Plan, changes: list[str], fitted: Plan | None) -> str:
+    cfg, gpu = plan.config, GPUS[plan.gpu]
+    lines = [f"plan: {cfg.model.model_name_or_path} ({cfg.model.model_type}, configs from {plan.source}), "
+             f"{plan.num_processes} x {gpu.name}, {plan.backend}, {plan.precision.mixed_precision}",
+             "", "model                      class                                params     bytes"]
+    for name, c in plan.components.items():
+        trains = f"   trains {plan.trained[name] / 1e6:.1f} M ({cfg.model.finetune_type})" if name in plan.trained else ""
+        lines.append(f"  {name:<24} {c['class'][:36]:<36} {c['params'] / 1e9:6.2f} B {c['bytes'] / GB:6.1f} GB{trains}")
+    backends = list(dict.fromkeys([plan.backend, *memory.BACKENDS]))
+    lines += ["", "memory per GPU, GiB     " + "".join(f"{b:>14}" for b in backends)]
+    tables = {b: plan.memory(b) for b in backends}
+    for phase in memory.PHASES:
+        lines.append(f"  {phase:<22}" + "".join(f"{_gib(sum(tables[b][phase].values())):>14}" for b in backends))
+    lines.append(f"  {'fits ' + _gib(plan.usable) + ' usable':<22}" +
+                 "".join(f"{'yes' if plan.fits(b) else 'no':>14}" for b in backends))
+    phase, peak = plan.peak()
+    lines += ["", f"{plan.backend}, {phase} (the peak), GiB per GPU:"]
+    lines += [f"  {part:<34} {_gib(size):>8}" for part, size in tables[plan.backend][phase].items() if size]
+    if plan.fits():
+        lines.append(f"verdict: fits, {_gib(peak)} of {_gib(plan.usable)} GiB usable on a {gpu.name}")
+    elif fitted is not None:
+        lines.append(f"verdict: does not fit ({_gib(peak)} GiB at {phase}, {_gib(plan.usable)} usable); the cheapest "
+                     f"change that fits: {' '.join(changes)} -> {_gib(fitted.peak()[1])} GiB at {fitted.peak()[0]}, "
+                     f"{fitted.seconds_per_epoch:.0f} s per epoch")
+    else:
+        lines.append(f"verdict: does not fit ({_gib(peak)} GiB at {phase}), not even with {' '.join(changes)}: "
+                     "more GPUs, or a GPU with more memory")
+    total = sum(plan.flops.values())
+    lines += ["", f"work per GPU per epoch: {total / 1e15:.1f} PFLOP; at {plan.utilisation:.0%} of "
+              f"{gpu.bf16_flops / 1e12:.0f} TFLOP/s bf16: {plan.seconds_per_epoch:.0f} s per epoch"]
+    for name, flops in plan.flops.items():
+        lines.append(f"  {name:<12} {flops / 1e15:10.2f} PFLOP  {flops / total if total else 0:6.1%}")
+    calls = plan.calls
+    lines.append(f"  one sampling call {calls['rollout'].flops / 1e12:.1f} TFLOP, one training micro-batch "
+                 f"{calls['training'].flops / 1e12:.1f} TFLOP (FlopCounterMode on the model's code, meta device)")
+    lines += ["", "not counted: " + "; ".join([*plan.notes, *NOT_COUNTED])]
+    return "\n".join(lines)
+
+
+def run(path: str, overrides: list[str], gpu: str, num_processes: int | None, as_json_output: bool,
+        utilisation: float) -> int:
+    """``ff-train --plan``: print the plan; the exit status is 0 when the config fits, 1 when it does not."""
+    plan, changes, fitted = plan_for_cli(path, overrides, gpu, num_processes, utilisation)
+    if as_json_output:
+        print(json.dumps(as_json(plan, changes, fitted), indent=1))
+    else:
+        print(as_text(plan, changes, fitted))
+    return 0 if plan.fits() else 1
