@@ -86,6 +86,10 @@ ALGORITHMS: dict[str, list[str]] = {
     "dpo": ["train.trainer_type=dpo", *DECOUPLED],
     "dgpo": ["train.trainer_type=dgpo", *DECOUPLED, "train.dpo_beta=10"],
     "crd": ["train.trainer_type=crd", *DECOUPLED, "train.kl_cfg=1"],
+    # nft with its rollouts through diffusers' Pyramid Attention Broadcast (train.rollout_cache, lossy; SD3
+    # takes no FirstBlockCache): its time per epoch and accuracy against nft's
+    "nft-pab": ["train.trainer_type=nft", *DECOUPLED, "train.ema_decay=0.9", "train.rollout_cache=pyramid",
+                "train.rollout_cache_params={spatial_attention_block_skip_range: 2}"],
 }
 SMOKE = {"samples": 256, "eval_samples": 64, "evals": 1}  # 2 epochs, 64 held-out samples: minutes
 

@@ -120,14 +120,15 @@ class Rollouts(KeptStates):
 @torch.no_grad()
 def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_ids: list[int],
                      settings: SamplingSettings, *, epoch: int, reward_set=None, timer: PhaseTimer | None = None,
-                     autocast=nullcontext, prompt_cache=None, condition_cache=None) -> Rollouts:
+                     autocast=nullcontext, prompt_cache=None, condition_cache=None, cache=None) -> Rollouts:
     """Sample ``items`` (``data.PromptItem``: prompt, negative prompt, a conditioned model's condition files,
     metadata) in batches, decode, and score with ``reward_set``.
 
     ``sample_ids``: each item's global sample index (its noise seed); ``autocast``: a context
     factory for mixed precision (``accelerator.autocast``); ``prompt_cache``: a ``PromptCache``
     that answers for the prompts it holds (the others are encoded); ``condition_cache``: a
-    ``ConditionCache`` that answers for a conditioned model's condition files likewise."""
+    ``ConditionCache`` that answers for a conditioned model's condition files likewise; ``cache``: the
+    ``RolloutCache`` applied to the adapter, emptied before each trajectory."""
     s, timer = settings, timer or PhaseTimer()
     sigmas = adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float()
     # async rewards start on each batch as soon as it is decoded; the rest score at the end
@@ -147,6 +148,8 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
                     for g, i in zip(groups.tolist(), ids)]
             noise = per_sample_noise(adapter, keys, s.height, s.width, s.num_frames)
             noise = adapter.start_latents(noise, sigmas[0], cond)  # video-to-video: the condition, noised
+            if cache is not None:
+                cache.new_trajectory(adapter)
             traj = sample_trajectory(adapter, dynamics, cond, noise, sigmas, s.guidance_scale, s.sde_steps,
                                      generator=generator("sde", s.seed, epoch, ids[0]),
                                      record_means=s.record_means, storage_dtype=s.storage_dtype,

@@ -142,15 +142,22 @@ def read_flow_factory_spellings(data: dict) -> dict:
 def _read_acceleration(data: dict) -> None:
     """Flow-Factory's ``acceleration`` block: its ``shared`` accelerators are our model keys
     (``attention_backend`` -> ``model.attn_backend``, ``torch_compile`` -> ``model.torch_compile``, its
-    mode auto / regional / full meaning the same); its lossy ``rollout`` feature caching is not here."""
+    mode auto / regional / full meaning the same); its lossy ``rollout`` feature caching (``diffusers_cache``)
+    is ``train.rollout_cache`` with its policy's params."""
     found, block = _pop(data, "acceleration")
     if not found or block is None:
         return
     if not isinstance(block, dict) or set(block) - {"shared", "rollout"}:
         raise problem(f"acceleration: expected a mapping with shared and rollout lists, got {show(block)}")
-    if block.get("rollout"):
-        raise problem("acceleration.rollout: rollout-only feature caching (diffusers_cache) is not in this version: "
-                      "it samples with other values than training recomputes; remove it")
+    rollout = block.get("rollout") or []
+    for i, entry in enumerate(rollout if isinstance(rollout, list) else [rollout]):
+        where = f"acceleration.rollout[{i}]"
+        if not isinstance(entry, dict) or entry.get("name") != "diffusers_cache" or i > 0:
+            raise problem(f"{where}: {show(entry)}; one rollout accelerator is taken here, "
+                          "{name: diffusers_cache, params: {policy, ...}}")
+        params = dict(entry.get("params") or {})
+        _put(data, "train.rollout_cache", params.pop("policy", "first_block"), f"{where}.params.policy")
+        _put(data, "train.rollout_cache_params", params, f"{where}.params")
     shared = block.get("shared") or []
     for i, entry in enumerate(shared if isinstance(shared, list) else [shared]):
         where = f"acceleration.shared[{i}]"

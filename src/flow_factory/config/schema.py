@@ -252,6 +252,14 @@ class Config(Section):
         elif sched.noise_level == 0:
             out.append(f"scheduler.noise_level: 0 makes {sched.dynamics_type} deterministic, so "
                        f"{train.trainer_type} has no log-probabilities to train; use a value > 0 (e.g. 0.7)")
+        if coupled and train.rollout_cache != "none":
+            out.append(f"train.rollout_cache: {train.rollout_cache} makes the rollout's steps differ from what the "
+                       f"weights compute, and {train.trainer_type} trains those very steps' log-probabilities (the "
+                       "ratio's old policy): every update would be biased. Use none, or a decoupled algorithm "
+                       "(nft, awm, dpo, dgpo, crd)")
+        if train.trainer_type in OFFLINE_TRAINER_TYPES and train.rollout_cache != "none":
+            out.append(f"train.rollout_cache: {train.trainer_type} trains from a dataset's images, with no rollout to "
+                       "cache; use none")
         if coupled and train.train_guidance_scale not in (None, train.guidance_scale):
             out.append(f"train.train_guidance_scale: {train.trainer_type} trains the rollout's own steps, which ran "
                        f"at guidance_scale {train.guidance_scale:g}; another scale would make even the first update "

@@ -263,6 +263,13 @@ class TrainConfig(Section):
         0.9, "fraction of the denoising axis trained (decoupled): f = [0, f] (the first f of the trajectory, from "
         "sigma = 1) or [lo, hi]; dpo, crd: 0.99, dgpo: 0.6 when omitted", expects="a number in (0, 1] or [lo, hi] with 0 <= lo < hi <= 1")
     off_policy: bool = setting(False, "sample rollouts with the EMA weights while the current policy trains")
+    rollout_cache: Literal["none", "first_block", "faster", "pyramid", "taylorseer", "magcache"] = setting(
+        "none", "decoupled algorithms: lossy feature caching of the rollouts through diffusers' cache hooks "
+        "(FirstBlockCache, FasterCache, Pyramid Attention Broadcast, TaylorSeer, MagCache), removed before "
+        "training and evaluation; none = exact rollouts")
+    rollout_cache_params: dict = setting(
+        default_factory=dict, description="options of the rollout_cache policy's diffusers config (first_block: "
+        "threshold, 0.05 by default)")
 
     ema_decay: float = setting(0.995, "EMA decay of the trained weights (the maximum, for ramped schedules); "
                                "0 = no EMA", ge=0, lt=1)

@@ -451,6 +451,9 @@ class FlowAdapter:
         """Images (B, 3, H, W) or videos (B, F, 3, H, W), float32 in [0, 1]."""
         raise NotImplementedError  # abstract
 
+    # the train.rollout_cache policies that work on this model's transformer (rollout_cache.py)
+    cache_policies: tuple[str, ...] = ("first_block", "faster", "pyramid", "taylorseer", "magcache")
+
     def encode_images(self, images: Tensor) -> Tensor:
         """The latents (the sampler's final state) of (B, 3, H, W) images in [0, 1]: what offline training
         (sft, offline-dpo) trains toward. A model without it cannot train offline."""

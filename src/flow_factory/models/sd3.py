@@ -24,6 +24,9 @@ class SD3Adapter(FlowAdapter):
     pixel_factor = MODEL_FAMILIES[model_type].pixel_factor
     default_lora_targets = JOINT_ATTENTION_LORA_TARGETS  # flow_grpo's SD3 targets
     max_sequence_length = 256  # T5 tokens, the pipeline's default
+    # its last joint block returns no text stream, which FirstBlockCache and MagCache read; FasterCache's
+    # attention hook does not take SD3's shapes
+    cache_policies = ("pyramid", "taylorseer")
 
     @property
     def text_length(self) -> int:

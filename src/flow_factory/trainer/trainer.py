@@ -40,6 +40,7 @@ from ..models.preflight import check_before_loading, check_experts, check_reward
 from ..precision import Precision, avoid_cudnn_attention, enable_cpu_fp16, run_mixed_precision
 from ..prompt_cache import ConditionCache, PromptCache
 from ..rewards import RewardSet
+from ..rollout_cache import RolloutCache
 from ..sampling import (Rollouts, SamplingSettings, collect_rollouts, condition_size, gather_scores, load_split,
                         sample_prompts, split_size)
 from ..seeding import generator
@@ -137,6 +138,11 @@ class Trainer:
         cfg, train, model = self.cfg, self.cfg.train, self.cfg.model
         check_experts_before_loading(cfg, self.accelerator)
         check_optimizer_backend(cfg, backend_of(self.accelerator))
+        self.rollout_cache = RolloutCache.of(train)  # its options checked before the model loads
+        policies = get_adapter_class(model.model_type).cache_policies
+        if self.rollout_cache is not None and train.rollout_cache not in policies:
+            raise ConfigError(f"train.rollout_cache: {train.rollout_cache} does not work with {model.model_type}'s "
+                              f"transformer; its policies: {', '.join(policies)}")
         self.rewards = RewardSet.from_configs(cfg.rewards, accelerator=self.accelerator)
         self.eval_rewards = (RewardSet.from_configs(cfg.eval_rewards, accelerator=self.accelerator)
                              if cfg.eval_rewards else self.rewards)
@@ -453,12 +459,14 @@ class Trainer:
         snapshot = self.algorithm.sampling_snapshot(self.global_step)
         if snapshot is not None:  # CRD's sampling model; DGPO's fast EMA after switch_ema_ref steps
             sampling_weights = self.snapshots[snapshot].applied()
-        with sampling_weights:
+        # train.rollout_cache: the cache hooks for these rollouts only, gone before anything trains
+        cached = self.rollout_cache.applied(self.adapter) if self.rollout_cache is not None else nullcontext()
+        with sampling_weights, cached:
             rollouts = collect_rollouts(
                 self.adapter, self.dynamics, [self.train_prompts[i] for i in indices[share]], group_ids[share],
                 sample_ids, settings, epoch=epoch, reward_set=self.rewards, timer=self.timer,
                 autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache,
-                condition_cache=self.condition_cache)
+                condition_cache=self.condition_cache, cache=self.rollout_cache)
         return rollouts
 
     def _offline_epoch(self, epoch: int) -> Rollouts:
