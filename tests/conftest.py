@@ -139,6 +139,13 @@ def tiny_ltx2_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_ltx2_i2av_path(tmp_path_factory):
+    """Folder of a tiny LTX2ImageToVideoPipeline (model_type "ltx2_i2av"): tiny_ltx2_path's weights, a condition
+    image as the first frame; 9 frames at 32x32."""
+    return _build(tmp_path_factory, "ltx2_i2av")
+
+
+@pytest.fixture(scope="session")
 def tiny_flux_kontext_path(tmp_path_factory):
     """Folder of a tiny FluxKontextPipeline (model_type "flux1-kontext"); 64x64 images, condition images of any
     size in multiples of 16."""

@@ -147,6 +147,8 @@ RELEASED = {
     # LTX-2 (diffusers' conversion script, version 2.0): the VAE's ratio is in its config
     "ltx2_t2av": ({"patch_size": 4, "spatio_temporal_scaling": [True] * 4, "spatial_compression_ratio": 32},
                   {"patch_size": 1}),
+    "ltx2_i2av": ({"patch_size": 4, "spatio_temporal_scaling": [True] * 4, "spatial_compression_ratio": 32},
+                  {"patch_size": 1}),  # the same checkpoint, in LTX2ImageToVideoPipeline
 }
 
 
@@ -209,8 +211,9 @@ def test_a_pipeline_no_adapter_loads_lists_those_that_do(tmp_path):
         "StableDiffusion3Pipeline; no adapter loads it; the adapters load StableDiffusion3Pipeline (sd3-5), "
         "FluxPipeline (flux1), WanPipeline (wan2_t2v), QwenImagePipeline (qwen-image), ZImagePipeline (z-image), "
         "Flux2Pipeline (flux2), Flux2KleinPipeline (flux2-klein), HunyuanVideo15Pipeline (hunyuanvideo15), "
-        "LTX2Pipeline (ltx2_t2av), FluxKontextPipeline (flux1-kontext), WanImageToVideoPipeline (wan2_i2v), "
-        "WanVideoToVideoPipeline (wan2_v2v), QwenImageEditPlusPipeline (qwen-image-edit-plus)")
+        "LTX2Pipeline (ltx2_t2av), LTX2ImageToVideoPipeline (ltx2_i2av), FluxKontextPipeline (flux1-kontext), "
+        "WanImageToVideoPipeline (wan2_i2v), WanVideoToVideoPipeline (wan2_v2v), QwenImageEditPlusPipeline "
+        "(qwen-image-edit-plus)")
 
 
 WAN = ["diffusers", "WanTransformer3DModel"]

@@ -47,6 +47,8 @@ MODEL_FAMILIES = {
     "flux2-klein": ModelFamily(16, "VAE x8, then 2x2 latent patchify", conditions=("images",)),
     "hunyuanvideo15": ModelFamily(16, "VAE x16, then 1x1 transformer patches", frame_factor=4),
     "ltx2_t2av": ModelFamily(32, "VAE x32, then 1x1 transformer patches", frame_factor=8),
+    # LTX-2 image-to-audio-video: the video's first frame from the dataset's rows
+    "ltx2_i2av": ModelFamily(32, "VAE x32, then 1x1 transformer patches", frame_factor=8, conditions=("images",)),
     "flux1-kontext": ModelFamily(16, "VAE x8, then 2x2 token packing", conditions=("images",)),
     # Wan2.1 I2V (one transformer, CLIP image encoder) and Wan2.2 I2V A14B (two experts)
     "wan2_i2v": ModelFamily(16, "VAE x8, then 2x2 transformer patches", frame_factor=4,
@@ -116,6 +118,7 @@ MODEL_TYPE_ALIASES = {
     "hunyuanvideo15": "hunyuanvideo15", "hunyuanvideo1.5": "hunyuanvideo15", "hunyuan-video-1.5": "hunyuanvideo15",
     "hunyuan_video15": "hunyuanvideo15", "hunyuanvideo-1.5": "hunyuanvideo15",
     "ltx2_t2av": "ltx2_t2av", "ltx2": "ltx2_t2av", "ltx-2": "ltx2_t2av",
+    "ltx2_i2av": "ltx2_i2av", "ltx2-i2av": "ltx2_i2av", "ltx-2_i2av": "ltx2_i2av", "ltx-2-i2av": "ltx2_i2av",
     "flux1-kontext": "flux1-kontext", "flux-kontext": "flux1-kontext", "flux-1-kontext": "flux1-kontext",
     "kontext": "flux1-kontext", "flux1-kontext-dev": "flux1-kontext",
     "wan2_i2v": "wan2_i2v", "wan21_i2v": "wan2_i2v", "wan2.1_i2v": "wan2_i2v", "wan22_i2v": "wan2_i2v",
@@ -231,7 +234,9 @@ class ModelConfig(Section):
     model_name_or_path: str = setting(description="Hugging Face hub id or local folder of a diffusers pipeline")
     model_type: str = setting(
         description="model family: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2, flux2-klein (text-to-image, "
-        "or image-to-image from 1 to 10 reference images a row names), hunyuanvideo15, ltx2_t2av, flux1-kontext (image editing: condition images from the dataset's rows), or "
+        "or image-to-image from 1 to 10 reference images a row names), hunyuanvideo15, ltx2_t2av, ltx2_i2av (LTX-2 "
+        "image to video with audio: the first frame from the dataset's rows), flux1-kontext (image editing: "
+        "condition images from the dataset's rows), or "
         "wan2_i2v (image-to-video, Wan2.1 and Wan2.2: the first frame from the dataset's rows), wan2_v2v "
         "(video-to-video: a condition video per row), qwen-image-edit-plus (image editing from 1 to 3 condition "
         "images per row) "

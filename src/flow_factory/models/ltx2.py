@@ -94,7 +94,11 @@ class LTX2Adapter(FlowAdapter):
     def sampling_dynamics(self, dynamics: Dynamics) -> Dynamics:
         if not dynamics.stochastic:
             return dynamics
-        return PartlyStochastic(dynamics, lambda x: torch.arange(x.shape[1]) < self.geometry(x).video_numel)
+        return PartlyStochastic(dynamics, lambda x: self.explored(self.geometry(x)))
+
+    def explored(self, g: Geometry) -> Tensor:
+        """The elements of a latent of grid ``g`` that the SDE's noise reaches: the video's."""
+        return torch.arange(g.numel) < g.video_numel
 
     @torch.no_grad()
     def encode(self, prompts: list[str], negative_prompts: list[str] | None = None,
@@ -121,7 +125,7 @@ class LTX2Adapter(FlowAdapter):
         pipe = self.pipeline
         temporal = pipe.vae_temporal_compression_ratio
         if num_frames is None or (num_frames - 1) % temporal:
-            raise ValueError(f"ltx2_t2av is a video model: num_frames must be 1 + a multiple of {temporal} "
+            raise ValueError(f"{self.model_type} is a video model: num_frames must be 1 + a multiple of {temporal} "
                              f"(e.g. 9, 41, 121), got {num_frames}")
         self.check_size(height, width)
         s, p, pt = (pipe.vae_spatial_compression_ratio, pipe.transformer_spatial_patch_size,
@@ -135,8 +139,8 @@ class LTX2Adapter(FlowAdapter):
                      ((frames // pt) * (h // p) * (w // p), config.in_channels * pt * p * p),
                      (audio_frames, config.audio_in_channels))
         if self._geometries.setdefault(g.numel, g) != g:
-            raise ValueError(f"ltx2_t2av: {height}x{width} at {num_frames} frames gives latents as long as another "
-                             f"size's ({self._geometries[g.numel]}), which velocity could not tell apart; "
+            raise ValueError(f"{self.model_type}: {height}x{width} at {num_frames} frames gives latents as long as "
+                             f"another size's ({self._geometries[g.numel]}), which velocity could not tell apart; "
                              "sample at only one of the two")
         return g
 
@@ -144,7 +148,7 @@ class LTX2Adapter(FlowAdapter):
         """The grid of ``latents`` (B, n), from the size ``latent_shape`` made that length for."""
         n = latents.shape[-1]
         if n not in self._geometries:
-            raise ValueError(f"ltx2_t2av: no size gave latents of length {n}; make them with this adapter's "
+            raise ValueError(f"{self.model_type}: no size gave latents of length {n}; make them with this adapter's "
                              "latent_shape or initial_noise")
         return self._geometries[n]
 
@@ -171,7 +175,7 @@ class LTX2Adapter(FlowAdapter):
         # (use_cross_timestep) makes no difference
         out = self.denoiser(
             hidden_states=video, audio_hidden_states=audio, encoder_hidden_states=embeds.to(self.device, self.dtype),
-            audio_encoder_hidden_states=audio_embeds.to(self.device, self.dtype), timestep=t, sigma=t,
+            audio_encoder_hidden_states=audio_embeds.to(self.device, self.dtype), **self.timesteps(t, g),
             encoder_attention_mask=mask.to(self.device), audio_encoder_attention_mask=mask.to(self.device),
             num_frames=g.frames, height=g.height, width=g.width, fps=self.frame_rate, audio_num_frames=g.audio_frames,
             return_dict=False,
@@ -179,6 +183,10 @@ class LTX2Adapter(FlowAdapter):
         v = torch.cat([out[0].float().flatten(1), out[1].float().flatten(1)], 1)
         # the pipeline mixes the branches in x0 = x - sigma v and converts back: the same number up to rounding
         return self.combine_cfg(v, guidance_scale) if cfg else v
+
+    def timesteps(self, t: Tensor, g: Geometry) -> dict:
+        """The transformer's timestep arguments for a step at ``t`` (B,): one for the video and the audio."""
+        return {"timestep": t, "sigma": t}
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:

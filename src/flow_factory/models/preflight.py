@@ -29,7 +29,7 @@ def check_reward_inputs(rewards, model_type: str, key: str) -> None:
     if "audio" in rewards.required_fields and not get_adapter_class(model_type).has_audio:
         asking = [name for name, model in rewards.models.items() if "audio" in model.required_fields]
         raise ConfigError(f"{key}: {', '.join(asking)} ask(s) for audio, which model.model_type {model_type!r} "
-                          "does not make; only ltx2_t2av does")
+                          "does not make; only ltx2_t2av and ltx2_i2av do")
 
 
 def check_before_loading(cfg) -> None:

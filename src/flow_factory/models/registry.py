@@ -22,6 +22,7 @@ BUILTIN_ADAPTERS: dict[str, str] = {
     "flux2-klein": "flow_factory.models.flux2:Flux2KleinAdapter",
     "hunyuanvideo15": "flow_factory.models.hunyuan_video15:HunyuanVideo15Adapter",
     "ltx2_t2av": "flow_factory.models.ltx2:LTX2Adapter",
+    "ltx2_i2av": "flow_factory.models.ltx2_i2av:LTX2I2AVAdapter",
     "flux1-kontext": "flow_factory.models.flux_kontext:FluxKontextAdapter",
     "wan2_i2v": "flow_factory.models.wan_i2v:WanI2VAdapter",
     "wan2_v2v": "flow_factory.models.wan_v2v:WanV2VAdapter",

@@ -31,7 +31,8 @@ with 8 latent channels, 5 frames at 32x32 -> latents 8x2x2x2; at 25 MB (the tran
 projection has a fixed 2048 width) and about 2000 text and image tokens a pipeline call, the slowest.
 LTX-2 (``ltx2_t2av``) makes a video and its audio: its VAE is x8 in space and x2 in time, so
 9 frames at 32x32 -> video latents 4x5x4x4 and, at 24 fps, 9 audio latent frames; the vocoder
-turns them into about a third of a second of stereo 16 kHz audio. Qwen-Image-Edit-Plus
+turns them into about a third of a second of stereo 16 kHz audio; ``ltx2_i2av`` is the same weights in
+``LTX2ImageToVideoPipeline`` (a condition image as the first frame). Qwen-Image-Edit-Plus
 (``qwen-image-edit-plus``) is Qwen-Image's tiny model with a VL encoder that reads 4x4-pixel patches; its
 ``processor`` folder holds the image processor and tokenizer (no video processor, which needs torchvision), and
 the pipeline resizes condition images to its module's ``VAE_IMAGE_SIZE`` / ``CONDITION_IMAGE_SIZE`` areas
@@ -47,7 +48,7 @@ from pathlib import Path
 import torch
 
 TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15",
-                    "ltx2_t2av", "flux1-kontext", "wan2_i2v", "wan2_v2v", "qwen-image-edit-plus")
+                    "ltx2_t2av", "ltx2_i2av", "flux1-kontext", "wan2_i2v", "wan2_v2v", "qwen-image-edit-plus")
 # other tiny checkpoints, and the model_type that loads each
 TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v", "flux2-klein-base": "flux2-klein",
                  "wan2.2-i2v-a14b": "wan2_i2v", "wan2.1-flf2v": "wan2_i2v"}
@@ -493,9 +494,10 @@ def tiny_gemma_tokenizer():
     return GemmaTokenizer(vocab=vocab, merges=[], extra_special_tokens=specials[5:])
 
 
-def _build_ltx2():
+def _build_ltx2(pipeline_class: str = "LTX2Pipeline"):
+    import diffusers
     from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
-                           LTX2Pipeline, LTX2VideoTransformer3DModel)
+                           LTX2VideoTransformer3DModel)
     from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
@@ -561,14 +563,16 @@ def _build_ltx2():
         use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
         max_image_seq_len=4096, shift_terminal=0.1,
     )
-    return LTX2Pipeline(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
-                        tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder)
+    return getattr(diffusers, pipeline_class)(
+        scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        connectors=connectors, transformer=transformer, vocoder=vocoder)
 
 
 _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, "qwen-image": _build_qwen_image,
              "z-image": _build_z_image, "flux2": _build_flux2, "flux2-klein": _build_flux2_klein,
              "hunyuanvideo15": _build_hunyuan_video15,
              "ltx2_t2av": _build_ltx2,
+             "ltx2_i2av": lambda: _build_ltx2("LTX2ImageToVideoPipeline"),
              "flux2-klein-base": lambda: _build_flux2_klein(is_distilled=False),
              "wan2.2-a14b": lambda: _build_wan("wan2.2-a14b"), "wan2.2-ti2v-5b": lambda: _build_wan("wan2.2-ti2v-5b"),
              "flux1-kontext": lambda: _build_flux("FluxKontextPipeline"),
