@@ -78,7 +78,7 @@ class RolloutCache:
         from diffusers.hooks.hooks import _set_cache_context
 
         networks = list(adapter.transformers.values())
-        handles, velocity = [], adapter.velocity
+        handles, velocity, own = [], adapter.velocity, "velocity" in vars(adapter)
         try:
             for net in networks:
                 try:
@@ -96,7 +96,10 @@ class RolloutCache:
             adapter.velocity = stepped
             yield self
         finally:
-            adapter.velocity = velocity
+            if own:
+                adapter.velocity = velocity
+            else:  # the class's method again, not a copy of it on the instance
+                vars(adapter).pop("velocity", None)
             for handle in handles:
                 handle.remove()
             for net in networks:
