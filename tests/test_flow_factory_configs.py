@@ -170,6 +170,11 @@ def test_a_frame_rate_loads_with_a_note_except_where_it_would_change_ltx2s_run()
     with pytest.raises(ConfigError, match=r"eval.frame_rate: 25.0; only 24 here: LTX-2's videos play at the "
                                           r"pipeline's default 24 fps"):
         parse_config(run(model={"model_type": "ltx2_t2av"}, train={"num_frames": 9}, eval={"frame_rate": 25}))
+    # image to video with audio likewise (examples/grpo/lora/ltx2/i2av.yaml: frame_rate 24.0, no note)
+    i2av = {"model_type": "ltx2_i2av"}
+    assert not parse_config(run(model=i2av, train={"num_frames": 9, "frame_rate": 24.0})).notes()
+    with pytest.raises(ConfigError, match=r"train.frame_rate: 30.0; only 24 here"):
+        parse_config(run(model=i2av, train={"num_frames": 9, "frame_rate": 30}))
 
 
 # --------------------------------------------------------------- AWM's EMA and KL block

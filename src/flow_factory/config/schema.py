@@ -204,10 +204,11 @@ class Config(Section):
             rate = section.frame_rate
             if rate is None:
                 continue
-            if self.model.model_type == "ltx2_t2av" and rate != 24:
+            ltx2 = self.model.model_type in ("ltx2_t2av", "ltx2_i2av")
+            if ltx2 and rate != 24:
                 out.append(f"{part}.frame_rate: {show(rate)}; only 24 here: LTX-2's videos play at the pipeline's "
                            "default 24 fps here (LTX2Adapter.frame_rate)")
-            elif self.model.model_type != "ltx2_t2av":
+            elif not ltx2:
                 self._cleared.append(f"{part}.frame_rate: {show(rate)} changes nothing: {self.model.model_type} "
                                      "writes its videos at its own frame rate here")
                 section.frame_rate = None
