@@ -133,9 +133,11 @@ def test_the_transformer_always_sees_the_image_in_the_first_frame(adapter):
 
 
 @pytest.mark.parametrize("trainer_type", ["grpo", "nft"])
-def test_ff_train_runs_from_a_dataset_of_condition_images(tmp_path, tiny_ltx2_i2av_path, trainer_type):
-    """grpo (and nft) for 2 epochs from a jsonl of condition images (83x50, so re-compressed, cropped and resized);
-    the saved LoRA loads with the pipeline's load_lora_weights and changes its image-to-video output."""
+def test_ff_train_runs_from_a_dataset_of_condition_images(tmp_path, tiny_ltx2_i2av_path, trainer_type,
+                                                          gpu_precision):
+    """In a GPU's precision (bf16 autocast, fp16 trajectories): grpo (and nft) for 2 epochs from a jsonl of
+    condition images (83x50, so re-compressed, cropped and resized); the saved LoRA loads with the pipeline's
+    load_lora_weights and changes its image-to-video output."""
     from diffusers import LTX2ImageToVideoPipeline
 
     config = tiny_run_config(tmp_path, "ltx2_i2av", tiny_ltx2_i2av_path, trainer_type=trainer_type, max_epochs=2)
