@@ -157,3 +157,20 @@ def test_a_model_that_cannot_encode_images_is_refused_before_loading(tmp_path, t
     assert main([str(write_config(tmp_path, config))]) == 2
     assert "train.trainer_type: sft trains from images, which wan2_t2v does not encode in this version" in \
         capsys.readouterr().err
+
+
+def test_two_processes_train_an_uneven_dataset_in_step(tmp_path, tiny_sd3_path):
+    """Three records on two processes: each epoch one record waits (as a distributed loader drops the uneven
+    part), so both processes train one micro-batch and the run ends (no process waits on the other)."""
+    import os
+
+    from helpers_launch import ff_train_forked
+    from test_train_cli import _free_port
+
+    config = _offline_config(tmp_path, "sd3-5", tiny_sd3_path, "sft", "demonstration")
+    argv = [str(write_config(tmp_path, config)), "--num_processes", "2", "--main_process_port", str(_free_port())]
+    (_, err), code = ff_train_forked(argv, {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
+                                     timeout=240)
+    assert code == 0, err[-3000:]
+    history = json.loads((tmp_path / "saves" / "run" / "history.json").read_text())["train"]
+    assert [r["epoch"] for r in history] == [0, 1] and all(r["train/skipped_updates"] == 0 for r in history)

@@ -1,7 +1,8 @@
 """An epoch of an offline run (``sft``, ``offline-dpo``): a dataset's images in place of rollouts.
 
 Each epoch visits every record once, in an order drawn from ``(seed, epoch)`` (so a resumed run visits them
-as the uninterrupted one), each process its contiguous share. A record's output images are resized to the
+as the uninterrupted one), each process its contiguous share; on N processes the last ``records % N`` of an
+epoch's order wait for another epoch, so that every process trains as many micro-batches. A record's output images are resized to the
 training size and encoded by the VAE once, on first use, and kept on the CPU: they never change. What an
 epoch hands the shared optimisation loop is what a rollout would: ``Rollouts`` whose final latents are
 the images' (the decoupled algorithms train on the forward process from them), the prompts' conditioning,
@@ -35,6 +36,8 @@ class OfflineEpochs:
         """This process's share of epoch ``epoch``: its samples (a record's outputs consecutive, one group a
         record) and their advantages."""
         order = torch.randperm(len(self.records), generator=generator("offline", self.seed, epoch))
+        # as a distributed loader dropping the last uneven part: every process trains as many micro-batches
+        order = order[:len(order) - len(order) % processes]
         mine = order[process_share(len(order), rank, processes)].tolist()
         s, outputs = self.settings, len(self.records[0].outputs)
         items = [self.records[r].item for r in mine for _ in range(outputs)]

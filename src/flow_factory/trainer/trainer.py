@@ -113,6 +113,9 @@ class Trainer:
                 raise ConfigError(f"train.trainer_type: {train.trainer_type} trains from images, which "
                                   f"{model.model_type} does not encode in this version (sd3-5, flux1, flux1-kontext do)")
             self.offline_records = load_offline_sources(cfg.data.sources, "train", OFFLINE_KINDS[train.trainer_type])
+            if len(self.offline_records) < self.accelerator.num_processes:
+                raise ConfigError(f"num_processes: {self.accelerator.num_processes} processes, and the dataset "
+                                  f"holds {len(self.offline_records)} records: each process needs one")
             self.train_prompts = load_split(cfg, "train", adapter_cls, [r.item for r in self.offline_records])
         else:
             self.train_prompts = load_split(cfg, "train", adapter_cls)
@@ -653,8 +656,7 @@ class Trainer:
             return settings
         if isinstance(train.gradient_accumulation_steps, int):
             return replace(settings, accumulation=train.gradient_accumulation_steps)
-        mine = len(process_share(len(self.offline_records), self.accelerator.process_index,
-                                 self.accelerator.num_processes))
+        mine = len(self.offline_records) // self.accelerator.num_processes  # OfflineEpochs.epoch's share
         micro = -(-mine // train.per_device_batch_size) * self.algorithm.num_timesteps
         return replace(settings, accumulation=max(1, micro // train.gradient_step_per_epoch))
 
