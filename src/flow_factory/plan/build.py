@@ -156,9 +156,11 @@ def reward_models(cfg, notes: list[str]) -> tuple[int, list]:
 
 
 def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: str = "cuda",
-              text_tokens: int | None = None, utilisation: float = UTILISATION) -> Plan:
+              text_tokens: int | None = None, utilisation: float = UTILISATION,
+              calls: dict[str, Measured] | None = None) -> Plan:
     """The plan of ``cfg`` on ``num_processes`` (the config's by default) GPUs of kind ``gpu``; ``device``
-    "cpu" plans a CPU run (float32, as ``precision.run_mixed_precision`` makes it)."""
+    "cpu" plans a CPU run (float32, as ``precision.run_mixed_precision`` makes it). ``calls``: another plan's
+    measured calls, for a change that leaves them as they were (where rollouts or copies are kept)."""
     n = num_processes or cfg.num_processes
     mixed = cfg.mixed_precision if device == "cuda" else "no"
     precision = Precision.of(mixed, device, cfg.model.master_weight_dtype, cfg.train.latent_storage_dtype)
@@ -180,12 +182,9 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
     per_call = cfg.trained_steps_per_sample if train.steps_per_call == "all" else train.steps_per_call
     loss_scale = getattr(train, "loss_guidance_scale", train.guidance_scale)
     rows = b * 2 if train.trainer_type == "dpo" else b  # dpo's micro-batch holds b pairs
-    calls = {"rollout": call(b, train.guidance_scale, False), "training": call(rows * per_call, loss_scale, True)}
-    try:
-        calls["decode"] = measure_call(adapter.decode, torch.zeros(b, *latent, device="meta", dtype=precision.load))
-    except Exception as err:  # a decode that reads values (LTX-2's video processor) is not measured
-        notes.append(f"VAE decode not measured ({type(err).__name__}: {str(err).splitlines()[0][:80]})")
-        calls["decode"] = Measured(0, 0)
+    if calls is None:
+        calls = {"rollout": call(b, train.guidance_scale, False), "training": call(rows * per_call, loss_scale, True),
+                 "decode": decode(adapter, b, latent, precision.load, notes)}
 
     networks = []
     for name, module in adapter.transformers.items():
@@ -217,6 +216,14 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
                 utilisation=utilisation)
     plan.flops = epoch_flops(cfg, n, calls, rewards, per_call)
     return plan
+
+
+def decode(adapter, n: int, latent: tuple, dtype: torch.dtype, notes: list[str]) -> Measured:
+    try:
+        return measure_call(adapter.decode, torch.zeros(n, *latent, device="meta", dtype=dtype))
+    except Exception as err:  # a decode that reads values (LTX-2's video processor) is not measured
+        notes.append(f"VAE decode not measured ({type(err).__name__}: {str(err).splitlines()[0][:80]})")
+        return Measured(0, 0)
 
 
 def epoch_flops(cfg, n: int, calls: dict[str, Measured], rewards: list, per_call: int) -> dict[str, float]:

@@ -32,7 +32,6 @@ import torch
 from torch import nn
 from torch.distributed._tools import MemTracker
 from torch.distributed._tools.mem_tracker import _MemRefType
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils import flop_counter
@@ -42,9 +41,10 @@ aten = torch.ops.aten
 
 # torch registers no FLOP formula for the CPU's fused attention (FlopCounterMode counts it as 0), where the
 # CUDA kernels have one: the same formula here, so a real CPU call counts what the planned GPU call does
-flop_counter.register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)(flop_counter.sdpa_flop)
-flop_counter.register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)(
-    flop_counter.sdpa_backward_flop)
+flop_counter.flop_registry[aten._scaled_dot_product_flash_attention_for_cpu] = \
+    flop_counter.flop_registry[aten._scaled_dot_product_flash_attention]
+flop_counter.flop_registry[aten._scaled_dot_product_flash_attention_for_cpu_backward] = \
+    flop_counter.flop_registry[aten._scaled_dot_product_flash_attention_backward]
 
 
 class FrozenAwareMemTracker(MemTracker):
@@ -98,18 +98,22 @@ class PeakBytes(TorchDispatchMode):
         self._held[key] = weakref.ref(storage, freed)
 
 
-class FusedAttention(TorchFunctionMode):
+@contextmanager
+def fused_attention_on_meta():
     """``scaled_dot_product_attention`` on meta tensors as a GPU runs it: the fused kernels, which keep no
     attention matrix for the backward (flash without a mask, memory-efficient with one). On meta, torch would
-    pick the math path, whose saved (L x S) weights are not what a GPU holds."""
+    pick the math path, whose saved (L x S) weights are not what a GPU holds. The function is swapped, not
+    intercepted by a TorchFunctionMode: gradient checkpointing's recomputation runs on autograd's thread,
+    which a mode does not reach, and must save what the forward saved."""
+    original = torch.nn.functional.scaled_dot_product_attention
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            q = args[0] if args else kwargs["query"]
-            if q.device.type == "meta":
-                return fused_attention(*args, **kwargs)
-        return func(*args, **kwargs)
+    def attention(query, *args, **kwargs):
+        return (fused_attention if query.device.type == "meta" else original)(query, *args, **kwargs)
+    torch.nn.functional.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
 
 
 def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -161,7 +165,7 @@ def measure_velocity(adapter, latents: torch.Tensor, sigma: float, cond: dict, g
     micro-batch (the algorithms' losses are elementwise on the velocity: nothing a GPU notices). Its peak
     holds the gradients made by then."""
     start, tracker = time.perf_counter(), PeakBytes()
-    with adapter_on_cpu(adapter), torch.set_grad_enabled(train), FusedAttention(), \
+    with adapter_on_cpu(adapter), torch.set_grad_enabled(train), fused_attention_on_meta(), \
             FlopCounterMode(display=False) as counter, tracker:
         sigmas = torch.full((len(latents),), float(sigma))
         v = adapter.velocity(latents, sigmas, cond, guidance_scale)
@@ -177,6 +181,6 @@ def measure_velocity(adapter, latents: torch.Tensor, sigma: float, cond: dict, g
 def measure_call(fn, *args) -> Measured:
     """A no-grad call of ``fn`` (a decode, a reward model's forward) on meta tensors."""
     start, tracker = time.perf_counter(), PeakBytes()
-    with torch.no_grad(), FusedAttention(), FlopCounterMode(display=False) as counter, tracker:
+    with torch.no_grad(), fused_attention_on_meta(), FlopCounterMode(display=False) as counter, tracker:
         fn(*args)
     return Measured(counter.get_total_flops(), tracker.peak, time.perf_counter() - start)

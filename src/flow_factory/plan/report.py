@@ -17,6 +17,10 @@ NOT_COUNTED = ("the CUDA context, NCCL buffers and allocator fragmentation (2 Gi
                "communication time (all-reduce, FSDP gathers)")
 
 
+# keys whose change leaves the measured calls as they were: only where things are kept changes
+SAME_CALLS = ("config_file", "train.offload_samples_to_cpu", "train.ema_device", "train.ref_param_device")
+
+
 def plan_for_cli(path: str, overrides: list[str], gpu: str, num_processes: int | None,
                  utilisation: float) -> tuple[Plan, list[str], Plan | None]:
     """The plan of the config, and the cheapest change that makes it fit with the plan it makes."""
@@ -29,7 +33,9 @@ def plan_for_cli(path: str, overrides: list[str], gpu: str, num_processes: int |
         changed = load_config(path, overrides + changes)
         if all(c.startswith("config_file=") for c in changes):  # the same sizes, split otherwise
             return dataclasses.replace(plan, config=changed, backend=memory.backend_of(changed.config_file))
-        return make_plan(changed, gpu, num_processes, utilisation=utilisation)
+        same_calls = all(c.split("=")[0] in SAME_CALLS for c in changes)
+        return make_plan(changed, gpu, num_processes, utilisation=utilisation,
+                         calls=plan.calls if same_calls else None)
 
     changes, fitted = cheapest_fit(plan, replan)
     return plan, changes, fitted
