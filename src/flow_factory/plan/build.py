@@ -71,14 +71,11 @@ def make_trainable(adapter, cfg, master: torch.dtype) -> dict[str, int]:
     """What ``Trainer._make_trainable`` does, on the meta networks; trained parameters per network."""
     from accelerate import init_empty_weights
 
+    from ..config.sections import component_targets
     from ..models.lora import apply_lora
-    try:
-        from ..config.sections import component_targets
-    except ImportError:  # where it was before it moved to the config
-        from ..models.lora import component_targets
 
     model, trained = cfg.model, {}
-    for name in model.target_components:
+    for name in model.trained_components:
         transformer = adapter.transformers[name]
         if model.finetune_type == "lora":
             with init_empty_weights():
