@@ -72,8 +72,12 @@ def test_flow_factory_acceleration_block_reads_as_our_keys(tmp_path, tiny_sd3_pa
     assert (model.attn_backend, model.torch_compile, model.compile_mode) == ("native", "full", "max-autotune")
     config["acceleration"] = {"shared": {"name": "torch_compile"}}  # one entry without the list; mode auto
     assert parse_config(config).model.torch_compile == "auto"
+    # the rollout-only cache is train.rollout_cache (tests/test_rollout_cache.py), a decoupled algorithm's only
     config["acceleration"] = {"rollout": [{"name": "diffusers_cache", "params": {"policy": "first_block"}}]}
-    with pytest.raises(ValueError, match="acceleration.rollout: .*diffusers_cache.* not in this version"):
+    with pytest.raises(ValueError, match="train.rollout_cache: first_block makes the rollout's steps differ"):
+        parse_config(config)  # grpo
+    config["acceleration"] = {"rollout": [{"name": "teacache"}]}
+    with pytest.raises(ValueError, match=r"acceleration.rollout\[0\]: .*one rollout accelerator is taken here"):
         parse_config(config)
     config["acceleration"] = {"shared": [{"name": "teacache"}]}
     with pytest.raises(ValueError, match=r"acceleration.shared\[0\].name: 'teacache'; .*attention_backend and torch_compile"):
