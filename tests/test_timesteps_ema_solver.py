@@ -66,20 +66,20 @@ def test_num_train_timesteps_null_is_the_steps_in_range():
     ("power", 0, {"decay": 0.99}, 0.0),
     ("power", 7, {"decay": 0.99}, 0.75),  # 1 - 8^(-2/3)
     ("power", 10**6, {"decay": 0.99}, 0.99),
-    ("linear", 5, {"decay": 0.8, "total_steps": 10}, 0.4),
-    ("linear", 20, {"decay": 0.8, "total_steps": 10}, 0.8),
-    ("piecewise_linear", 2, {"decay": 0.5, "flat_steps": 3, "ramp_rate": 0.1}, 0.0),
-    ("piecewise_linear", 5, {"decay": 0.5, "flat_steps": 3, "ramp_rate": 0.1}, 0.2),
-    ("piecewise_linear", 20, {"decay": 0.5, "flat_steps": 3, "ramp_rate": 0.1}, 0.5),
-    ("cosine", 0, {"decay": 0.8, "total_steps": 10}, 0.0),
-    ("cosine", 5, {"decay": 0.8, "total_steps": 10}, 0.4),
-    ("cosine", 10, {"decay": 0.8, "total_steps": 10}, 0.8),
-    ("warmup_cosine", 1, {"decay": 0.8, "total_steps": 10, "flat_steps": 2}, 0.0),
-    ("warmup_cosine", 6, {"decay": 0.8, "total_steps": 10, "flat_steps": 2}, 0.4),
-    ("warmup_cosine", 10, {"decay": 0.8, "total_steps": 10, "flat_steps": 2}, 0.8),
+    ("linear", 5, {"decay": 0.8, "total_epochs": 10}, 0.4),
+    ("linear", 20, {"decay": 0.8, "total_epochs": 10}, 0.8),
+    ("piecewise_linear", 2, {"decay": 0.5, "flat_epochs": 3, "ramp_rate": 0.1}, 0.0),
+    ("piecewise_linear", 5, {"decay": 0.5, "flat_epochs": 3, "ramp_rate": 0.1}, 0.2),
+    ("piecewise_linear", 20, {"decay": 0.5, "flat_epochs": 3, "ramp_rate": 0.1}, 0.5),
+    ("cosine", 0, {"decay": 0.8, "total_epochs": 10}, 0.0),
+    ("cosine", 5, {"decay": 0.8, "total_epochs": 10}, 0.4),
+    ("cosine", 10, {"decay": 0.8, "total_epochs": 10}, 0.8),
+    ("warmup_cosine", 1, {"decay": 0.8, "total_epochs": 10, "flat_epochs": 2}, 0.0),
+    ("warmup_cosine", 6, {"decay": 0.8, "total_epochs": 10, "flat_epochs": 2}, 0.4),
+    ("warmup_cosine", 10, {"decay": 0.8, "total_epochs": 10, "flat_epochs": 2}, 0.8),
 ])
 def test_ema_schedules_match_their_formulas(schedule, step, kwargs, expected):
-    args = {"decay": 0.9, "total_steps": 100, **kwargs}
+    args = {"decay": 0.9, "total_epochs": 100, **kwargs}
     assert ema_decay_at(schedule, step, **args) == pytest.approx(expected, abs=1e-12)
 
 

@@ -34,10 +34,11 @@ EMA_SCHEDULES = ("constant", "power", "linear", "piecewise_linear", "cosine", "w
 EMA_FILE = "ema.pt"
 
 
-def ema_decay_at(schedule: str, step: int, decay: float, total_steps: int, flat_steps: int = 0,
+def ema_decay_at(schedule: str, epoch: int, decay: float, total_epochs: int, flat_epochs: int = 0,
                  ramp_rate: float = 0.001) -> float:
-    """The decay used by the EMA update after epoch ``step`` (0-based)."""
-    k, K = float(step), float(max(total_steps, 1))
+    """The decay used by the EMA update after ``epoch`` (0-based) of ``total_epochs``; ``flat_epochs`` and
+    ``ramp_rate`` (per epoch) are the config's ``flat_steps`` and ``ramp_rate``, which count epochs."""
+    k, K = float(epoch), float(max(total_epochs, 1))
     if schedule == "constant":
         return decay
     if schedule == "power":
@@ -45,14 +46,14 @@ def ema_decay_at(schedule: str, step: int, decay: float, total_steps: int, flat_
     if schedule == "linear":
         return decay * min(1.0, k / K)
     if schedule == "piecewise_linear":
-        return 0.0 if k < flat_steps else min(decay, ramp_rate * (k - flat_steps))
+        return 0.0 if k < flat_epochs else min(decay, ramp_rate * (k - flat_epochs))
     if schedule == "cosine":
         return decay * (1 - math.cos(math.pi * min(1.0, k / K))) / 2
     if schedule == "warmup_cosine":
-        if k < flat_steps:
+        if k < flat_epochs:
             return 0.0
-        span = max(K - flat_steps, 1.0)
-        return decay * (1 - math.cos(math.pi * min(1.0, (k - flat_steps) / span))) / 2
+        span = max(K - flat_epochs, 1.0)
+        return decay * (1 - math.cos(math.pi * min(1.0, (k - flat_epochs) / span))) / 2
     raise ValueError(f"train.ema_decay_schedule: unknown {schedule!r}; valid: {list(EMA_SCHEDULES)}")
 
 
