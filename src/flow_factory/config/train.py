@@ -6,17 +6,48 @@ Checks that need other sections (dynamics, number of processes, model type) live
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import NonNegativeInt, PositiveInt, field_validator, model_validator
 
 from .base import DTYPE_NAMES, Section, as_list, canonical_choice, check_resolution, problem, resolution_pair, setting, show
 
-TRAINER_TYPES = ("grpo", "grpo-guard", "dppo", "nft", "awm", "dpo", "dgpo", "crd", "sft", "offline-dpo")
-COUPLED_TRAINER_TYPES = ("grpo", "grpo-guard", "dppo")  # train the sampler's own SDE steps
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """What the torch-free config knows of an algorithm (``train.trainer_type``); its class, in
+    ``algorithms/``, is registered by the same name. Adding an algorithm: a class and a line here."""
+
+    name: str
+    family: Literal["coupled", "decoupled", "offline"]  # the sampler's SDE steps / the forward process / a dataset
+    keys: tuple[str, ...] = ()  # train keys only it reads: set under another trainer, an error
+    defaults: dict = field(default_factory=dict)  # Flow-Factory's for keys a config leaves out
+    time_shift: float = 3.0  # what time_shift: null means
+
+
+_LOGIT_NORMAL_ONE_STEP = {"time_sampling_strategy": "logit_normal", "timestep_range": 0.99, "num_train_timesteps": 1}
+# in the order the config's trainer_type lists them; Flow-Factory's training_args/<trainer>.py for the defaults
+ALGORITHM_SPECS = {spec.name: spec for spec in (
+    AlgorithmSpec("grpo", "coupled"),
+    AlgorithmSpec("grpo-guard", "coupled"),
+    AlgorithmSpec("dppo", "coupled", keys=("kl_mask_type", "kl_mask_threshold", "kl_guidance_scale")),
+    AlgorithmSpec("nft", "decoupled"),
+    AlgorithmSpec("awm", "decoupled"),
+    AlgorithmSpec("dpo", "decoupled", defaults=_LOGIT_NORMAL_ONE_STEP, time_shift=1.0),
+    AlgorithmSpec("dgpo", "decoupled", defaults={"timestep_range": 0.6},
+                  keys=("dpo_beta", "use_shared_noise", "clip_dsm", "clip_kl", "kl_cfg", "switch_ema_ref",
+                        "use_ema_ref", "ema_ref_max_decay", "ema_ref_ramp_rate", "ema_ref_device")),
+    AlgorithmSpec("crd", "decoupled", defaults={"timestep_range": 0.99, "kl_beta": 0.1, "kl_cfg": 4.5},
+                  keys=("crd_beta", "crd_loss_type", "use_old_for_loss", "adaptive_logp", "weight_temp",
+                        "old_model_decay", "sampling_model_decay", "reward_adaptive_kl", "kl_cfg")),
+    AlgorithmSpec("sft", "offline", defaults=_LOGIT_NORMAL_ONE_STEP, time_shift=1.0),
+    AlgorithmSpec("offline-dpo", "offline", defaults=_LOGIT_NORMAL_ONE_STEP, time_shift=1.0),
+)}
+TRAINER_TYPES = tuple(ALGORITHM_SPECS)
+COUPLED_TRAINER_TYPES = tuple(n for n, a in ALGORITHM_SPECS.items() if a.family == "coupled")
 # train on the forward process at their own timesteps (of rollouts, or of a dataset's images)
-DECOUPLED_TRAINER_TYPES = ("nft", "awm", "dpo", "dgpo", "crd", "sft", "offline-dpo")
-OFFLINE_TRAINER_TYPES = ("sft", "offline-dpo")  # train on a dataset's images: no rollout, no reward
+DECOUPLED_TRAINER_TYPES = tuple(n for n, a in ALGORITHM_SPECS.items() if a.family != "coupled")
+OFFLINE_TRAINER_TYPES = tuple(n for n, a in ALGORITHM_SPECS.items() if a.family == "offline")  # no rollout, reward
 TIME_SAMPLING_STRATEGIES = ("uniform", "logit_normal", "discrete", "discrete_with_init", "discrete_wo_init")
 
 
@@ -37,31 +68,12 @@ def resolve_num_train_timesteps(train) -> int:
     return max(1, int(train.num_inference_steps * (hi - lo) + 1e-9))
 
 
-# Flow-Factory's per-algorithm defaults of keys a config leaves out (its training_args/<trainer>.py);
-# time_shift: null is resolved per trainer too (TIME_SHIFT, else 3)
-TRAINER_DEFAULTS = {
-    "dpo": {"time_sampling_strategy": "logit_normal", "timestep_range": 0.99, "num_train_timesteps": 1},
-    "offline-dpo": {"time_sampling_strategy": "logit_normal", "timestep_range": 0.99, "num_train_timesteps": 1},
-    "sft": {"time_sampling_strategy": "logit_normal", "timestep_range": 0.99, "num_train_timesteps": 1},
-    "dgpo": {"timestep_range": 0.6},
-    "crd": {"timestep_range": 0.99, "kl_beta": 0.1, "kl_cfg": 4.5},
-}
-TIME_SHIFT = {"dpo": 1.0, "offline-dpo": 1.0, "sft": 1.0}
-# keys only some algorithms read: set to another value under any other trainer, they are an error
-TRAINER_KEYS = {
-    "dppo": ("kl_mask_type", "kl_mask_threshold", "kl_guidance_scale"),
-    "dgpo": ("dpo_beta", "use_shared_noise", "clip_dsm", "clip_kl", "kl_cfg", "switch_ema_ref", "use_ema_ref",
-             "ema_ref_max_decay", "ema_ref_ramp_rate", "ema_ref_device"),
-    "crd": ("crd_beta", "crd_loss_type", "use_old_for_loss", "adaptive_logp", "weight_temp", "old_model_decay",
-            "sampling_model_decay", "reward_adaptive_kl", "kl_cfg"),
-}
-
-
 def fill_trainer_defaults(train) -> None:
-    """``TRAINER_DEFAULTS`` of ``train.trainer_type`` for the keys the config does not give."""
+    """The defaults of ``train.trainer_type``'s ``AlgorithmSpec`` for the keys the config does not give."""
+    spec = ALGORITHM_SPECS[train.trainer_type]
     if train.time_shift is None:
-        train.time_shift = TIME_SHIFT.get(train.trainer_type, 3.0)
-    for key, value in TRAINER_DEFAULTS.get(train.trainer_type, {}).items():
+        train.time_shift = spec.time_shift
+    for key, value in spec.defaults.items():
         if key not in train.model_fields_set:
             setattr(train, key, value)
 
@@ -69,8 +81,8 @@ def fill_trainer_defaults(train) -> None:
 def trainer_problems(train) -> list[str]:
     """Keys of another algorithm given other values than their defaults (a resolved config writes
     every default), and what crd cannot do in this version."""
-    out, named = [], set(TRAINER_KEYS.get(train.trainer_type, ()))
-    for owner, keys in TRAINER_KEYS.items():
+    out, named = [], set(ALGORITHM_SPECS[train.trainer_type].keys)
+    for owner, keys in ((n, a.keys) for n, a in ALGORITHM_SPECS.items() if a.keys):
         if owner == train.trainer_type:
             continue
         given = [k for k in keys if k not in named and getattr(train, k) != TrainConfig.model_fields[k].default]
@@ -112,8 +124,7 @@ def parse_decay(schedule: str | int) -> tuple[int, float, float, float]:
 
 
 class TrainConfig(Section):
-    trainer_type: Literal["grpo", "grpo-guard", "dppo", "nft", "awm", "dpo", "dgpo", "crd", "sft",
-                          "offline-dpo"] = setting(
+    trainer_type: Literal[TRAINER_TYPES] = setting(
         "grpo", "algorithm: grpo, grpo-guard, dppo (coupled, SDE rollouts), nft, awm, dpo, dgpo, crd (decoupled, "
         "any dynamics), or sft, offline-dpo (from a dataset's images: schema_version 2 records, no rewards)")
     resolution: int | list[int] = setting(512, "image size, an int or [height, width]",
