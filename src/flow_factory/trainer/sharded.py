@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate.utils import DistributedType
@@ -80,7 +81,17 @@ def resume_engine_state(engine, checkpoint: Path, resumed: dict, processes: int)
                        "log.save_model_only); the optimizer restarts", checkpoint, DEEPSPEED_DIR)
 
 
-def gather_for_save(trainer) -> tuple[dict, dict | None, dict, dict]:
+@dataclass
+class GatheredState:
+    """What a checkpoint of a sharded model holds, gathered: full tensors on the main process."""
+
+    weights: dict  # component -> its full state dict
+    optimizer: dict | None  # the optimizer's full state (FSDP); None: saved in folders, or not at all
+    extra: dict  # file name -> state: the EMA and the algorithm's weight copies
+    folders: dict  # name -> a folder the checkpoint takes in (DeepSpeed's engine state)
+
+
+def gather_for_save(trainer) -> GatheredState:
     """The full weights, optimizer state and weight copies of a sharded model (FSDP, DeepSpeed), and the
     folders the checkpoint takes in (DeepSpeed's engine state, each process's part written beside the
     checkpoint first): a collective, on every process; the tensors land on the main process."""
@@ -102,4 +113,4 @@ def gather_for_save(trainer) -> tuple[dict, dict | None, dict, dict]:
         save_engine_state(t.engine, staging)
         acc.wait_for_everyone()
         folders[DEEPSPEED_DIR] = staging
-    return weights, optimizer, extra, folders
+    return GatheredState(weights, optimizer, extra, folders)

@@ -716,7 +716,7 @@ class Trainer:
         out = checkpoint_dir(self.run_dir, self.epoch)
         try:
             read_state(out)  # this epoch is already saved (an interrupt right after a save): keep it
-            for folder in (gathered[3] if gathered else {}).values():
+            for folder in (gathered.folders if gathered else {}).values():
                 shutil.rmtree(folder, ignore_errors=True)
         except CheckpointError:
             state = {"epoch": self.epoch, "global_step": self.global_step, "model_type": self.cfg.model.model_type,
@@ -730,7 +730,8 @@ class Trainer:
                 extra.update({f"{name}.pt": snapshot.state_dict() for name, snapshot in self.snapshots.items()})
                 optimizer = None if self.cfg.log.save_model_only else self.optimizer
             else:
-                weights, optimizer, extra, folders = gathered
+                weights, optimizer, folders = gathered.weights, gathered.optimizer, gathered.folders
+                extra = gathered.extra
             if self.accelerator.scaler is not None and optimizer is not None:  # fp16: the loss scale resumes too
                 extra[SCALER_FILE] = self.accelerator.scaler.state_dict()
             save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, optimizer, state, extra,
