@@ -174,3 +174,14 @@ def test_two_processes_train_an_uneven_dataset_in_step(tmp_path, tiny_sd3_path):
     assert code == 0, err[-3000:]
     history = json.loads((tmp_path / "saves" / "run" / "history.json").read_text())["train"]
     assert [r["epoch"] for r in history] == [0, 1] and all(r["train/skipped_updates"] == 0 for r in history)
+
+
+def test_an_offline_run_reads_several_datasets(tmp_path, tiny_sd3_path):
+    """data.datasets names two folders of records: their records train together (no per-dataset reward to log)."""
+    config = _offline_config(tmp_path, "sd3-5", tiny_sd3_path, "sft", "demonstration")
+    second = write_offline_dataset(tmp_path / "second", "demonstration")
+    config["data"] = {"datasets": [{"name": "a", "dataset_dir": config["data"]["dataset_dir"]},
+                                   {"name": "b", "dataset_dir": str(second)}], "cache_dir": str(tmp_path / "cache")}
+    assert main([str(write_config(tmp_path, config))]) == 0
+    history = json.loads((tmp_path / "saves" / "run" / "history.json").read_text())["train"]
+    assert [r["epoch"] for r in history] == [0, 1] and all("train/flow_matching_loss" in r for r in history)

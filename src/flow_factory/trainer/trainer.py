@@ -661,8 +661,9 @@ class Trainer:
         return replace(settings, accumulation=max(1, micro // train.gradient_step_per_epoch))
 
     def _gathered_datasets(self) -> list[str] | None:
-        """The dataset of each of the epoch's samples, in the order of the gathered rewards (several datasets)."""
-        if not self.source_names:
+        """The dataset of each of the epoch's samples, in the order of the gathered rewards (several datasets; an
+        offline run scores nothing, so None)."""
+        if not self.source_names or self.offline_records is not None:
             return None
         return [self.source_names[i] for i in self.accelerator.gather(self.epoch_sources).tolist()]
 
@@ -678,7 +679,7 @@ class Trainer:
                 metrics[f"reward/{name}/std"] = finite.std(unbiased=False).item()
             if len(finite) < len(scores):
                 metrics[f"reward/{name}/nonfinite"] = len(scores) - len(finite)
-        if self.source_names:  # several datasets: each one's rewards and groups apart
+        if datasets is not None:  # several datasets: each one's rewards and groups apart
             sources = torch.tensor([self.source_names.index(d) for d in datasets])
             metrics.update(per_source_means({k: self.accelerator.gather(v) for k, v in rollouts.rewards.items()},
                                             sources, self.source_names, "source/{source}/reward/{reward}/mean"))
