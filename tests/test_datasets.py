@@ -170,6 +170,17 @@ def test_each_dataset_is_logged_apart_and_two_processes_make_one_processs_update
     assert {"eval/source/a/reward/brightness", "eval/source/b/reward/brightness"} <= set(history["eval"][-1])
     assert all(math.isfinite(v) for v in history["eval"][-1].values())
 
+    # ff-eval of the final weights: the routed jpeg reward summarised over a's test prompt alone, as the run's eval
+    from flow_factory.evaluate import main as ff_eval
+
+    out = tmp_path / "eval.json"
+    config_path = str(one / "config.yaml")
+    assert ff_eval([config_path, "--checkpoint", str(one / "saves" / "run" / "checkpoints" / f"epoch_{EPOCHS}"),
+                    "--out", str(out)]) == 0
+    evaluated = json.loads(out.read_text())
+    assert evaluated["rewards"]["jpeg"]["n"] == 1 and math.isfinite(evaluated["rewards"]["jpeg"]["mean"])
+    assert [("jpeg" in s) for s in evaluated["samples"]] == [True, False]  # a's test prompt, then b's
+
     def lora(folder):
         return load_file(folder / "saves" / "run" / "checkpoints" / f"epoch_{EPOCHS}" /
                          "pytorch_lora_weights.safetensors")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -100,7 +101,10 @@ def evaluate_config(cfg, checkpoint=None):
     rollouts = sample_prompts(adapter, items[share], SamplingSettings.for_eval(ev, size),
                               sample_ids=list(range(len(items)))[share], reward_set=rewards, prompt_cache=cache,
                               condition_cache=conditions, autocast=precision.autocast)
-    return summarise(gather_scores(rollouts.rewards)), rollouts
+    # a reward routed to some datasets scored only their prompts (NaN for the others): its summary is theirs
+    datasets = [it.dataset for it in items]
+    scores = {k: v[rewards.scored_mask(k, datasets, len(v))] for k, v in gather_scores(rollouts.rewards).items()}
+    return summarise(scores), rollouts
 
 
 def main(argv=None) -> int:
@@ -124,7 +128,9 @@ def main(argv=None) -> int:
     from accelerate.utils import gather_object
 
     # every process's samples, in prompt order (shares may differ in size); the main process writes them
-    samples = gather_object([{"prompt": p, **{k: v[i].item() for k, v in rollouts.rewards.items()}}
+    # a reward routed to other datasets did not score a sample (NaN): the sample has no entry for it
+    samples = gather_object([{"prompt": p, **{k: v[i].item() for k, v in rollouts.rewards.items()
+                                              if not math.isnan(v[i].item())}}
                              for i, p in enumerate(rollouts.prompts)])
     if not PartialState().is_main_process:
         return 0
