@@ -138,3 +138,21 @@ def ff_train_in_this_process(argv: list[str]) -> tuple[tuple[str, str], int]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main([str(a) for a in argv])
     return (out.getvalue(), err.getvalue()), code
+
+
+def straight_and_resumed(tmp: Path, make_config, epochs: int, stop_after: int) -> tuple[Path, Path]:
+    """A run of ``epochs`` epochs, and one stopped after ``stop_after`` and resumed to ``epochs``: their run
+    folders. ``make_config(folder, epochs)`` is the run's config dict (eval is turned off here)."""
+    from flow_factory.train import main
+
+    def run(folder: Path, epochs: int, resume: Path | None = None, name: str = "run") -> Path:
+        config = make_config(folder, epochs)
+        config["eval"]["eval_freq"] = 0
+        config["log"]["run_name"] = name
+        if resume:
+            config["model"]["resume_path"] = str(resume)
+        assert main([str(write_config(folder, config, f"{name}.yaml"))]) == 0
+        return folder / "saves" / name
+
+    stopped = run(tmp / "b", stop_after) / "checkpoints" / f"epoch_{stop_after}"
+    return run(tmp / "a", epochs), run(tmp / "b", epochs, resume=stopped, name="resumed")

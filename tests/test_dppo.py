@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from helpers_algorithms import perturb_lora
-from helpers_runs import tiny_run_config, write_config
+from helpers_runs import straight_and_resumed, tiny_run_config, write_config
 from safetensors.torch import load_file
 
 from flow_factory.algorithms import DPPO, TrainBatch, make_algorithm, trust_region_loss
@@ -141,17 +141,9 @@ def test_dppo_resumes_exactly_with_a_guided_reference(tmp_path, tiny_sd3_path):
                  kl_type="v-based", kl_guidance_scale=3.0, guidance_scale=1.0, gradient_step_per_epoch=2,
                  group_size=4, ema_decay=0.5)
 
-    def run(folder, epochs, resume=None, name="run"):
-        config = tiny_run_config(folder, "sd3-5", tiny_sd3_path, max_epochs=epochs, **extra)
-        config["eval"]["eval_freq"] = 0
-        config["log"]["run_name"] = name
-        if resume:
-            config["model"]["resume_path"] = str(resume)
-        assert main([str(write_config(folder, config, f"{name}.yaml"))]) == 0
-        return folder / "saves" / name
-
-    straight = run(tmp_path / "a", 3)
-    resumed = run(tmp_path / "b", 3, resume=run(tmp_path / "b", 1) / "checkpoints" / "epoch_1", name="resumed")
+    straight, resumed = straight_and_resumed(
+        tmp_path, lambda folder, epochs: tiny_run_config(folder, "sd3-5", tiny_sd3_path, max_epochs=epochs, **extra),
+        epochs=3, stop_after=1)
     history = json.loads((straight / "history.json").read_text())["train"]
     assert any(r["train/masked_frac"] > 0 for r in history), "the mask never dropped a sample"
     assert all("train/kl" in r for r in history)

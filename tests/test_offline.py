@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from helpers_runs import tiny_run_config, write_condition_image, write_config
+from helpers_runs import straight_and_resumed, tiny_run_config, write_condition_image, write_config
 from safetensors.torch import load_file
 
 from flow_factory.algorithms import best_and_worst, flow_matching_loss
@@ -103,16 +103,10 @@ def test_ff_train_sft_fits_its_images_and_resumes_exactly(tmp_path, tiny_sd3_pat
     """Four epochs of SFT on three demonstrations: the flow-matching error of the trained LoRA on those images
     (fixed noise and noise levels) is below the base model's; stopped after epoch 2 and resumed, the run ends
     at the uninterrupted run's LoRA."""
-    def run(folder, epochs, resume=None, name="run"):
-        config = _offline_config(folder, "sd3-5", tiny_sd3_path, "sft", "demonstration", max_epochs=epochs)
-        config["log"]["run_name"] = name
-        if resume:
-            config["model"]["resume_path"] = str(resume)
-        assert main([str(write_config(folder, config, f"{name}.yaml"))]) == 0
-        return folder / "saves" / name
-
-    straight = run(tmp_path / "a", 4)
-    resumed = run(tmp_path / "b", 4, resume=run(tmp_path / "b", 2) / "checkpoints" / "epoch_2", name="resumed")
+    straight, resumed = straight_and_resumed(
+        tmp_path, lambda folder, epochs: _offline_config(folder, "sd3-5", tiny_sd3_path, "sft", "demonstration",
+                                                         max_epochs=epochs),
+        epochs=4, stop_after=2)
     for k, v in _lora(straight, 4).items():
         torch.testing.assert_close(_lora(resumed, 4)[k], v, atol=1e-6, rtol=0)
     history = json.loads((straight / "history.json").read_text())["train"]

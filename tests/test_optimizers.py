@@ -7,12 +7,11 @@ import json
 
 import pytest
 import torch
-from helpers_runs import tiny_run_config, write_config
+from helpers_runs import straight_and_resumed, tiny_run_config
 from safetensors.torch import load_file
 from test_config import minimal
 
 from flow_factory.config import ConfigError, parse_config
-from flow_factory.train import main
 from flow_factory.trainer.optimizers import MuonWithAdamW
 from flow_factory.trainer.sharded import check_optimizer_backend
 
@@ -84,18 +83,10 @@ def test_the_config_reads_it_from_flow_factorys_optimizers_list_and_refuses_shar
 def test_ff_train_with_muon_resumes_exactly(tmp_path, tiny_sd3_path):
     """A LoRA's weights are all matrices: every one trained by Muon, its momentum in the checkpoint; stopped
     after epoch 1 and resumed, the run ends at the uninterrupted run's LoRA."""
-    def run(folder, epochs, resume=None, name="run"):
-        config = tiny_run_config(folder, "sd3-5", tiny_sd3_path, max_epochs=epochs, optimizer="muon",
-                                 gradient_step_per_epoch=2, group_size=4)
-        config["eval"]["eval_freq"] = 0
-        config["log"]["run_name"] = name
-        if resume:
-            config["model"]["resume_path"] = str(resume)
-        assert main([str(write_config(folder, config, f"{name}.yaml"))]) == 0
-        return folder / "saves" / name / "checkpoints"
-
-    straight = run(tmp_path / "a", 3)
-    resumed = run(tmp_path / "b", 3, resume=run(tmp_path / "b", 1) / "epoch_1", name="resumed")
+    straight, resumed = (run / "checkpoints" for run in straight_and_resumed(
+        tmp_path, lambda folder, epochs: tiny_run_config(folder, "sd3-5", tiny_sd3_path, max_epochs=epochs,
+                                                         optimizer="muon", gradient_step_per_epoch=2, group_size=4),
+        epochs=3, stop_after=1))
     state = torch.load(straight / "epoch_3" / "optimizer.pt", weights_only=True)
     assert state["state"] and all("momentum_buffer" in s for s in state["state"].values())
     assert json.loads((straight / "epoch_3" / "trainer_state.json").read_text())["epoch"] == 3

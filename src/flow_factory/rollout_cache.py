@@ -129,9 +129,10 @@ class RolloutCache:
 
 def cache_hooks(module: torch.nn.Module) -> list[str]:
     """The names of the cache hooks on ``module`` and its submodules (none outside ``RolloutCache.applied``)."""
+    ours = {name for policy in POLICIES for name in _policy(policy)[2]}
     names = []
     for sub in module.modules():
         registry = getattr(sub, "_diffusers_hook", None)
         if registry is not None:
-            names += [name for name in registry.hooks if "cache" in name or "fbc" in name or "broadcast" in name]
+            names += [name for name in registry.hooks if name in ours]
     return names

@@ -445,6 +445,7 @@ class Trainer:
         sample_ids = share.tolist()
         if self.source_names:  # this process's samples' datasets, gathered beside their rewards
             self.epoch_sources = self.train_sources[indices[share]].to(acc.device)
+            self.epoch_datasets = None  # gathered when first asked (_gathered_datasets)
         sde_steps = None
         if self.dynamics.stochastic:
             sde_steps = choose_sde_steps(cfg.rollout_steps, cfg.sde_step_candidates,
@@ -665,13 +666,15 @@ class Trainer:
         offline run scores nothing, so None)."""
         if not self.source_names or self.offline_records is not None:
             return None
-        return [self.source_names[i] for i in self.accelerator.gather(self.epoch_sources).tolist()]
+        if self.epoch_datasets is None:  # gathered once an epoch: the advantages and the metrics read it
+            self.epoch_datasets = [self.source_names[i] for i in self.accelerator.gather(self.epoch_sources).tolist()]
+        return self.epoch_datasets
 
     def _epoch_metrics(self, rollouts: Rollouts, advantages: torch.Tensor | None) -> dict[str, float]:
         metrics = {}
         datasets = self._gathered_datasets()
-        for name, scores in rollouts.rewards.items():
-            scores = self.accelerator.gather(scores)
+        gathered = {name: self.accelerator.gather(scores) for name, scores in rollouts.rewards.items()}
+        for name, scores in gathered.items():
             scores = scores[self.rewards.scored_mask(name, datasets, len(scores)).to(scores.device)]
             finite = scores[torch.isfinite(scores)]  # a skipped epoch still plots its finite rewards
             if len(finite):
@@ -681,8 +684,8 @@ class Trainer:
                 metrics[f"reward/{name}/nonfinite"] = len(scores) - len(finite)
         if datasets is not None:  # several datasets: each one's rewards and groups apart
             sources = torch.tensor([self.source_names.index(d) for d in datasets])
-            metrics.update(per_source_means({k: self.accelerator.gather(v) for k, v in rollouts.rewards.items()},
-                                            sources, self.source_names, "source/{source}/reward/{reward}/mean"))
+            metrics.update(per_source_means(gathered, sources, self.source_names,
+                                            "source/{source}/reward/{reward}/mean"))
             size = self.cfg.train.group_size
             metrics.update({f"source/{name}/groups": int((sources == s).sum()) // size
                             for s, name in enumerate(self.source_names)})
