@@ -18,6 +18,7 @@ SIGMA = torch.tensor([0.5, 0.25])
 V = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
 V_OLD = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
 ADV = torch.tensor([1.0, -3.0])  # with adv_clip_range 2: r = 0.75 and 0 (clipped to -2)
+BATCH = NoisedBatch(X0, NOISE, SIGMA, ADV, {})
 
 
 def cfg(**kw):
@@ -39,7 +40,7 @@ def cfg(**kw):
     ("adaptive", (4 * (0.75 * 0.625 + 0.25 * 0.8125 / 0.75) + 4 * 0.375) / 2),
 ])
 def test_nft_loss_equals_hand_computed_value(weighting, expected):
-    loss, metrics = nft_loss(V, V_OLD, X0, NOISE, SIGMA, ADV, beta=0.5, adv_clip_range=2.0, weighting=weighting)
+    loss, metrics = nft_loss(V, V_OLD, BATCH, beta=0.5, adv_clip_range=2.0, weighting=weighting)
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     assert metrics["r_mean"].item() == pytest.approx(0.375)
 
@@ -51,8 +52,8 @@ def test_nft_gradient_pulls_good_samples_to_the_target_and_pushes_bad_ones_away(
     grads = {}
     for adv in (2.0, -2.0):
         theta = torch.zeros((), requires_grad=True)
-        loss, _ = nft_loss(theta.expand(1, 3), torch.zeros(1, 3), x0, noise, sigma, torch.tensor([adv]), 1.0, 2.0,
-                           weighting)
+        batch = NoisedBatch(x0, noise, sigma, torch.tensor([adv]), {})
+        loss, _ = nft_loss(theta.expand(1, 3), torch.zeros(1, 3), batch, 1.0, 2.0, weighting)
         loss.backward()
         grads[adv] = theta.grad.item()
     assert grads[2.0] < 0 < grads[-2.0]
@@ -60,7 +61,7 @@ def test_nft_gradient_pulls_good_samples_to_the_target_and_pushes_bad_ones_away(
 
 def test_nft_unknown_weighting_is_named():
     with pytest.raises(ValueError, match=r"train.nft_weighting: unknown 'l1'"):
-        nft_loss(V, V_OLD, X0, NOISE, SIGMA, ADV, 0.5, 2.0, "l1")
+        nft_loss(V, V_OLD, BATCH, 0.5, 2.0, "l1")
 
 
 # ------------------------------------------------------------------------ AWM
