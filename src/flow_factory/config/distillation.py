@@ -1,0 +1,156 @@
+"""What the torch-free config will know of the few-step distillation trainers (issue 39): DMD2, TDM
+and TDM-R1, with Flow-Factory's keys and defaults. NOT registered yet: ``config/train.py``'s
+``ALGORITHM_SPECS`` and the trainer come with the roles / per-role optimisers integration.
+
+Each ``DistillationSpec`` names its trainable roles (each with upstream's default optimiser when a
+config gives no ``optimizers`` entry for it), the frozen ``reference`` (the teacher), the phases of
+one optimisation step (a role and how many passes; ``"ttur_fake_updates"`` means that key's value),
+the keys only it reads with upstream's defaults, and ``distillation_problems`` gives upstream's rule
+checks on a ``{key: value}`` mapping as messages, to report before anything loads.
+
+Followed: Flow-Factory ``hparams/training_args/dmd2.py`` (the PeterWangyi/Flow-Factory fork at
+091df9df205467bb9490e0b4ef0b3bcc420a2ebd, which X-GenGroup/Flow-Factory's ``tdm.py`` imports),
+``tdm.py`` (X-GenGroup/Flow-Factory 15932582d7f0eec90c77406b9dda5cd4da7fd9b5) and ``tdm_r1.py``
+(X-GenGroup/Flow-Factory d68609c26da2a8d96346cbf5ef4bdcc8581a684f). The maths is in
+``flow_factory.algorithms.distillation``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+ROLES = ("generator", "fake", "surrogate")  # trainable; "reference" is the frozen teacher
+QUERY_INTERVALS = ("trajectory", "reverse")
+QUERY_DISTRIBUTIONS = ("actual_uniform", "conditional_logit_normal", "source_uniform")
+
+
+@dataclass(frozen=True)
+class RoleOptimizer:
+    """Upstream's per-role AdamW default (its other settings AdamW's: weight decay, eps, ...)."""
+
+    learning_rate: float
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+@dataclass(frozen=True)
+class DistillationSpec:
+    name: str
+    roles: tuple[str, ...]  # trainable roles, in upstream's materialisation order
+    phases: tuple[tuple[str, int | str], ...]  # (role, passes) per optimisation step, in order
+    optimizers: dict[str, RoleOptimizer]  # upstream's default per role
+    keys: tuple[str, ...] = ()  # train keys only these trainers read
+    defaults: dict = field(default_factory=dict)  # upstream's, for the keys above and the shared ones it sets
+    rewards: bool = False  # trains on rewards (else data-free: rewards only for evaluation)
+    dynamics: str = "ODE"  # deterministic rollouts: the generator's steps are replayed exactly
+    num_inner_epochs: int = 1  # every generator update owns a fresh rollout
+
+
+_DMD2_KEYS = ("ttur_fake_updates", "perturbation_timestep_range", "real_guidance_scale", "replay_rtol", "replay_atol")
+_DMD2_DEFAULTS = {"ttur_fake_updates": 5, "perturbation_timestep_range": (0.02, 0.98), "real_guidance_scale": None,
+                  "replay_rtol": 1e-4, "replay_atol": 1e-4, "gradient_step_per_epoch": 1}
+_DMD2_OPTIMIZERS = {"generator": RoleOptimizer(1e-5), "fake": RoleOptimizer(1e-5)}
+_TDM_KEYS = _DMD2_KEYS + ("use_huber", "huber_c", "tdm_snr_gamma", "tdm_importance_clip", "tdm_query_interval",
+                          "tdm_query_distribution", "tdm_query_max_sigma", "tdm_query_logit_mean",
+                          "tdm_query_logit_std")
+_TDM_DEFAULTS = {**_DMD2_DEFAULTS, "num_inference_steps": 4, "use_huber": True, "huber_c": 1e-3,
+                 "tdm_snr_gamma": 5.0, "tdm_importance_clip": 20.0, "tdm_query_interval": "trajectory",
+                 "tdm_query_distribution": "actual_uniform", "tdm_query_max_sigma": 1.0,
+                 "tdm_query_logit_mean": 0.0, "tdm_query_logit_std": 1.0}
+_TDM_R1_KEYS = _TDM_KEYS + ("tdm_weight", "surrogate_preference_beta", "advantage_clip_range",
+                            "surrogate_reference_beta", "surrogate_reference_threshold", "surrogate_clip_range",
+                            "surrogate_slow_decay_min", "surrogate_slow_decay_max", "cfg_reward_scale",
+                            "use_time_weighting")
+_TDM_R1_DEFAULTS = {**_TDM_DEFAULTS, "use_huber": False, "global_std": True, "advantage_aggregation": "gdpo",
+                    "tdm_weight": 0.3, "surrogate_preference_beta": 1.0, "advantage_clip_range": 5.0,
+                    "surrogate_reference_beta": 1e-3, "surrogate_reference_threshold": 0.05,
+                    "surrogate_clip_range": 1e-3, "surrogate_slow_decay_min": 1e-3, "surrogate_slow_decay_max": 0.3,
+                    "cfg_reward_scale": 3.5, "use_time_weighting": True}
+
+DISTILLATION_SPECS = {spec.name: spec for spec in (
+    DistillationSpec("dmd2", ("generator", "fake"), (("fake", "ttur_fake_updates"), ("generator", 1)),
+                     _DMD2_OPTIMIZERS, _DMD2_KEYS, _DMD2_DEFAULTS),
+    DistillationSpec("tdm", ("generator", "fake"), (("fake", "ttur_fake_updates"), ("generator", 1)),
+                     _DMD2_OPTIMIZERS, _TDM_KEYS, _TDM_DEFAULTS),  # TDM reuses DMD2's optimisers
+    DistillationSpec("tdm-r1", ("generator", "fake", "surrogate"),
+                     (("fake", "ttur_fake_updates"), ("surrogate", 1), ("generator", 1)),
+                     {"generator": RoleOptimizer(7.5e-5, (0.0, 0.999)), "fake": RoleOptimizer(3e-4, (0.0, 0.999)),
+                      "surrogate": RoleOptimizer(3e-4, (0.9, 0.999))},
+                     _TDM_R1_KEYS, _TDM_R1_DEFAULTS, rewards=True),
+)}
+
+
+def resolved(name: str, values: dict) -> dict:
+    """``values`` over the spec's defaults."""
+    return {**DISTILLATION_SPECS[name].defaults, **values}
+
+
+def _finite(value, low: float | None = None, *, strict: bool = False) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return low is None or (value > low if strict else value >= low)
+
+
+def distillation_problems(name: str, values: dict) -> list[str]:
+    """Upstream's rule checks (its training arguments' ``__post_init__`` and trainers' constructors) on
+    ``values`` (the train keys a config gives; the rest take the defaults), as messages."""
+    if name not in DISTILLATION_SPECS:
+        return [f"train.trainer_type: {name!r} is not a distillation trainer; valid: {list(DISTILLATION_SPECS)}"]
+    v, out = resolved(name, values), []
+    ttur = v["ttur_fake_updates"]
+    if isinstance(ttur, bool) or not isinstance(ttur, int) or ttur < 1:
+        out.append(f"train.ttur_fake_updates: an integer >= 1, got {ttur!r}")
+    rng = v["perturbation_timestep_range"]
+    if not (isinstance(rng, (list, tuple)) and len(rng) == 2 and all(_finite(x, 0.0) for x in rng)
+            and 0.0 <= rng[0] < rng[1] <= 1.0):
+        out.append(f"train.perturbation_timestep_range: [lower, upper] with 0 <= lower < upper <= 1, got {rng!r}")
+    if v["real_guidance_scale"] is not None and not _finite(v["real_guidance_scale"], 1.0):
+        out.append(f"train.real_guidance_scale: null or a number >= 1, got {v['real_guidance_scale']!r}")
+    for key in ("replay_rtol", "replay_atol"):
+        if not _finite(v[key], 0.0):
+            out.append(f"train.{key}: a finite number >= 0, got {v[key]!r}")
+    if v.get("num_inner_epochs", 1) != 1:
+        out.append(f"train.num_inner_epochs: {name} needs 1 (every generator update owns a fresh rollout)")
+    if v.get("dynamics_type", "ODE") != "ODE":
+        out.append(f"scheduler.dynamics_type: {name} replays deterministic ODE rollouts; use ODE")
+    steps = v.get("num_inference_steps", 1)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        out.append(f"train.num_inference_steps: an integer >= 1, got {steps!r}")
+    if name == "dmd2":
+        return out
+    if not isinstance(v["use_huber"], bool):
+        out.append(f"train.use_huber: true or false, got {v['use_huber']!r}")
+    for key in ("huber_c", "tdm_snr_gamma", "tdm_importance_clip", "tdm_query_logit_std"):
+        if not _finite(v[key], 0.0, strict=True):
+            out.append(f"train.{key}: a finite number > 0, got {v[key]!r}")
+    if v["tdm_query_interval"] not in QUERY_INTERVALS:
+        out.append(f"train.tdm_query_interval: one of {list(QUERY_INTERVALS)}, got {v['tdm_query_interval']!r}")
+    if v["tdm_query_distribution"] not in QUERY_DISTRIBUTIONS:
+        out.append(f"train.tdm_query_distribution: one of {list(QUERY_DISTRIBUTIONS)}, "
+                   f"got {v['tdm_query_distribution']!r}")
+    if not (_finite(v["tdm_query_max_sigma"], 0.0, strict=True) and v["tdm_query_max_sigma"] <= 1):
+        out.append(f"train.tdm_query_max_sigma: in (0, 1], got {v['tdm_query_max_sigma']!r}")
+    if not _finite(v["tdm_query_logit_mean"]):
+        out.append(f"train.tdm_query_logit_mean: a finite number, got {v['tdm_query_logit_mean']!r}")
+    if name == "tdm":
+        return out
+    if not (_finite(v["tdm_weight"]) and 0.0 < v["tdm_weight"] < 1.0):
+        out.append("train.tdm_weight: in (0, 1); it mixes the guidance reward against the surrogate reward as "
+                   f"tdm_weight * cfg_reward + (1 - tdm_weight) * surrogate_reward, got {v['tdm_weight']!r}")
+    for key in ("surrogate_preference_beta", "advantage_clip_range", "surrogate_reference_threshold"):
+        if not _finite(v[key], 0.0, strict=True):
+            out.append(f"train.{key}: a finite number > 0, got {v[key]!r}")
+    for key in ("surrogate_reference_beta", "cfg_reward_scale", "surrogate_clip_range"):
+        if not _finite(v[key], 0.0):
+            out.append(f"train.{key}: a finite number >= 0, got {v[key]!r}")
+    lo, hi = v["surrogate_slow_decay_min"], v["surrogate_slow_decay_max"]
+    for key, d in (("surrogate_slow_decay_min", lo), ("surrogate_slow_decay_max", hi)):
+        if not (_finite(d, 0.0) and d <= 1.0):
+            out.append(f"train.{key}: in [0, 1], got {d!r}")
+    if _finite(lo) and _finite(hi) and lo > hi:
+        out.append(f"train.surrogate_slow_decay_min ({lo}) must not exceed train.surrogate_slow_decay_max ({hi})")
+    if not isinstance(v["use_time_weighting"], bool):
+        out.append(f"train.use_time_weighting: true or false, got {v['use_time_weighting']!r}")
+    if v.get("advantage_aggregation", "gdpo") not in ("sum", "gdpo"):
+        out.append(f"train.advantage_aggregation: 'sum' or 'gdpo', got {v['advantage_aggregation']!r}")
+    return out
