@@ -141,29 +141,23 @@ class RewardSet:
     def needs_groups(self) -> bool:
         return any(isinstance(m, GroupwiseRewardModel) for m in self.models.values())
 
-    def __call__(
-        self,
-        prompts: Sequence[str],
-        images: Tensor | None = None,
-        videos: Tensor | None = None,
-        group_ids: Tensor | None = None,
-        condition_images: list | None = None,
-        condition_videos: list | None = None,
-        audios: Tensor | None = None,
-        audio_sample_rate: int | None = None,
-        metadata: list[dict] | None = None,
-    ) -> dict[str, Tensor]:
+    def __call__(self, prompts: Sequence[str], images: Tensor | None = None, videos: Tensor | None = None,
+                 group_ids: Tensor | None = None, condition_images: list | None = None,
+                 condition_videos: list | None = None, metadata: list[dict] | None = None) -> dict[str, Tensor]:
         """Raw scores ``{name: float32 (B,)}`` on the CPU.
 
-        ``images`` (B, 3, H, W) / ``videos`` (B, F, 3, H, W) in [0, 1]; ``audios`` (B, C, T) waveforms
-        in [-1, 1] at ``audio_sample_rate``, needed only when a reward asks for ``audio``. ``group_ids`` (B,)
+        ``images`` (B, 3, H, W) / ``videos`` (B, F, 3, H, W) in [0, 1]. ``group_ids`` (B,)
         marks which samples share a prompt; groupwise rewards need it, and need every
         sample of a group in this call (score the gathered batch, not a rank's shard,
-        unless groups never straddle ranks).
+        unless groups never straddle ranks). Soundtracks: ``score_inputs`` with a ``RewardInputs``.
         """
+        return self.score_inputs(RewardInputs(list(prompts), images, videos, condition_images, condition_videos,
+                                       metadata=metadata), group_ids)
+
+    def score_inputs(self, inputs: RewardInputs, group_ids: Tensor | None = None) -> dict[str, Tensor]:
+        """``__call__`` on any ``RewardInputs``: with ``audio`` (B, C, T) waveforms in [-1, 1] at
+        ``audio_sample_rate`` too, needed only when a reward asks for ``audio``."""
         self._check_groups(group_ids)
-        inputs = RewardInputs(list(prompts), images, videos, condition_images, condition_videos, audios,
-                              audio_sample_rate, metadata)
         scored = score_each_once(self.models.values(), inputs, group_ids)
         return {name: scored[id(model)].clone() for name, model in self.models.items()}
 
