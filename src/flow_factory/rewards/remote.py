@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,20 @@ from .http_client import JsonClient, RemoteRewardError
 
 PROTOCOLS = ("auto", "score", "compute")
 NO_ROUTE = (404, 405)  # what a server without /score answers the probe
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """A remote reward's own options (the reward entry's keys beyond the four every reward takes)."""
+
+    server_url: str | None = None
+    timeout: float = 60.0
+    retry_attempts: int = 3
+    backoff: float = 0.5
+    api_key: str | None = None
+    request_kwargs: dict | None = None
+    image_format: str = "PNG"
+    protocol: str = "auto"
 
 
 class _RemoteReward:
@@ -45,22 +60,22 @@ class _RemoteReward:
     def servers_to_reach(cls, options: dict) -> list[str]:
         return [options["server_url"]] if options.get("server_url") else []
 
-    def __init__(self, model_name_or_path=None, device="cpu", dtype=torch.float32, batch_size: int = 16, *,
-                 server_url: str | None = None, timeout: float = 60.0, retry_attempts: int = 3,
-                 backoff: float = 0.5, api_key: str | None = None, request_kwargs: dict | None = None,
-                 image_format: str = "PNG", protocol: str = "auto"):
+    def __init__(self, model_name_or_path=None, device="cpu", dtype=torch.float32, batch_size: int = 16,
+                 **options):
+        """``options``: the fields of ``RemoteOptions``; another name is a TypeError, as a misspelt keyword."""
         super().__init__(model_name_or_path, device, dtype, batch_size)
-        if server_url is None:
+        o = RemoteOptions(**options)
+        if o.server_url is None:
             raise ValueError(f"{type(self).__name__}: set server_url (e.g. http://127.0.0.1:8000)")
-        if image_format.upper() not in ("PNG", "JPEG", "WEBP"):
-            raise ValueError(f"image_format must be PNG, JPEG or WEBP, got {image_format!r}")
-        if protocol not in PROTOCOLS:
+        if o.image_format.upper() not in ("PNG", "JPEG", "WEBP"):
+            raise ValueError(f"image_format must be PNG, JPEG or WEBP, got {o.image_format!r}")
+        if o.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {list(PROTOCOLS)} (score: ff-reward-server's /score; "
-                             f"compute: Flow-Factory's /compute; auto: ask the server), got {protocol!r}")
-        self.client = JsonClient(server_url, timeout, retry_attempts, backoff, api_key)
-        self.request_kwargs = dict(request_kwargs or {})
-        self.image_format = image_format.upper()
-        self.protocol = protocol
+                             f"compute: Flow-Factory's /compute; auto: ask the server), got {o.protocol!r}")
+        self.client = JsonClient(o.server_url, o.timeout, o.retry_attempts, o.backoff, o.api_key)
+        self.request_kwargs = dict(o.request_kwargs or {})
+        self.image_format = o.image_format.upper()
+        self.protocol = o.protocol
         self._probing = threading.Lock()  # async workers share this model: one probe, not one per thread
 
     def __call__(self, prompt, image=None, video=None, condition_images=None) -> RewardModelOutput:
