@@ -262,22 +262,35 @@ def create_app(server: Served, token: str | None = None, max_request_bytes: int 
         task.cancel()
 
     app = FastAPI(title="Flow-Factory reward server", lifespan=lifespan)
+    limits = {"request_bytes": max_request_bytes, "image_pixels": MAX_PIXELS,
+              "request_pixels": max_request_pixels, "pixels_in_flight": max_pixels_in_flight}
 
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "reward": server.name or type(server).__name__,
+                "requests": batcher.requests, "batches": batcher.batches, "waiting": batcher.queue.qsize(),
+                "pixels_in_flight": budget.in_use, "limits": limits}
+
+    _add_scoring_routes(app, _authoriser(token), _answerer(batcher, budget, max_request_pixels))
+    app.state.batcher = batcher
+    app.state.pixel_budget = budget
+    return BodyLimit(app, max_request_bytes)
+
+
+def _authoriser(token: str | None):
+    """The dependency that refuses a request without ``Authorization: Bearer <token>`` (none when no token)."""
     def authorise(request: Request) -> None:
         if token is None:
             return
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
             raise HTTPException(401, "missing or wrong bearer token (header 'Authorization: Bearer <token>')")
+    return authorise
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "reward": server.name or type(server).__name__,
-                "requests": batcher.requests, "batches": batcher.batches, "waiting": batcher.queue.qsize(),
-                "pixels_in_flight": budget.in_use,
-                "limits": {"request_bytes": max_request_bytes, "image_pixels": MAX_PIXELS,
-                           "request_pixels": max_request_pixels, "pixels_in_flight": max_pixels_in_flight}}
 
+def _answerer(batcher: Batcher, budget: PixelBudget, max_request_pixels: int):
+    """``answer(req, kwargs, group)``: the work of both routes once the body is parsed: headers, pixel limit,
+    budget, decode, compute."""
     def check_pixels(opened: OpenedRequest) -> None:
         if opened.pixels > max_request_pixels:
             raise HTTPException(413, f"the request's images hold {opened.pixels} pixels, over the limit of "
@@ -298,7 +311,6 @@ def create_app(server: Served, token: str | None = None, max_request_bytes: int 
             raise HTTPException(500, f"compute_reward failed: {e}") from None
 
     async def answer(req: ScoreRequest | ComputeRequest, kwargs: dict, group: bool) -> dict:
-        """The work of both routes once the body is parsed: headers, pixel limit, budget, decode, compute."""
         try:
             opened = await asyncio.to_thread(open_request, req)
         except TooManyPixels as e:
@@ -311,7 +323,11 @@ def create_app(server: Served, token: str | None = None, max_request_bytes: int 
         if not all(math.isfinite(r) for r in rewards):
             raise HTTPException(500, f"compute_reward returned non-finite rewards {rewards}")
         return {"rewards": rewards}
+    return answer
 
+
+def _add_scoring_routes(app: FastAPI, authorise, answer) -> None:
+    """``/score`` (this project's) and ``/compute`` (Flow-Factory's), both answered by ``answer``."""
     def documented_body(shape) -> dict:
         return {"requestBody": {"required": True, "content": {"application/json": {"schema": shape.model_json_schema()}}}}
 
@@ -328,10 +344,6 @@ def create_app(server: Served, token: str | None = None, max_request_bytes: int 
     async def compute(request: Request):
         req = parse_request(await request.body(), ComputeRequest)
         return await answer(req, dict(req.extra), group=True)
-
-    app.state.batcher = batcher
-    app.state.pixel_budget = budget
-    return BodyLimit(app, max_request_bytes)
 
 
 def serve(server: Served, host: str, port: int, token: str | None = None, max_request_mb: float = 64.0,
