@@ -232,11 +232,28 @@ class Config(Section):
 
     # ------------------------------------------------------------------ checks
     def _contradictions(self) -> list[str]:
-        train, sched, model = self.train, self.scheduler, self.model
+        train, model = self.train, self.model
         out = self._launch_problems() + trainer_problems(train)
         if not self.rewards and train.trainer_type not in OFFLINE_TRAINER_TYPES:
             out.append("rewards: at least one reward is needed, e.g. [{reward_model: PickScore}] (sft and "
                        "offline-dpo train from a dataset without)")
+        out += self._algorithm_contradictions()
+        out += self._reward_routing_problems()
+        # off_policy with grpo is allowed: the importance ratio corrects for sampling with the EMA
+        if train.off_policy and train.ema_decay == 0:
+            out.append("train.off_policy: true samples with the EMA weights, but train.ema_decay is 0 (no EMA); "
+                       "set ema_decay > 0 (e.g. 0.9)")
+        if train.group_size < 2 and train.trainer_type not in OFFLINE_TRAINER_TYPES:
+            out.append(f"train.group_size: {train.trainer_type} compares samples of the same prompt, so a group "
+                       f"needs at least 2, got {train.group_size}")
+        if model.resume_type in ("lora", "full") and model.resume_type != model.finetune_type:
+            out.append(f"model.resume_type: {model.resume_type!r} starts from {model.resume_type} weights, but "
+                       f"model.finetune_type is {model.finetune_type!r}; make them agree, or use state")
+        return out + self._model_shape_contradictions()
+
+    def _algorithm_contradictions(self) -> list[str]:
+        """What the trainer type refuses of the dynamics, the rollout cache and the guidance scale."""
+        train, sched, out = self.train, self.scheduler, []
         coupled = train.trainer_type in COUPLED_TRAINER_TYPES
         if not coupled:
             out += self._decoupled_contradictions()
@@ -265,17 +282,11 @@ class Config(Section):
             out.append(f"train.train_guidance_scale: {train.trainer_type} trains the rollout's own steps, which ran "
                        f"at guidance_scale {train.guidance_scale:g}; another scale would make even the first update "
                        "off-policy. Remove it, or use a decoupled algorithm (nft, awm, dpo, dgpo, crd)")
-        out += self._reward_routing_problems()
-        # off_policy with grpo is allowed: the importance ratio corrects for sampling with the EMA
-        if train.off_policy and train.ema_decay == 0:
-            out.append("train.off_policy: true samples with the EMA weights, but train.ema_decay is 0 (no EMA); "
-                       "set ema_decay > 0 (e.g. 0.9)")
-        if train.group_size < 2 and train.trainer_type not in OFFLINE_TRAINER_TYPES:
-            out.append(f"train.group_size: {train.trainer_type} compares samples of the same prompt, so a group "
-                       f"needs at least 2, got {train.group_size}")
-        if model.resume_type in ("lora", "full") and model.resume_type != model.finetune_type:
-            out.append(f"model.resume_type: {model.resume_type!r} starts from {model.resume_type} weights, but "
-                       f"model.finetune_type is {model.finetune_type!r}; make them agree, or use state")
+        return out
+
+    def _model_shape_contradictions(self) -> list[str]:
+        """A second expert's guidance scale on a one-transformer model; frame counts the model cannot take."""
+        train, model, out = self.train, self.model, []
         for path, scale in (("train.guidance_scale_2", train.guidance_scale_2),
                             ("eval.guidance_scale_2", self.eval.guidance_scale_2)):
             if scale is not None and len(model_family(model.model_type).components) == 1:
