@@ -496,13 +496,10 @@ def tiny_gemma_tokenizer():
 
 def _build_ltx2(pipeline_class: str = "LTX2Pipeline"):
     import diffusers
-    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
-                           LTX2VideoTransformer3DModel)
-    from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
     tokenizer = tiny_gemma_tokenizer()
-    token = tokenizer.convert_tokens_to_ids
     torch.manual_seed(0)
     # video tokens of 4 channels (the VAE's latents, 1x1 patches); audio tokens of 4 = 1 audio latent
     # channel x 4 latent mel bins, as LTX-2's 128 = 8 x 16
@@ -513,17 +510,7 @@ def _build_ltx2(pipeline_class: str = "LTX2Pipeline"):
         rope_type="split",
     )
     torch.manual_seed(1)
-    # Gemma3 with two layers, one sliding and one full; the pipeline stacks every layer's hidden states
-    text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8,
-                         sliding_window=16, layer_types=["sliding_attention", "full_attention"],
-                         max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=2),
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=32, patch_size=8),
-        mm_tokens_per_image=4, boi_token_index=token("<start_of_image>"), eoi_token_index=token("<end_of_image>"),
-        image_token_index=token("<image_soft_token>"),
-    ))
+    text_encoder = _tiny_gemma3(tokenizer)
     torch.manual_seed(2)
     connectors = LTX2TextConnectors(  # LTX-2.0's: one projection of the 3 stacked layers, then a connector each
         caption_channels=16, text_proj_in_factor=3, video_connector_num_attention_heads=2,
@@ -533,6 +520,40 @@ def _build_ltx2(pipeline_class: str = "LTX2Pipeline"):
         audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_double_precision=False,
         rope_type="split",
     )
+    vae, audio_vae, vocoder = _ltx2_autoencoders_and_vocoder()
+    # LTX-2's scheduler (diffusers' conversion script): resolution-dependent shift, stretched to end at 0.1
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+        max_image_seq_len=4096, shift_terminal=0.1,
+    )
+    return getattr(diffusers, pipeline_class)(
+        scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        connectors=connectors, transformer=transformer, vocoder=vocoder)
+
+
+def _tiny_gemma3(tokenizer):
+    """LTX-2's text encoder, tiny: Gemma3 with two layers, one sliding and one full (the pipeline stacks
+    every layer's hidden states). Seeded by the caller."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    token = tokenizer.convert_tokens_to_ids
+    return Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8,
+                         sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                         max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        mm_tokens_per_image=4, boi_token_index=token("<start_of_image>"), eoi_token_index=token("<end_of_image>"),
+        image_token_index=token("<image_soft_token>"),
+    ))
+
+
+def _ltx2_autoencoders_and_vocoder():
+    """LTX-2's video VAE, audio VAE and vocoder, tiny, each seeded (3, 4, 5) as the pipeline's build always was."""
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
+    from diffusers.pipelines.ltx2 import LTX2Vocoder
+
     torch.manual_seed(3)
     # 4x4 pixel patches, then one block halving space and time: x8, x2
     vae = AutoencoderKLLTX2Video(
@@ -558,14 +579,7 @@ def _build_ltx2(pipeline_class: str = "LTX2Pipeline"):
         upsample_factors=[10, 4, 4], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
         output_sampling_rate=16000,
     )
-    # LTX-2's scheduler (diffusers' conversion script): resolution-dependent shift, stretched to end at 0.1
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
-        max_image_seq_len=4096, shift_terminal=0.1,
-    )
-    return getattr(diffusers, pipeline_class)(
-        scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder, tokenizer=tokenizer,
-        connectors=connectors, transformer=transformer, vocoder=vocoder)
+    return vae, audio_vae, vocoder
 
 
 _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, "qwen-image": _build_qwen_image,
