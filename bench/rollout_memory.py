@@ -36,7 +36,7 @@ from flow_factory.algorithms import make_algorithm  # noqa: E402
 from flow_factory.algorithms.base import TrainBatch  # noqa: E402
 from flow_factory.config.train import TrainConfig  # noqa: E402
 from flow_factory.models.lora import apply_lora  # noqa: E402
-from flow_factory.rollout import sample_trajectory  # noqa: E402
+from flow_factory.rollout import TrajectoryOptions, sample_trajectory  # noqa: E402
 from flow_factory.sampling import on_device  # noqa: E402
 from flow_factory.trainer.policy import AdapterPolicy  # noqa: E402
 
@@ -113,14 +113,17 @@ def ratio_drift(folder, steps: int) -> None:
     def drift(traj, latents) -> float:
         worst = 0.0
         for step in traj.sde_steps:
-            batch = on_device(TrainBatch.at_step(latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas,
-                                                 cond, step), "cpu")
+            n = len(latents)
+            batch = on_device(TrainBatch(
+                x=latents[:, step], x_next=latents[:, step + 1], sigma=traj.sigmas[step].expand(n),
+                sigma_next=traj.sigmas[step + 1].expand(n), old_log_prob=traj.log_probs[:, step],
+                advantages=torch.tensor([1.0, -1.0]), cond=cond, step=torch.full((n,), step, dtype=torch.long)), "cpu")
             _, m = algorithm.loss(policy, batch)
             worst = max(worst, abs(m["ratio_min"].item() - 1), abs(m["ratio_max"].item() - 1))
         return worst
 
-    kept = sample_trajectory(adapter, dynamics, cond, noise, sigmas, 3.0, storage_dtype=torch.float16,
-                             generator=torch.Generator().manual_seed(2))
+    kept = sample_trajectory(adapter, dynamics, cond, noise, sigmas, 3.0, generator=torch.Generator().manual_seed(2),
+                             options=TrajectoryOptions(storage_dtype=torch.float16))
     full = sample_trajectory(adapter, dynamics, cond, noise, sigmas, 3.0, generator=torch.Generator().manual_seed(2))
     print(f"GRPO on an fp16 trajectory, 64 px, {steps} Flow-SDE steps, max |ratio - 1|: integrating on the stored "
           f"values {drift(kept, kept.latents):.1e}; rounding the fp32 trajectory afterwards "

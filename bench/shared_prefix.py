@@ -3,8 +3,8 @@
     python bench/shared_prefix.py [--model assets/shapebench/sd3] [--prompts 16] [--group 8] [--repeats 2]
 
 With ``same_latent`` a group's samples share their starting noise and prompt, so they are
-one trajectory until the window's stochastic step k; ``sample_trajectory(shared_rows=...)``
-integrates those k steps once per group. For each k of a window (default steps 0-4 of 10,
+one trajectory until the window's stochastic step k; ``sample_trajectory`` with
+``TrajectoryOptions(shared_rows=...)`` integrates those k steps once per group. For each k of a window (default steps 0-4 of 10,
 the demo's window on the first ShapeBench model) this samples the demo's epoch (prompts x
 group, cfg 2) with and without it, interleaved, and prints seconds and the ratio; the mean
 over k is what a random window saves. The demo now noises step 0 only, where there is no
@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from flow_factory.dynamics import make_dynamics  # noqa: E402
 from flow_factory.models import load_adapter  # noqa: E402
-from flow_factory.rollout import sample_trajectory  # noqa: E402
+from flow_factory.rollout import TrajectoryOptions, sample_trajectory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,8 +52,8 @@ def main() -> None:
 
     def seconds(k: int, shared) -> float:
         start = time.perf_counter()
-        sample_trajectory(adapter, dynamics, cond, noise, sigmas, 2.0, [k],
-                          generator=torch.Generator().manual_seed(1), shared_rows=shared)
+        sample_trajectory(adapter, dynamics, cond, noise, sigmas, 2.0, generator=torch.Generator().manual_seed(1),
+                          options=TrajectoryOptions(sde_steps=[k], shared_rows=shared))
         return time.perf_counter() - start
 
     seconds(0, None)  # warm-up

@@ -24,7 +24,7 @@ from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import make_dynamics
 from flow_factory.guards import NonFiniteGuard
 from flow_factory.models.base import Conditioning, FlowAdapter
-from flow_factory.rollout import sample_trajectory
+from flow_factory.rollout import TrajectoryOptions, sample_trajectory
 from flow_factory.sampling import Rollouts
 from flow_factory.trainer.ema import WeightCopy
 from flow_factory.trainer.optimize import OptimizeSettings, optimize_epoch
@@ -108,8 +108,8 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
         sampling = algorithm.sampling_snapshot(steps)
         with snapshots[sampling].applied() if sampling else contextlib.nullcontext():
             traj = sample_trajectory(adapter, dyn, cond, noise, sigmas, 1.0, generator=gen,
-                                     record_means=algorithm.records_step_means,
-                                     keep_states=algorithm.kept_states(num_steps, None))
+                                     options=TrajectoryOptions(record_means=algorithm.records_step_means,
+                                                               keep_states=algorithm.kept_states(num_steps, None)))
         rewards = toy_reward(traj.final)
         history.append(rewards.mean().item())
         if epoch == epochs:

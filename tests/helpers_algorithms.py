@@ -1,6 +1,6 @@
-"""A small stand-in for an epoch's rollouts, for the algorithms' micro-batch tests; the on-policy check
-(invariant 1) that the adapter, conditioned-model and compile tests share; and GRPO's loss made NaN once, for
-the non-finite guard's tests."""
+"""A small stand-in for an epoch's rollouts, for the algorithms' micro-batch tests; a coupled batch of whole
+trajectories at one step; the on-policy check (invariant 1) that the adapter, conditioned-model and compile
+tests share; and GRPO's loss made NaN once, for the non-finite guard's tests."""
 
 from contextlib import nullcontext
 
@@ -26,6 +26,17 @@ def toy_rollouts(n: int) -> Rollouts:
                        {"prompt_embeds": torch.arange(n).float().unsqueeze(1)})
 
 
+def batch_at_step(latents: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                  sigmas: torch.Tensor, cond: dict, step: int, old_means: torch.Tensor | None = None) -> TrainBatch:
+    """The coupled batch of whole trajectories ``latents`` (B, T + 1, *latent) at ``step`` (what
+    ``Algorithm.micro_batches`` yields for every sample of a rollout that kept every state)."""
+    n = len(latents)
+    return TrainBatch(x=latents[:, step], x_next=latents[:, step + 1], sigma=sigmas[step].expand(n),
+                      sigma_next=sigmas[step + 1].expand(n), old_log_prob=old_log_probs[:, step],
+                      advantages=advantages, cond=cond, step=torch.full((n,), step, dtype=torch.long),
+                      old_mean=None if old_means is None else old_means[:, step])
+
+
 def perturb_lora(transformer, scale: float = 0.05, which: str = "lora_B", seed: int = 0) -> None:
     """LoRA B starts at zero: give the ``which`` matrices weight, so the policy differs from the base model."""
     g = torch.Generator().manual_seed(seed)
@@ -41,7 +52,7 @@ def assert_on_policy(algorithm, policy, traj, cond, backward: bool = False, auto
     precision, as in sampling."""
     for step in traj.sde_steps:
         advantages = torch.tensor([1.0, -1.0], device=traj.latents.device)
-        batch = TrainBatch.at_step(traj.latents, traj.log_probs, advantages, traj.sigmas, cond, step)
+        batch = batch_at_step(traj.latents, traj.log_probs, advantages, traj.sigmas, cond, step)
         with autocast():
             loss, metrics = algorithm.loss(policy, batch)
         assert abs(metrics["ratio_min"].item() - 1) < 1e-6 and abs(metrics["ratio_max"].item() - 1) < 1e-6, \

@@ -11,7 +11,7 @@ from flow_factory.dynamics.ode import ODE
 from flow_factory.models import (Flux2Adapter, Flux2KleinAdapter, FluxAdapter, HunyuanVideo15Adapter, LTX2Adapter,
                                  QwenImageAdapter, SD3Adapter, WanT2VAdapter, ZImageAdapter, cat_cond,
                                  get_adapter_class, index_cond, load_adapter)
-from flow_factory.rollout import sample_trajectory
+from flow_factory.rollout import TrajectoryOptions, sample_trajectory
 
 PROMPTS = ["a red cube on a table", "two cats"]
 NEGATIVES = ["blurry", ""]
@@ -115,7 +115,7 @@ def _check_ode_rollout(adapter, size, guidance, autocast=nullcontext, exact=True
     with autocast():  # the text encoders too, as the trainer encodes its prompt cache
         cond = adapter.encode(PROMPTS, NEGATIVES, guidance)
     sigmas = adapter.sigmas(STEPS, h, w, frames)
-    traj = sample_trajectory(adapter, ODE(), cond, noise, sigmas, guidance, autocast=autocast)
+    traj = sample_trajectory(adapter, ODE(), cond, noise, sigmas, guidance, options=TrajectoryOptions(autocast=autocast))
 
     expected = _pipeline_output(adapter, noise.clone().to(adapter.dtype), size, guidance, "latent")
     # the pipeline's scheduler keeps the sigmas of its last call

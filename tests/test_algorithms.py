@@ -11,16 +11,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers_algorithms import batch_at_step
 
 from flow_factory.algorithms import (
-    ALGORITHMS, GRPO, GRPOGuard, TrainBatch, clipped_policy_loss, make_algorithm, normalized_log_ratio,
+    ALGORITHMS, GRPO, GRPOGuard, clipped_surrogate, make_algorithm, normalized_log_ratio,
     v_based_kl, x_based_kl,
 )
 from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import CPS, ODE, DanceSDE, FlowSDE
 from flow_factory.dynamics.base import Dynamics, step_inputs
 from flow_factory.dynamics.dpm_solver import DPMSolver2M
-from flow_factory.rollout import sample_trajectory
+from flow_factory.rollout import TrajectoryOptions, sample_trajectory
 from flow_factory.sampling import Rollouts
 
 
@@ -74,7 +75,7 @@ def rollout(policy, dynamics, n, sigmas, seed=0, shape=(2, 3, 3)):
 def rollout_batch(policy, dynamics, advantages, sigmas, step, seed=0, shape=(2, 3, 3)):
     """A TrainBatch from the project's own rollout loop, as the trainer builds it."""
     traj = rollout(policy, dynamics, len(advantages), sigmas, seed, shape)
-    return TrainBatch.at_step(traj.latents, traj.log_probs, advantages, traj.sigmas, {}, step)
+    return batch_at_step(traj.latents, traj.log_probs, advantages, traj.sigmas, {}, step)
 
 
 def guard_rollout(dynamics, v_fn, advantages, sigmas, seed=0, shape=(2, 3, 3)):
@@ -96,7 +97,7 @@ SIGMAS = torch.tensor([1.0, 0.8, 0.5, 0.2, 0.0])
 
 
 # ----------------------------------------------------------------- clipped loss
-def test_clipped_policy_loss_matches_hand_computed_values():
+def test_clipped_surrogate_matches_hand_computed_values():
     # clip_range 0.2 -> ratios clipped to [0.8, 1.2]; advantages clipped to [-2, 2]
     #   r = 1.1, A =  1.0 (inside):             max(-1.1,       -1.1)       = -1.1
     #   r = 1.5, A =  3.0 -> 2.0 (adv clipped): max(-2*1.5=-3.0, -2*1.2=-2.4) = -2.4  clipped
@@ -107,7 +108,7 @@ def test_clipped_policy_loss_matches_hand_computed_values():
     old = torch.tensor([-1.0, -2.0, 0.5, 0.0])
     logp = (old + torch.log(torch.tensor(ratios))).requires_grad_()
     adv = torch.tensor([1.0, 3.0, -1.0, 0.5])
-    loss, m = clipped_policy_loss(logp, old, adv, clip_range=0.2, adv_clip_range=2.0)
+    loss, m = clipped_surrogate(logp - old, adv, clip_range=0.2, adv_clip_range=2.0)
     assert loss.item() == pytest.approx(-0.7625, abs=1e-6)
     assert m["ratio_mean"].item() == pytest.approx(0.95, abs=1e-6)  # 3.8 / 4
     assert m["ratio_min"].item() == pytest.approx(0.5, abs=1e-6)
@@ -121,9 +122,9 @@ def test_clipped_policy_loss_matches_hand_computed_values():
     torch.testing.assert_close(logp.grad, torch.tensor([-0.275, 0.0, 0.0, -0.0875]))
 
 
-def test_clipped_policy_loss_rejects_misshaped_advantages():
+def test_clipped_surrogate_rejects_misshaped_advantages():
     with pytest.raises(ValueError, match="does not match"):
-        clipped_policy_loss(torch.zeros(4), torch.zeros(4), torch.zeros(4, 1), 0.2, 2.0)
+        clipped_surrogate(torch.zeros(4), torch.zeros(4, 1), 0.2, 2.0)
 
 
 # --------------------------------------------------------------------------- KL
@@ -230,7 +231,7 @@ def test_outside_kl_is_the_v_based_kl_at_each_samples_untrained_step():
     dyn = EulerGaussian(0.7)
     adv = torch.tensor([1.0, -1.0])
     traj = rollout(policy, dyn, len(adv), SIGMAS)
-    batch = TrainBatch.at_step(traj.latents, traj.log_probs, adv, traj.sigmas, {}, 1)
+    batch = batch_at_step(traj.latents, traj.log_probs, adv, traj.sigmas, {}, 1)
     plain, _ = GRPO(train_cfg(), dyn).loss(policy, batch)
     # sample 0 at step 0 (sigma 1.0), sample 1 at step 3 (sigma 0.2); v - v_ref = 0.2 sigma x
     batch.outside_x, batch.outside_sigma = traj.latents[[0, 1], [0, 3]], torch.tensor([1.0, 0.2])
@@ -329,7 +330,7 @@ def test_grpo_guard_on_policy_ratio_one_and_equal_gradient_across_steps():
     algo = GRPOGuard(train_cfg(clip_range=1e-6), dyn)
     n = trajectory["latents"][0, 0].numel()
     for step in (1, 3):  # sigma < 1, where Flow-SDE's dmu/dv is exactly (1 + a^2 / 2) dt
-        batch = TrainBatch.at_step(**trajectory, step=step)
+        batch = batch_at_step(**trajectory, step=step)
         v_leaf = (theta * batch.x).detach().requires_grad_()
         policy = SimpleNamespace(velocity=lambda x, sigma, cond: v_leaf)
         loss, m = algo.loss(policy, batch)
@@ -386,8 +387,9 @@ def test_shared_prefix_is_the_same_trajectory_with_fewer_rows(dynamics, sde_step
 
     def run(shared):
         rows_seen.clear()
-        traj = sample_trajectory(adapter, dynamics, {"c": c, "d": d}, noise, sigmas, 1.0, sde_steps,
-                                 generator=torch.Generator().manual_seed(1), record_means=True, shared_rows=shared)
+        traj = sample_trajectory(adapter, dynamics, {"c": c, "d": d}, noise, sigmas, 1.0,
+                                 generator=torch.Generator().manual_seed(1),
+                                 options=TrajectoryOptions(sde_steps, record_means=True, shared_rows=shared))
         return traj, list(rows_seen)
 
     (alone, rows_alone), (shared, rows_shared) = run(None), run(groups)

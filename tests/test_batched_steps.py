@@ -18,7 +18,7 @@ from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import make_dynamics
 from flow_factory.models import load_adapter
 from flow_factory.models.lora import apply_lora
-from flow_factory.rollout import sample_trajectory
+from flow_factory.rollout import TrajectoryOptions, sample_trajectory
 from flow_factory.sampling import Rollouts
 from flow_factory.trainer.ema import WeightCopy
 from flow_factory.trainer.policy import AdapterPolicy
@@ -79,9 +79,10 @@ def _setup(tiny_sd3_path, case):
     sigmas = adapter.sigmas(STEPS, 64, 64)
     sde_steps = [0, 1, 3] if algorithm.coupled else None  # leaves steps outside for outside_kl_beta
     with sampling.applied():
-        traj = sample_trajectory(adapter, dynamics, cond, noise, sigmas, 3.0, sde_steps=sde_steps,
-                                 generator=torch.Generator().manual_seed(4), record_means=algorithm.records_step_means,
-                                 keep_states=algorithm.kept_states(STEPS, sde_steps))
+        traj = sample_trajectory(adapter, dynamics, cond, noise, sigmas, 3.0,
+                                 generator=torch.Generator().manual_seed(4),
+                                 options=TrajectoryOptions(sde_steps, record_means=algorithm.records_step_means,
+                                                           keep_states=algorithm.kept_states(STEPS, sde_steps)))
     rollouts = Rollouts(PROMPTS, GROUPS, traj.latents, traj.log_probs, traj.sigmas, traj.sde_steps, cond,
                         media=torch.empty(0), means=traj.means, latent_steps=traj.latent_steps)
     return algorithm, policy, rollouts, params
@@ -125,8 +126,8 @@ def test_on_policy_ratio_is_one_with_every_step_in_one_call(tiny_sd3_path, dynam
     algorithm.dynamics = make_dynamics(dynamics_name, 0.7)
     with policy.sampling_weights.applied():  # sample and train with the same weights
         traj = sample_trajectory(policy.adapter, algorithm.dynamics, rollouts.cond, rollouts.latents_at(
-            torch.arange(4), 0), rollouts.sigmas, 3.0, sde_steps=[0, 1, 2, 3],
-            generator=torch.Generator().manual_seed(6))
+            torch.arange(4), 0), rollouts.sigmas, 3.0, generator=torch.Generator().manual_seed(6),
+            options=TrajectoryOptions(sde_steps=[0, 1, 2, 3]))
         rollouts = Rollouts(PROMPTS, GROUPS, traj.latents, traj.log_probs, traj.sigmas, traj.sde_steps,
                             rollouts.cond, media=torch.empty(0))
         units = algorithm.training_units(GROUPS, ADVANTAGES)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers_algorithms import perturb_lora
+from helpers_algorithms import batch_at_step, perturb_lora
 from helpers_runs import straight_and_resumed, tiny_run_config, write_config
 from safetensors.torch import load_file
 
@@ -72,7 +72,7 @@ def test_on_policy_the_ratio_is_one_and_nothing_is_masked(tiny_sd3_path, dynamic
     even a threshold of 0 drops nothing."""
     from flow_factory.models import load_adapter
     from flow_factory.models.lora import apply_lora
-    from flow_factory.rollout import sample_trajectory
+    from flow_factory.rollout import TrajectoryOptions, sample_trajectory
     from flow_factory.trainer.policy import AdapterPolicy
 
     adapter = load_adapter("sd3-5", tiny_sd3_path)
@@ -86,10 +86,10 @@ def test_on_policy_the_ratio_is_one_and_nothing_is_masked(tiny_sd3_path, dynamic
     cond = adapter.encode(["a red cube", "a blue ball"], None, 3.0)
     noise = adapter.initial_noise(2, 64, 64, torch.Generator().manual_seed(1))
     traj = sample_trajectory(adapter, dynamics, cond, noise, adapter.sigmas(3, 64, 64), 3.0,
-                             generator=torch.Generator().manual_seed(2), record_means=True)
+                             generator=torch.Generator().manual_seed(2), options=TrajectoryOptions(record_means=True))
     for step in traj.sde_steps:
-        batch = TrainBatch.at_step(traj.latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond, step,
-                                   old_means=traj.means)
+        batch = batch_at_step(traj.latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond, step,
+                              old_means=traj.means)
         _, metrics = algorithm.loss(policy, batch)
         assert abs(metrics["ratio_min"].item() - 1) < 1e-6 and abs(metrics["ratio_max"].item() - 1) < 1e-6
         assert metrics["kl_to_rollout"].item() < 1e-10 and metrics["masked_frac"].item() == 0, (step, metrics)

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers_algorithms import batch_at_step
 
 from flow_factory.algorithms import make_algorithm
-from flow_factory.algorithms.base import TrainBatch
 from flow_factory.algorithms.kl import x_based_kl
 from flow_factory.config import ConfigError
 from flow_factory.config.train import TrainConfig
@@ -19,7 +19,7 @@ from flow_factory.models import apply_lora, load_adapter
 from flow_factory.models.preflight import check_reward_inputs
 from flow_factory.rewards import RewardSet
 from flow_factory.rewards.base import PointwiseRewardModel, RewardInputs, RewardModelOutput
-from flow_factory.rollout import sample_trajectory
+from flow_factory.rollout import TrajectoryOptions, sample_trajectory
 from flow_factory.sampling import SamplingSettings, collect_rollouts
 from flow_factory.trainer.policy import AdapterPolicy
 
@@ -78,9 +78,9 @@ def test_x_based_kl_and_grpo_guard_read_the_video_alone(adapter):
     x = adapter.initial_noise(2, SIZE, SIZE, torch.Generator().manual_seed(0), num_frames=FRAMES)
     sigmas = adapter.sigmas(2, SIZE, SIZE, FRAMES)
     traj = sample_trajectory(adapter, dynamics, cond, x, sigmas, 4.0, generator=torch.Generator().manual_seed(1),
-                             record_means=True)
-    batch = TrainBatch.at_step(traj.latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond, 0,
-                               old_means=traj.means)
+                             options=TrajectoryOptions(record_means=True))
+    batch = batch_at_step(traj.latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond, 0,
+                          old_means=traj.means)
     grpo = make_algorithm("grpo", TrainConfig(kl_type="x-based", kl_beta=0.1), dynamics)
     _, metrics = grpo.loss(policy, batch)
     with torch.no_grad():

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from flow_factory.dynamics import make_dynamics
 from flow_factory.models import load_adapter
 from flow_factory.precision import Precision, run_mixed_precision
-from flow_factory.rollout import sample_trajectory
+from flow_factory.rollout import TrajectoryOptions, sample_trajectory
 from flow_factory.train import main
 
 
@@ -44,8 +44,8 @@ def test_fp16_trajectories_under_bf16_autocast_do_not_crash_the_rollout(tiny_sd3
     cond = adapter.encode(["a red cube", "a blue ball"], None, 3.0)
     noise = adapter.initial_noise(2, 64, 64, torch.Generator().manual_seed(1))
     traj = sample_trajectory(adapter, make_dynamics("Flow-SDE", 0.7), cond, noise, adapter.sigmas(3, 64, 64), 3.0,
-                             generator=torch.Generator().manual_seed(2), storage_dtype=precision.storage,
-                             autocast=precision.autocast)
+                             generator=torch.Generator().manual_seed(2),
+                             options=TrajectoryOptions(storage_dtype=precision.storage, autocast=precision.autocast))
     assert traj.latents.dtype == torch.float16 and traj.log_probs.dtype == torch.float32
     assert torch.isfinite(traj.log_probs).all() and traj.log_probs[:, 0].abs().sum() > 0
 

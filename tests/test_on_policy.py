@@ -3,15 +3,14 @@ and every SDE dynamics, because sampling and training call the same velocity()."
 
 import pytest
 import torch
-from helpers_algorithms import assert_on_policy, perturb_lora
+from helpers_algorithms import assert_on_policy, batch_at_step, perturb_lora
 
 from flow_factory.algorithms import make_algorithm
-from flow_factory.algorithms.base import TrainBatch
 from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import make_dynamics
 from flow_factory.models import load_adapter
 from flow_factory.models.lora import apply_lora
-from flow_factory.rollout import sample_trajectory
+from flow_factory.rollout import TrajectoryOptions, sample_trajectory
 from flow_factory.trainer.policy import AdapterPolicy
 
 ADAPTERS = [("sd3-5", "tiny_sd3_path", 64, None, 3.0), ("flux1", "tiny_flux_path", 64, None, 3.5),
@@ -41,7 +40,7 @@ def test_on_policy_ratio_is_one(request, model_type, path_fixture, size, frames,
     noise = adapter.initial_noise(2, size, size, torch.Generator().manual_seed(1), num_frames=frames)
     sigmas = adapter.sigmas(3, size, size, frames)
     traj = sample_trajectory(adapter, dynamics, cond, noise.to(device), sigmas, guidance,
-                             generator=torch.Generator().manual_seed(2), autocast=autocast)
+                             generator=torch.Generator().manual_seed(2), options=TrajectoryOptions(autocast=autocast))
     assert traj.sde_steps == [0, 1, 2]
     assert_on_policy(algorithm, policy, traj, cond, autocast=autocast)
 
@@ -64,8 +63,9 @@ def test_half_precision_storage_halves_the_trajectory_and_keeps_the_ratio_at_one
     cond = adapter.encode(["a red cube", "a blue ball"], None, 3.0)
     noise = adapter.initial_noise(2, 64, 64, torch.Generator().manual_seed(1))
     sigmas = adapter.sigmas(3, 64, 64, None)
-    full, half = (sample_trajectory(adapter, dynamics, cond, noise, sigmas, 3.0, storage_dtype=dtype,
-                                    generator=torch.Generator().manual_seed(2)) for dtype in (None, storage))
+    full, half = (sample_trajectory(adapter, dynamics, cond, noise, sigmas, 3.0,
+                                    generator=torch.Generator().manual_seed(2),
+                                    options=TrajectoryOptions(storage_dtype=dtype)) for dtype in (None, storage))
 
     assert full.latents.dtype == torch.float32 and half.latents.dtype == storage
     assert half.latents.untyped_storage().nbytes() * 2 == full.latents.untyped_storage().nbytes()
@@ -73,8 +73,8 @@ def test_half_precision_storage_halves_the_trajectory_and_keeps_the_ratio_at_one
     scale = full.latents.abs().max().item()
     assert (half.latents.float() - full.latents).abs().max().item() < 8 * rounding * scale
     for step in half.sde_steps:
-        batch = on_device(TrainBatch.at_step(half.latents, half.log_probs, torch.tensor([1.0, -1.0]), half.sigmas,
-                                             cond, step), "cpu")
+        batch = on_device(batch_at_step(half.latents, half.log_probs, torch.tensor([1.0, -1.0]), half.sigmas,
+                                         cond, step), "cpu")
         assert batch.x.dtype == batch.x_next.dtype == torch.float32
         _, metrics = algorithm.loss(policy, batch)
         assert abs(metrics["ratio_min"].item() - 1) < 1e-6 and abs(metrics["ratio_max"].item() - 1) < 1e-6, \

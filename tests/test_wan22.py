@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
+from helpers_algorithms import batch_at_step
 from helpers_runs import tiny_run_config, write_config
 from safetensors.torch import load_file
 
 from flow_factory.algorithms import make_algorithm
-from flow_factory.algorithms.base import TrainBatch
 from flow_factory.checkpoint import CheckpointError, load_for_sampling
 from flow_factory.config import ConfigError, parse_config
 from flow_factory.config.train import TrainConfig
@@ -146,7 +146,7 @@ def test_on_policy_ratio_is_one(request, layout, dynamics_name):
     traj = sample_trajectory(adapter, dynamics, cond, noise, adapter.sigmas(STEPS, SIZE, SIZE, FRAMES), guidance,
                              generator=torch.Generator().manual_seed(2))
     for step in traj.sde_steps:  # steps of both experts on a14b
-        batch = TrainBatch.at_step(traj.latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond, step)
+        batch = batch_at_step(traj.latents, traj.log_probs, torch.tensor([1.0, -1.0]), traj.sigmas, cond, step)
         _, metrics = algorithm.loss(policy, batch)
         assert abs(metrics["ratio_min"].item() - 1) < 1e-6 and abs(metrics["ratio_max"].item() - 1) < 1e-6, \
             (step, metrics)

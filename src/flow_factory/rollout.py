@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -67,48 +68,45 @@ class Trajectory(KeptStates):
     final: Tensor | None = None  # (B, *latent): the last state, always kept (decode needs it)
 
 
-@torch.no_grad()
-def sample_trajectory(
-    adapter: FlowAdapter,
-    dynamics: Dynamics,
-    cond: Conditioning,
-    noise: Tensor,
-    sigmas: Tensor,
-    guidance_scale: float,
-    sde_steps: list[int] | None = None,
-    generator: torch.Generator | None = None,
-    record_means: bool = False,
-    shared_rows: Tensor | None = None,
-    storage_dtype: torch.dtype | None = None,
-    keep_states: list[int] | None = None,
-    autocast=nullcontext,
-) -> Trajectory:
-    """Integrate from ``noise`` along ``sigmas``. ``sde_steps=None``: every step uses ``dynamics``.
+@dataclass
+class TrajectoryOptions:
+    """What ``sample_trajectory`` does beyond integrating: which steps are stochastic, what it keeps, how
+    the network runs.
 
-    ``record_means`` also keeps each step's mean (GRPO-Guard's ratio normalisation needs it).
-    ``shared_rows`` (B,): rows with equal ids have equal ``noise`` and ``cond``; the steps
-    before the first stochastic one are then integrated once per id. ``storage_dtype``: the
-    trajectory is kept (and integrated) at that precision; None = float32. ``keep_states``: the
-    states (0 the noise .. T the final latent) the trajectory keeps; None = all. ``autocast``: the
-    context the network's calls run under (mixed precision); the rest (the dynamics, log-probs and
-    the trajectory's storage) runs outside it, in float32 and the storage dtype (precision.py).
+    ``sde_steps``: the stochastic steps; None = every step uses the dynamics. ``record_means`` also keeps
+    each step's mean (GRPO-Guard's ratio normalisation needs it). ``shared_rows`` (B,): rows with equal ids
+    have equal ``noise`` and ``cond``; the steps before the first stochastic one are then integrated once per
+    id. ``storage_dtype``: the trajectory is kept (and integrated) at that precision; None = float32.
+    ``keep_states``: the states (0 the noise .. T the final latent) the trajectory keeps; None = all.
+    ``autocast``: the context the network's calls run under (mixed precision); the rest (the dynamics,
+    log-probs and the trajectory's storage) runs outside it, in float32 and the storage dtype (precision.py).
     """
-    keep = (lambda t: t) if storage_dtype is None else (lambda t: t.to(storage_dtype))
 
+    sde_steps: list[int] | None = None
+    record_means: bool = False
+    shared_rows: Tensor | None = None
+    storage_dtype: torch.dtype | None = None
+    keep_states: list[int] | None = None
+    autocast: Callable = nullcontext
+
+
+@torch.no_grad()
+def sample_trajectory(adapter: FlowAdapter, dynamics: Dynamics, cond: Conditioning, noise: Tensor, sigmas: Tensor,
+                      guidance_scale: float, *, generator: torch.Generator | None = None,
+                      options: TrajectoryOptions | None = None) -> Trajectory:
+    """Integrate from ``noise`` along ``sigmas``; ``generator`` draws the stochastic steps' noise (on the
+    CPU); ``options``: the stochastic steps, what is kept, mixed precision (``TrajectoryOptions``)."""
+    o = options or TrajectoryOptions()
+    storage_dtype = o.storage_dtype
+    keep = (lambda t: t) if storage_dtype is None else (lambda t: t.to(storage_dtype))
     num_steps = len(sigmas) - 1
-    kept = list(range(num_steps + 1)) if keep_states is None else sorted(set(keep_states))
-    if kept and not 0 <= kept[0] <= kept[-1] <= num_steps:
-        raise ValueError(f"keep_states: states run 0..{num_steps}, got {kept}")
-    if sde_steps is None:
-        sde_steps = list(range(num_steps)) if dynamics.stochastic else []
-    stochastic = set(sde_steps)
+    kept, stochastic, prefix = _window(dynamics, num_steps, o.sde_steps, o.keep_states)
     # a deterministic dynamics (ODE, DPM-Solver++2M) runs every step; an SDE only its window.
     # solver(): a fresh per-trajectory object, so a multistep solver's history starts empty
     solver, ode = dynamics.solver(), ODE()
     x = keep(noise.float()).float()
     latents, log_probs, means = [keep(x)] if 0 in kept else [], [], []
-    prefix = min(stochastic, default=num_steps) if dynamics.stochastic else num_steps
-    groups = _shared_groups(shared_rows) if shared_rows is not None and prefix > 0 else None
+    groups = _shared_groups(o.shared_rows) if o.shared_rows is not None and prefix > 0 else None
     if groups is not None:  # integrate one row per group until the rows part
         first, expand = (t.to(x.device) for t in groups)
         full_cond, cond, x, latents = cond, index_cond(cond, first), x[first], [t[first] for t in latents]
@@ -116,19 +114,15 @@ def sample_trajectory(
         if groups is not None and i == prefix:
             x, latents, log_probs, means = _expand(expand, x, latents, log_probs, means)
             cond, groups = full_cond, None
-        with autocast():
+        with o.autocast():
             v = adapter.velocity(x, sigmas[i], cond, guidance_scale)
         step_dynamics = solver if (i in stochastic or not dynamics.stochastic) else ode
-        # noise is drawn on the CPU generator so a seed means the same thing on any device
-        step_noise = None
-        if step_dynamics.stochastic:
-            step_noise = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(x.device)
-        out = step_dynamics.step(x, v, sigmas[i], sigmas[i + 1], noise=step_noise)
+        out = _step(step_dynamics, x, v, sigmas[i], sigmas[i + 1], generator)
         stored = keep(out.sample)
         if i + 1 in kept:
             latents.append(stored)
         x = stored.float()  # integrate on from the value stored
-        if record_means:
+        if o.record_means:
             means.append(out.mean)
         if out.log_prob is None:
             log_probs.append(torch.zeros(x.shape[0], device=x.device))
@@ -139,8 +133,32 @@ def sample_trajectory(
     final = keep(x)  # exactly the stored value: x is it in float32
     empty = final.new_empty((x.shape[0], 0, *x.shape[1:]))
     return Trajectory(torch.stack(latents, 1) if latents else empty, torch.stack(log_probs, 1), sigmas.float(),
-                      sorted(stochastic), torch.stack(means, 1) if record_means else None, latent_steps=kept,
+                      sorted(stochastic), torch.stack(means, 1) if o.record_means else None, latent_steps=kept,
                       final=final)
+
+
+def _window(dynamics: Dynamics, num_steps: int, sde_steps: list[int] | None,
+            keep_states: list[int] | None) -> tuple[list[int], set[int], int]:
+    """(the states kept, the stochastic steps, the first step that is not deterministic: ``num_steps`` when
+    every step is (no stochastic step, or a deterministic dynamics))."""
+    kept = list(range(num_steps + 1)) if keep_states is None else sorted(set(keep_states))
+    if kept and not 0 <= kept[0] <= kept[-1] <= num_steps:
+        raise ValueError(f"keep_states: states run 0..{num_steps}, got {kept}")
+    if sde_steps is None:
+        sde_steps = list(range(num_steps)) if dynamics.stochastic else []
+    stochastic = set(sde_steps)
+    prefix = min(stochastic, default=num_steps) if dynamics.stochastic else num_steps
+    return kept, stochastic, prefix
+
+
+def _step(step_dynamics: Dynamics, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor,
+          generator: torch.Generator | None):
+    """One step of ``step_dynamics``; its noise is drawn on the CPU generator, so a seed means the same thing
+    on any device."""
+    step_noise = None
+    if step_dynamics.stochastic:
+        step_noise = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(x.device)
+    return step_dynamics.step(x, v, sigma, sigma_next, noise=step_noise)
 
 
 def _shared_groups(shared_rows: Tensor) -> tuple[Tensor, Tensor] | None:

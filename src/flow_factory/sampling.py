@@ -14,7 +14,8 @@ Every draw is seeded by what it is for (``seeding.py``): sample ``i``'s initial 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -25,7 +26,7 @@ from .dynamics.ode import ODE
 from .models.base import ConditionMedia, Conditioning, cat_cond, index_cond
 from .models.preflight import checkpoint_conditions
 from .prompt_cache import condition_media, encode_condition_rows
-from .rollout import KeptStates, sample_trajectory
+from .rollout import KeptStates, Trajectory, TrajectoryOptions, sample_trajectory
 from .seeding import generator, per_sample_noise
 from .timer import PhaseTimer
 
@@ -117,6 +118,23 @@ class Rollouts(KeptStates):
     audio_sample_rate: int | None = None
 
 
+@dataclass
+class SamplingServices:
+    """What a sampling call works with beside the model and its settings, each optional: ``reward_set``
+    scores the samples; ``timer`` times the phases; ``autocast``: a context factory for mixed precision
+    (``accelerator.autocast``); ``prompt_cache``: a ``PromptCache`` that answers for the prompts it holds (the
+    others are encoded); ``condition_cache``: a ``ConditionCache`` that answers for a conditioned model's
+    condition files likewise; ``cache``: the ``RolloutCache`` applied to the adapter, emptied before each
+    trajectory."""
+
+    reward_set: Any = None
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    autocast: Callable = nullcontext
+    prompt_cache: Any = None
+    condition_cache: Any = None
+    cache: Any = None
+
+
 @torch.no_grad()
 def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_ids: list[int],
                      settings: SamplingSettings, *, epoch: int, reward_set=None, timer: PhaseTimer | None = None,
@@ -124,80 +142,117 @@ def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_i
     """Sample ``items`` (``data.PromptItem``: prompt, negative prompt, a conditioned model's condition files,
     metadata) in batches, decode, and score with ``reward_set``.
 
-    ``sample_ids``: each item's global sample index (its noise seed); ``autocast``: a context
-    factory for mixed precision (``accelerator.autocast``); ``prompt_cache``: a ``PromptCache``
-    that answers for the prompts it holds (the others are encoded); ``condition_cache``: a
-    ``ConditionCache`` that answers for a conditioned model's condition files likewise; ``cache``: the
-    ``RolloutCache`` applied to the adapter, emptied before each trajectory."""
-    s, timer = settings, timer or PhaseTimer()
-    sigmas = adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float()
-    # async rewards start on each batch as soon as it is decoded; the rest score at the end
-    job = reward_set.start(group_ids, [it.dataset for it in items]) if reward_set is not None else None
-    media_key = "videos" if adapter.is_video else "images"
-    # a soundtrack is decoded only for a reward that asks for it, or to be kept
-    keep_audio = s.keep_audio and adapter.has_audio
-    wants_audio = keep_audio or (reward_set is not None and "audio" in reward_set.required_fields)
-    chunks = []
-    for start in range(0, len(items), s.batch_size):
-        batch = items[start:start + s.batch_size]
-        ids = sample_ids[start:start + s.batch_size]
-        groups = group_ids[start:start + s.batch_size]
-        with timer.phase("sampling"):
-            conditions, cond = encode_batch(adapter, batch, s, autocast, prompt_cache, condition_cache)
+    ``sample_ids``: each item's global sample index (its noise seed); the other keywords are those of
+    ``SamplingServices``."""
+    services = SamplingServices(reward_set, timer or PhaseTimer(), autocast, prompt_cache, condition_cache, cache)
+    return _RolloutBatches(adapter, dynamics, settings, epoch, services).collect(items, group_ids, sample_ids)
+
+
+@dataclass
+class _Chunk:
+    """One batch's samples, as ``_RolloutBatches.sample`` leaves them."""
+
+    traj: Trajectory
+    cond: Conditioning
+    media: Tensor
+    conditions: ConditionMedia | None
+    audio: dict  # {"audios", "audio_sample_rate"} when a soundtrack was decoded, else empty
+
+
+@dataclass
+class _RolloutBatches:
+    """``collect_rollouts``' work: each batch sampled, decoded and handed to the rewards, then the batches
+    joined into one ``Rollouts``."""
+
+    adapter: Any
+    dynamics: Any
+    settings: SamplingSettings
+    epoch: int
+    services: SamplingServices
+
+    def __post_init__(self):
+        s, adapter, reward_set = self.settings, self.adapter, self.services.reward_set
+        self.sigmas = adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float()
+        # a soundtrack is decoded only for a reward that asks for it, or to be kept
+        self.keep_audio = s.keep_audio and adapter.has_audio
+        self.wants_audio = self.keep_audio or (reward_set is not None and "audio" in reward_set.required_fields)
+
+    def collect(self, items: list, group_ids: Tensor, sample_ids: list[int]) -> Rollouts:
+        s, reward_set, timer = self.settings, self.services.reward_set, self.services.timer
+        # async rewards start on each batch as soon as it is decoded; the rest score at the end
+        job = reward_set.start(group_ids, [it.dataset for it in items]) if reward_set is not None else None
+        chunks = []
+        for start in range(0, len(items), s.batch_size):
+            batch = items[start:start + s.batch_size]
+            chunks.append(self.sample(batch, sample_ids[start:start + s.batch_size],
+                                      group_ids[start:start + s.batch_size]))
+            if job is not None:
+                with timer.phase("reward"):
+                    self.add_to(job, batch, chunks[-1])
+        rollouts = self.join(items, group_ids, chunks)
+        if job is not None:
+            with timer.phase("reward"):
+                # on the adapter's device: the Trainer gathers them across processes
+                rollouts.rewards = {name: r.float().to(self.adapter.device) for name, r in job.finish().items()}
+        return rollouts
+
+    def sample(self, batch: list, ids: list[int], groups: Tensor) -> _Chunk:
+        """One batch's trajectories from their seeded noise, then decoded."""
+        adapter, s, epoch, services = self.adapter, self.settings, self.epoch, self.services
+        with services.timer.phase("sampling"):
+            conditions, cond = encode_batch(adapter, batch, s, services.autocast, services.prompt_cache,
+                                            services.condition_cache)
             keys = [("noise", s.seed, epoch, "group", int(g)) if s.same_latent else ("noise", s.seed, epoch, i)
                     for g, i in zip(groups.tolist(), ids)]
             noise = per_sample_noise(adapter, keys, s.height, s.width, s.num_frames)
-            noise = adapter.start_latents(noise, sigmas[0], cond)  # video-to-video: the condition, noised
-            if cache is not None:
-                cache.new_trajectory(adapter)
-            traj = sample_trajectory(adapter, dynamics, cond, noise, sigmas, s.guidance_scale, s.sde_steps,
-                                     generator=generator("sde", s.seed, epoch, ids[0]),
-                                     record_means=s.record_means, storage_dtype=s.storage_dtype,
-                                     shared_rows=groups if s.same_latent else None,
-                                     keep_states=None if s.keep_states is None else list(s.keep_states),
-                                     autocast=autocast)
+            noise = adapter.start_latents(noise, self.sigmas[0], cond)  # video-to-video: the condition, noised
+            if services.cache is not None:
+                services.cache.new_trajectory(adapter)
+            options = TrajectoryOptions(s.sde_steps, s.record_means, groups if s.same_latent else None,
+                                        s.storage_dtype, None if s.keep_states is None else list(s.keep_states),
+                                        services.autocast)
+            traj = sample_trajectory(adapter, self.dynamics, cond, noise, self.sigmas, s.guidance_scale,
+                                     generator=generator("sde", s.seed, epoch, ids[0]), options=options)
             if s.offload:
                 traj, cond = _to_cpu(traj), {k: v.cpu() for k, v in cond.items()}
-        with timer.phase("decode"):
+        with services.timer.phase("decode"):
             media = adapter.decode(traj.final).float().cpu()
             audio = {}
-            if wants_audio:
+            if self.wants_audio:
                 waveforms, rate = adapter.decode_audio(traj.final)
                 audio = {"audios": waveforms.float().cpu(), "audio_sample_rate": rate}
-        chunks.append((traj, cond, media, conditions, audio.get("audios")))
-        if job is not None:
-            with timer.phase("reward"):
-                shown = conditions or ConditionMedia()
-                job.add([it.prompt for it in batch], **{media_key: media}, condition_images=shown.images,
-                        condition_videos=shown.videos, metadata=[it.metadata for it in batch], **audio)
+        return _Chunk(traj, cond, media, conditions, audio)
 
-    trajs = [c[0] for c in chunks]
-    keep = s.keep_trajectory
-    rollouts = Rollouts(
-        prompts=[it.prompt for it in items],
-        group_ids=group_ids,
-        latents=torch.cat([t.latents for t in trajs]) if keep else torch.empty(0),
-        log_probs=torch.cat([t.log_probs for t in trajs]),
-        sigmas=sigmas,
-        sde_steps=trajs[0].sde_steps,
-        cond=cat_cond([c[1] for c in chunks]) if keep else {},
-        media=torch.cat([c[2] for c in chunks]),
-        means=torch.cat([t.means for t in trajs]) if s.record_means else None,
-        latent_steps=trajs[0].latent_steps,
-        conditions=ConditionMedia.concat([c[3] for c in chunks]) if adapter.condition_inputs else None,
-    )
-    if keep_audio:
-        rollouts.audio, rollouts.audio_sample_rate = torch.cat([c[4] for c in chunks]), audio["audio_sample_rate"]
-    if job is not None:
-        with timer.phase("reward"):
-            # on the adapter's device: the Trainer gathers them across processes
-            rollouts.rewards = {name: r.float().to(adapter.device) for name, r in job.finish().items()}
-    return rollouts
+    def add_to(self, job, batch: list, chunk: _Chunk) -> None:
+        """Hand a decoded batch to the reward job, with its condition media and metadata."""
+        media_key = "videos" if self.adapter.is_video else "images"
+        shown = chunk.conditions or ConditionMedia()
+        job.add([it.prompt for it in batch], **{media_key: chunk.media}, condition_images=shown.images,
+                condition_videos=shown.videos, metadata=[it.metadata for it in batch], **chunk.audio)
+
+    def join(self, items: list, group_ids: Tensor, chunks: list[_Chunk]) -> Rollouts:
+        trajs, keep = [c.traj for c in chunks], self.settings.keep_trajectory
+        rollouts = Rollouts(
+            prompts=[it.prompt for it in items],
+            group_ids=group_ids,
+            latents=torch.cat([t.latents for t in trajs]) if keep else torch.empty(0),
+            log_probs=torch.cat([t.log_probs for t in trajs]),
+            sigmas=self.sigmas,
+            sde_steps=trajs[0].sde_steps,
+            cond=cat_cond([c.cond for c in chunks]) if keep else {},
+            media=torch.cat([c.media for c in chunks]),
+            means=torch.cat([t.means for t in trajs]) if self.settings.record_means else None,
+            latent_steps=trajs[0].latent_steps,
+            conditions=ConditionMedia.concat([c.conditions for c in chunks]) if self.adapter.condition_inputs else None,
+        )
+        if self.keep_audio:
+            rollouts.audio = torch.cat([c.audio["audios"] for c in chunks])
+            rollouts.audio_sample_rate = chunks[-1].audio["audio_sample_rate"]
+        return rollouts
 
 
 def sample_prompts(adapter, items: list, settings: SamplingSettings, *, sample_ids: list[int] | None = None,
-                   reward_set=None, timer: PhaseTimer | None = None, autocast=nullcontext,
-                   prompt_cache=None, condition_cache=None) -> Rollouts:
+                   reward_set=None, autocast=nullcontext, prompt_cache=None, condition_cache=None) -> Rollouts:
     """ODE samples of ``items``, sample ``i`` seeded as the Trainer's eval seeds it (epoch -1)."""
     ids = list(range(len(items))) if sample_ids is None else list(sample_ids)
     settings = replace(settings, sde_steps=[], same_latent=False)
@@ -207,7 +262,7 @@ def sample_prompts(adapter, items: list, settings: SamplingSettings, *, sample_i
                         media=torch.empty(0), latent_steps=[],
                         rewards=None if reward_set is None else {name: torch.empty(0) for name in reward_set.models})
     return collect_rollouts(adapter, ODE(), items, torch.tensor(ids), ids, settings, epoch=-1,
-                            reward_set=reward_set, timer=timer, autocast=autocast, prompt_cache=prompt_cache,
+                            reward_set=reward_set, autocast=autocast, prompt_cache=prompt_cache,
                             condition_cache=condition_cache)
 
 

@@ -11,7 +11,7 @@ from .decoupled import DecoupledAlgorithm, NoisedBatch
 from .dgpo import DGPO, dgpo_loss, dsm_clip_mask, ema_ref_decay, group_preferences
 from .dpo import DPO, OfflineDPO, best_and_worst, dpo_loss
 from .dppo import DPPO, step_kl, trust_region_loss
-from .grpo import GRPO, clipped_policy_loss, clipped_surrogate
+from .grpo import GRPO, clipped_surrogate
 from .grpo_guard import GRPOGuard, normalized_log_ratio
 from .kl import KL_TYPES, v_based_kl, x_based_kl
 from .nft import NFT, NFT_WEIGHTINGS, nft_loss, optimality_probability
@@ -30,7 +30,7 @@ def make_algorithm(name: str, train_cfg, dynamics) -> Algorithm:
 __all__ = [
     "ALGORITHMS", "AWM", "AWM_WEIGHTINGS", "Algorithm", "CRD", "DGPO", "DPO", "DPPO", "OfflineDPO", "SFT", "DecoupledAlgorithm", "GRPO", "GRPOGuard",
     "KL_TYPES", "NFT", "NFT_WEIGHTINGS", "NoisedBatch", "Policy", "TrainBatch", "awm_log_prob",
-    "best_and_worst", "clipped_policy_loss", "clipped_surrogate", "crd_policy_loss", "decay_at", "dgpo_loss", "dpo_loss", "dsm_clip_mask",
+    "best_and_worst", "clipped_surrogate", "crd_policy_loss", "decay_at", "dgpo_loss", "dpo_loss", "dsm_clip_mask",
     "ema_ref_decay", "flow_matching_loss", "group_preferences", "implicit_reward", "make_algorithm", "nft_loss",
     "normalized_log_ratio", "optimality_probability", "step_kl", "trust_region_loss", "v_based_kl", "x_based_kl",
 ]

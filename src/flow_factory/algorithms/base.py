@@ -82,16 +82,6 @@ class TrainBatch:
     outside_sigma: Tensor | None = None
     parts: int = 1
 
-    @classmethod
-    def at_step(cls, latents: Tensor, old_log_probs: Tensor, advantages: Tensor, sigmas: Tensor,
-                cond: Conditioning, step: int, old_means: Tensor | None = None) -> "TrainBatch":
-        """The batch of whole trajectories ``latents`` (B, T + 1, *latent) at ``step``."""
-        n = len(latents)
-        return cls(x=latents[:, step], x_next=latents[:, step + 1], sigma=sigmas[step].expand(n),
-                   sigma_next=sigmas[step + 1].expand(n), old_log_prob=old_log_probs[:, step],
-                   advantages=advantages, cond=cond, step=torch.full((n,), step, dtype=torch.long),
-                   old_mean=None if old_means is None else old_means[:, step])
-
 
 def merge_batches(batches: list):
     """One batch of the rows of ``batches`` (per-row dataclasses of one type, equal sizes), in

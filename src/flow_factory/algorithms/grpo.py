@@ -58,13 +58,6 @@ def clipped_surrogate(
     return loss, metrics
 
 
-def clipped_policy_loss(
-    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, clip_range: float, adv_clip_range: float
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO's policy loss for (B,) log-probs and advantages; see ``clipped_surrogate``."""
-    return clipped_surrogate(log_prob - old_log_prob, advantages, clip_range, adv_clip_range)
-
-
 class GRPO(Algorithm):
     """Flow-GRPO's loss for one micro-batch at one SDE step.
 
