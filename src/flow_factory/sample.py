@@ -165,21 +165,9 @@ def check_strength(args: argparse.Namespace, adapter_cls) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from .config.base import resolution_pair
-    from .data.conditions import check_batchable, check_conditions
-    from .data.prompts import PromptItem
-    from .models import get_adapter_class
-    from .models.preflight import checkpoint_conditions
 
     try:
-        source = fill_settings(args)
-        items = read_prompt_file(Path(args.prompt_file)) if args.prompt_file else [PromptItem(p) for p in args.prompts]
-        adapter_cls = get_adapter_class(args.model_type)
-        per_sample, note = checkpoint_conditions(adapter_cls, args.model)
-        check_conditions(items, args.model_type, adapter_cls.condition_inputs, per_sample, note)
-        check_strength(args, adapter_cls)
-        size = resolution_pair(args.condition_image_size)
-        check_batchable(items, lambda item: adapter_cls.call_shape([f.size for f in item.images], size),
-                        args.batch_size, "--batch-size")
+        source, items, size = read_and_check_prompts(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"ff-sample: {e}", file=sys.stderr)
         return 2
@@ -190,33 +178,73 @@ def main(argv=None) -> int:
 
     import torch
 
-    from .checkpoint import CheckpointError, load_for_sampling
+    from .checkpoint import CheckpointError
     from .guards import NonFiniteError
-    from .media import VIDEO_FPS, sample_grid, save_grid, save_video
     from .precision import Precision, run_mixed_precision
-    from .rewards.base import images_to_pil, videos_to_pil
     from .sampling import SamplingSettings, sample_prompts
 
     precision = Precision.of(run_mixed_precision(args.mixed_precision), "cuda" if torch.cuda.is_available() else "cpu")
     print(f"ff-sample: {precision.describe()}", file=sys.stderr)
     try:
-        adapter = load_for_sampling(args.model_type, args.model, args.checkpoint, dtype=precision.load)
-    except (CheckpointError, NonFiniteError) as e:
+        adapter = load_adapter(args, precision)
+    except (CheckpointError, NonFiniteError, FlagRefused) as e:
         print(f"ff-sample: {e}", file=sys.stderr)
         return 2
-    if args.guidance_scale_2 is not None and len(adapter.experts(adapter.pipeline.config)) == 1:
-        print(f"ff-sample: --guidance-scale-2: {args.model} has one expert; remove the flag", file=sys.stderr)
-        return 2
-    adapter.guidance_scale_2 = args.guidance_scale_2
-    if args.strength is not None:
-        adapter.strength = args.strength
-    if args.flow_shift is not None:  # the schedule the run evaluated on
-        adapter.set_flow_shift(args.flow_shift)
     settings = SamplingSettings(*resolution_pair(args.resolution), args.num_frames, args.steps, args.guidance_scale,
                                 args.batch_size, args.seed, condition_size=size, keep_audio=True)
     rollouts = sample_prompts(adapter, items, settings, autocast=precision.autocast)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    count, grid = write_samples(args, adapter, items, rollouts, out)
+    print(f"ff-sample: {count} samples and {grid.name} in {out}")
+    return 0
+
+
+def read_and_check_prompts(args) -> tuple:
+    """``(where the settings came from, the prompts, the condition image size)``: the prompts read and
+    checked against what the model takes, before it loads (FileNotFoundError or ValueError otherwise)."""
+    from .config.base import resolution_pair
+    from .data.conditions import check_batchable, check_conditions
+    from .data.prompts import PromptItem
+    from .models import get_adapter_class
+    from .models.preflight import checkpoint_conditions
+
+    source = fill_settings(args)
+    items = read_prompt_file(Path(args.prompt_file)) if args.prompt_file else [PromptItem(p) for p in args.prompts]
+    adapter_cls = get_adapter_class(args.model_type)
+    per_sample, note = checkpoint_conditions(adapter_cls, args.model)
+    check_conditions(items, args.model_type, adapter_cls.condition_inputs, per_sample, note)
+    check_strength(args, adapter_cls)
+    size = resolution_pair(args.condition_image_size)
+    check_batchable(items, lambda item: adapter_cls.call_shape([f.size for f in item.images], size),
+                    args.batch_size, "--batch-size")
+    return source, items, size
+
+
+class FlagRefused(Exception):
+    """A flag the loaded model cannot take."""
+
+
+def load_adapter(args, precision):
+    """The model (with ``--checkpoint``'s weights) set up as the flags say; FlagRefused for a flag it refuses."""
+    from .checkpoint import load_for_sampling
+
+    adapter = load_for_sampling(args.model_type, args.model, args.checkpoint, dtype=precision.load)
+    if args.guidance_scale_2 is not None and len(adapter.experts(adapter.pipeline.config)) == 1:
+        raise FlagRefused(f"--guidance-scale-2: {args.model} has one expert; remove the flag")
+    adapter.guidance_scale_2 = args.guidance_scale_2
+    if args.strength is not None:
+        adapter.strength = args.strength
+    if args.flow_shift is not None:  # the schedule the run evaluated on
+        adapter.set_flow_shift(args.flow_shift)
+    return adapter
+
+
+def write_samples(args, adapter, items: list, rollouts, out: Path) -> tuple[int, Path]:
+    """Each sample's file, ``samples.jsonl`` and the grid in ``out``: (the number of samples, the grid's path)."""
+    from .media import VIDEO_FPS, sample_grid, save_grid, save_video
+    from .rewards.base import images_to_pil, videos_to_pil
+
     media = rollouts.media
     rows = []
     pictures = videos_to_pil(media) if adapter.is_video else images_to_pil(media)
@@ -237,8 +265,7 @@ def main(argv=None) -> int:
     conditions = rollouts.conditions.per_sample() if rollouts.conditions else None
     grid = save_grid(sample_grid(media, [it.prompt for it in items], conditions=conditions), out / "grid",
                      args.video_format, fps)
-    print(f"ff-sample: {len(rows)} samples and {grid.name} in {out}")
-    return 0
+    return len(rows), grid
 
 
 if __name__ == "__main__":
