@@ -57,130 +57,69 @@ def test_precision():
     return torch.device(TEST_DEVICE), precision.load, precision.autocast
 
 
-def _build(tmp_path_factory, model_type: str):
+# The tiny pipelines: fixture name -> (the kind ``flow_factory.testing.build_tiny_pipeline`` builds, what it is).
+# Each name is a session fixture giving that pipeline's folder; ``tiny_pipeline(kind)`` gives any of them.
+TINY_PIPELINES = {
+    "tiny_sd3_path": ("sd3-5", "StableDiffusion3Pipeline (model_type sd3-5); 64x64 images."),
+    "tiny_flux_path": ("flux1", "FluxPipeline (model_type flux1); 64x64 images."),
+    "tiny_wan_path": ("wan2_t2v", "WanPipeline (model_type wan2_t2v); 5 frames at 32x32."),
+    "tiny_qwen_image_path": ("qwen-image", "QwenImagePipeline (model_type qwen-image); 64x64 images."),
+    "tiny_z_image_path": ("z-image", "ZImagePipeline (model_type z-image, Turbo's scheduler); 64x64 images."),
+    "tiny_wan22_path": ("wan2.2-a14b", "Wan2.2 A14B-layout WanPipeline (model_type wan2_t2v): transformer and "
+                                       "transformer_2, boundary_ratio 0.875; 5 frames at 32x32."),
+    "tiny_wan22_ti2v_path": ("wan2.2-ti2v-5b", "Wan2.2 TI2V-5B-layout WanPipeline (model_type wan2_t2v): "
+                                               "expand_timesteps, the 48-channel x16 Wan2.2 VAE; 5 frames at 32x32."),
+    "tiny_flux2_path": ("flux2", "Flux2Pipeline (model_type flux2); 64x64 images."),
+    "tiny_flux2_klein_path": ("flux2-klein", "step-distilled Flux2KleinPipeline (model_type flux2-klein); 64x64 "
+                                             "images."),
+    "tiny_flux2_klein_base_path": ("flux2-klein-base", "Klein base checkpoint (model_type flux2-klein, is_distilled "
+                                                       "false: CFG)."),
+    "tiny_hunyuan_video15_path": ("hunyuanvideo15", "HunyuanVideo15Pipeline (model_type hunyuanvideo15, 8 latent "
+                                                    "channels, x16 and x4); 5 frames at 32x32."),
+    "tiny_ltx2_path": ("ltx2_t2av", "LTX2Pipeline (model_type ltx2_t2av): video with audio; 9 frames at 32x32."),
+    "tiny_ltx2_i2av_path": ("ltx2_i2av", "LTX2ImageToVideoPipeline (model_type ltx2_i2av): tiny_ltx2_path's "
+                                         "weights, a condition image as the first frame; 9 frames at 32x32."),
+    "tiny_flux_kontext_path": ("flux1-kontext", "FluxKontextPipeline (model_type flux1-kontext); 64x64 images, "
+                                                "condition images of any size in multiples of 16."),
+    "tiny_wan_i2v_path": ("wan2_i2v", "Wan2.1 WanImageToVideoPipeline (model_type wan2_i2v, CLIP image encoder); "
+                                      "5 frames at 32x32, one condition image per video."),
+    "tiny_wan_flf2v_path": ("wan2.1-flf2v", "Wan2.1 first-last-frame-to-video WanImageToVideoPipeline (model_type "
+                                            "wan2_i2v, the transformer's pos_embed_seq_len set); 5 frames at 32x32 "
+                                            "between two condition images."),
+    "tiny_wan22_i2v_path": ("wan2.2-i2v-a14b", "Wan2.2 I2V A14B-layout WanImageToVideoPipeline (model_type "
+                                               "wan2_i2v): two experts, boundary_ratio 0.9, no image encoder."),
+    "tiny_wan_v2v_path": ("wan2_v2v", "WanVideoToVideoPipeline (model_type wan2_v2v); 5 frames at 32x32 from a "
+                                      "condition video."),
+    "tiny_qwen_image_edit_path": ("qwen-image-edit-plus", "QwenImageEditPlusPipeline (model_type "
+                                                          "qwen-image-edit-plus); 64x64 images, its processor folder "
+                                                          "without a video processor (loaded by the adapter's "
+                                                          "image-only fallback where torchvision is missing)."),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory):
+    """``tiny_pipeline(kind)``: the folder of the tiny pipeline ``kind`` (a key of ``flow_factory.testing``'s
+    builders, e.g. "sd3-5", "wan2.2-a14b"), built once per test session, offline."""
     from flow_factory.testing import build_tiny_pipeline
 
-    return build_tiny_pipeline(model_type, tmp_path_factory.mktemp("tiny") / model_type)
+    built = {}
+
+    def folder(kind: str):
+        if kind not in built:
+            built[kind] = build_tiny_pipeline(kind, tmp_path_factory.mktemp("tiny") / kind)
+        return built[kind]
+
+    return folder
 
 
-@pytest.fixture(scope="session")
-def tiny_sd3_path(tmp_path_factory):
-    """Folder of a tiny StableDiffusion3Pipeline (model_type "sd3-5"); 64x64 images."""
-    return _build(tmp_path_factory, "sd3-5")
+def _named_tiny_pipeline(name: str, kind: str, doc: str):
+    def fixture(tiny_pipeline):
+        return tiny_pipeline(kind)
+
+    fixture.__doc__ = f"Folder of a tiny {doc}"
+    return pytest.fixture(scope="session", name=name)(fixture)
 
 
-@pytest.fixture(scope="session")
-def tiny_flux_path(tmp_path_factory):
-    """Folder of a tiny FluxPipeline (model_type "flux1"); 64x64 images."""
-    return _build(tmp_path_factory, "flux1")
-
-
-@pytest.fixture(scope="session")
-def tiny_wan_path(tmp_path_factory):
-    """Folder of a tiny WanPipeline (model_type "wan2_t2v"); 5 frames at 32x32."""
-    return _build(tmp_path_factory, "wan2_t2v")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen_image_path(tmp_path_factory):
-    """Folder of a tiny QwenImagePipeline (model_type "qwen-image"); 64x64 images."""
-    return _build(tmp_path_factory, "qwen-image")
-
-
-@pytest.fixture(scope="session")
-def tiny_z_image_path(tmp_path_factory):
-    """Folder of a tiny ZImagePipeline (model_type "z-image", Turbo's scheduler); 64x64 images."""
-    return _build(tmp_path_factory, "z-image")
-
-
-@pytest.fixture(scope="session")
-def tiny_wan22_path(tmp_path_factory):
-    """Folder of a tiny Wan2.2 A14B-layout WanPipeline (model_type "wan2_t2v"): transformer and
-    transformer_2, boundary_ratio 0.875; 5 frames at 32x32."""
-    return _build(tmp_path_factory, "wan2.2-a14b")
-
-
-@pytest.fixture(scope="session")
-def tiny_wan22_ti2v_path(tmp_path_factory):
-    """Folder of a tiny Wan2.2 TI2V-5B-layout WanPipeline (model_type "wan2_t2v"): expand_timesteps, the
-    48-channel x16 Wan2.2 VAE; 5 frames at 32x32."""
-    return _build(tmp_path_factory, "wan2.2-ti2v-5b")
-
-
-@pytest.fixture(scope="session")
-def tiny_flux2_path(tmp_path_factory):
-    """Folder of a tiny Flux2Pipeline (model_type "flux2"); 64x64 images."""
-    return _build(tmp_path_factory, "flux2")
-
-
-@pytest.fixture(scope="session")
-def tiny_flux2_klein_path(tmp_path_factory):
-    """Folder of a tiny step-distilled Flux2KleinPipeline (model_type "flux2-klein"); 64x64 images."""
-    return _build(tmp_path_factory, "flux2-klein")
-
-
-@pytest.fixture(scope="session")
-def tiny_flux2_klein_base_path(tmp_path_factory):
-    """Folder of a tiny Klein base checkpoint (model_type "flux2-klein", is_distilled false: CFG)."""
-    return _build(tmp_path_factory, "flux2-klein-base")
-
-
-@pytest.fixture(scope="session")
-def tiny_hunyuan_video15_path(tmp_path_factory):
-    """Folder of a tiny HunyuanVideo15Pipeline (model_type "hunyuanvideo15", 8 latent channels, x16 and x4);
-    5 frames at 32x32."""
-    return _build(tmp_path_factory, "hunyuanvideo15")
-
-
-@pytest.fixture(scope="session")
-def tiny_ltx2_path(tmp_path_factory):
-    """Folder of a tiny LTX2Pipeline (model_type "ltx2_t2av"): video with audio; 9 frames at 32x32."""
-    return _build(tmp_path_factory, "ltx2_t2av")
-
-
-@pytest.fixture(scope="session")
-def tiny_ltx2_i2av_path(tmp_path_factory):
-    """Folder of a tiny LTX2ImageToVideoPipeline (model_type "ltx2_i2av"): tiny_ltx2_path's weights, a condition
-    image as the first frame; 9 frames at 32x32."""
-    return _build(tmp_path_factory, "ltx2_i2av")
-
-
-@pytest.fixture(scope="session")
-def tiny_flux_kontext_path(tmp_path_factory):
-    """Folder of a tiny FluxKontextPipeline (model_type "flux1-kontext"); 64x64 images, condition images of any
-    size in multiples of 16."""
-    return _build(tmp_path_factory, "flux1-kontext")
-
-
-@pytest.fixture(scope="session")
-def tiny_wan_i2v_path(tmp_path_factory):
-    """Folder of a tiny Wan2.1 WanImageToVideoPipeline (model_type "wan2_i2v", CLIP image encoder); 5 frames at
-    32x32, one condition image per video."""
-    return _build(tmp_path_factory, "wan2_i2v")
-
-
-@pytest.fixture(scope="session")
-def tiny_wan_flf2v_path(tmp_path_factory):
-    """Folder of a tiny Wan2.1 first-last-frame-to-video WanImageToVideoPipeline (model_type "wan2_i2v", the
-    transformer's pos_embed_seq_len set); 5 frames at 32x32 between two condition images."""
-    return _build(tmp_path_factory, "wan2.1-flf2v")
-
-
-@pytest.fixture(scope="session")
-def tiny_wan22_i2v_path(tmp_path_factory):
-    """Folder of a tiny Wan2.2 I2V A14B-layout WanImageToVideoPipeline (model_type "wan2_i2v"): two experts,
-    boundary_ratio 0.9, no image encoder."""
-    return _build(tmp_path_factory, "wan2.2-i2v-a14b")
-
-
-@pytest.fixture(scope="session")
-def tiny_wan_v2v_path(tmp_path_factory):
-    """Folder of a tiny WanVideoToVideoPipeline (model_type "wan2_v2v"); 5 frames at 32x32 from a condition video."""
-    return _build(tmp_path_factory, "wan2_v2v")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen_image_edit_path(tmp_path_factory):
-    """Folder of a tiny QwenImageEditPlusPipeline (model_type "qwen-image-edit-plus"); 64x64 images, its processor
-    folder without a video processor (loaded by the adapter's image-only fallback where torchvision is missing)."""
-    return _build(tmp_path_factory, "qwen-image-edit-plus")
+for _name, (_kind, _doc) in TINY_PIPELINES.items():
+    globals()[_name] = _named_tiny_pipeline(_name, _kind, _doc)
