@@ -13,7 +13,6 @@ All arithmetic is float32. ``sigma`` is a scalar or one value per sample (B,).
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ...dynamics.base import as_batch_column, mean_over_sample

@@ -102,7 +102,7 @@ def sample_query_sigma(lower: Tensor, upper: Tensor, distribution: str = "actual
         u_lo, u_hi = inv(lo), inv(hi)
         out = _shift(u_lo + f * (u_hi - u_lo), source_shift)
     elif distribution == "conditional_logit_normal":
-        normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+        normal = torch.distributions.Normal(torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64))
         z_lo = (torch.logit(lo.clamp(tiny, 1 - tiny)) - logit_mean) / logit_std
         z_hi = (torch.logit(hi.clamp(tiny, 1 - tiny)) - logit_mean) / logit_std
         c_lo, c_hi = normal.cdf(z_lo), normal.cdf(z_hi)
