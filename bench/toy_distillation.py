@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from flow_factory.algorithms.distillation import (add_noise, clean_from_velocity, conditional_renoise,
                                                   denoising_errors, dmd2_generator_loss, fake_score_loss,
                                                   query_interval, sample_perturbation_sigma, sample_query_sigma,
+                                                  TDMR1Settings,
                                                   student_prediction, surrogate_loss, tdm_fake_loss,
                                                   tdm_generator_loss, tdm_r1_generator_loss, time_weight,
                                                   slow_surrogate_decay)
@@ -251,16 +252,17 @@ def group_advantages(rewards: Tensor, group_size: int, clip: float = 5.0) -> Ten
 
 
 def reinforce_tdm_r1(generator: nn.Module, fake: nn.Module, steps: int = 2, iterations: int = 100,
-                     batch: int = 256, group_size: int = 8, ttur_fake_updates: int = 5, lr: float = 3e-3,
-                     fake_lr: float = 1e-2, surrogate_lr: float = 1e-2, tdm_weight: float = 0.3,
-                     preference_beta: float = 1.0, reference_beta: float = 1e-3, reference_threshold: float = 0.05,
-                     clip_range: float = 1e-3, decay_min: float = 1e-3, decay_max: float = 0.3,
-                     use_huber: bool = False, seed: int = 0) -> list[float]:
+                     settings: TDMR1Settings = TDMR1Settings(), lrs=(3e-3, 1e-2, 1e-2),
+                     decay=(1e-3, 0.3), seed: int = 0) -> list[float]:
     """TDM-R1 (``tdm_r1.py``) from a (distilled) generator and its fake score, in place: per step one
     rollout scored by ``reward``, ``ttur_fake_updates`` fake passes, one surrogate pass (the K transitions
     accumulated, each with its time weight), the slow surrogate's EMA, one generator pass. The surrogate
     starts as the teacher (zero residual); the teacher is the frozen reference, queried without guidance
-    (the toy is unconditional: no guidance reward). Returns each step's mean reward over all members."""
+    (the toy is unconditional: no guidance reward). ``lrs``: the generator's, fake score's and surrogate's
+    Adam learning rates; ``decay``: ``surrogate_slow_decay_min`` and ``_max``. Batches of 256 per member in
+    groups of 8, 5 fake passes. Returns each step's mean reward over all members."""
+    batch, group_size, ttur_fake_updates = 256, 8, 5
+    lr, fake_lr, surrogate_lr = lrs
     members = generator.weights[0].shape[0]
     surrogate = ResidualVelocity([seed + 2000 + m for m in range(members)])
     slow = copy.deepcopy(surrogate).requires_grad_(False)
@@ -285,22 +287,20 @@ def reinforce_tdm_r1(generator: nn.Module, fake: nn.Module, steps: int = 2, iter
             with torch.no_grad():
                 err_ref = denoising_errors(teacher_velocity(x_t, sigma), x_next, noise)
                 err_slow = denoising_errors(_rows(slow(*shaped)), x_next, noise)
-            loss, _ = surrogate_loss(err, err_ref, advantages, groups, group_size, err_slow=err_slow,
-                                     preference_beta=preference_beta, reference_beta=reference_beta,
-                                     reference_threshold=reference_threshold, clip_range=clip_range,
-                                     weight=time_weight(k, steps))
+            loss, _ = surrogate_loss(err, err_ref, advantages, groups, group_size, settings, err_slow,
+                                     time_weight(k, steps))
             loss.backward()
         opt_s.step()
-        decay = slow_surrogate_decay(step, decay_min, decay_max)
+        d = slow_surrogate_decay(step, *decay)
         with torch.no_grad():
             for p_slow, p in zip(slow.parameters(), surrogate.parameters()):
-                p_slow.mul_(decay).add_(p, alpha=1 - decay)
+                p_slow.mul_(d).add_(p, alpha=1 - d)
         x0, eps_s, lower, upper = _tdm_prediction(generator, states, sigmas, live=True)
         x_t, sigma_t, _ = _tdm_query(x0, eps_s, lower, upper)
         with torch.no_grad():
             x0_real = clean_from_velocity(x_t, teacher_velocity(x_t, sigma_t), sigma_t)
             x0_fake = _fake_x0(fake, x_t, sigma_t, members)
             x0_sur = _fake_x0(surrogate, x_t, sigma_t, members)
-        loss, _ = tdm_r1_generator_loss(x0, x0_real, x0_fake, x0_sur, tdm_weight=tdm_weight, use_huber=use_huber)
+        loss, _ = tdm_r1_generator_loss(x0, x0_real, x0_fake, x0_sur, settings)
         _step(opt_g, loss)
     return history

@@ -12,7 +12,7 @@ from flow_factory.algorithms.distillation import (
     add_noise, cfg_reward_correction, clean_from_velocity, conditional_renoise, denoising_errors,
     distribution_matching_direction, dmd2_generator_loss, fake_score_loss, guided_velocity, noise_from_velocity,
     query_interval, revised_x0_loss, runaway_mask, sample_boundary_index, sample_perturbation_sigma,
-    sample_query_sigma, slow_surrogate_decay, snr_weight, student_prediction, surrogate_loss, surrogate_masks,
+    sample_query_sigma, slow_surrogate_decay, snr_weight, TDMR1Settings, student_prediction, surrogate_loss, surrogate_masks,
     tdm_fake_loss, tdm_generator_loss, tdm_r1_generator_loss, time_weight, velocity_target)
 from flow_factory.config.distillation import DISTILLATION_SPECS, distillation_problems, resolved
 
@@ -273,14 +273,15 @@ def test_surrogate_loss_by_hand():
     w = 1 / (1 + math.exp(0.5))
     adv, group, ref = T([1.0, -1.0]), torch.zeros(2, dtype=torch.long), T([1.5, 1.5])
     err = T([1.0, 2.0], requires_grad=True)
-    loss, metrics = surrogate_loss(err, ref, adv, group, 2, reference_beta=0.1, reference_threshold=1.0, weight=2.0)
+    settings = TDMR1Settings(surrogate_reference_beta=0.1, surrogate_reference_threshold=1.0)
+    loss, metrics = surrogate_loss(err, ref, adv, group, 2, settings, weight=2.0)
     close(loss, 2.0 * (-w / 2 + 0.1 * 0.25))
     close(metrics["group_margin"], -0.5)
     (grad,) = torch.autograd.grad(loss, err)
     close(grad, 2.0 * (T([w / 2, -w / 2]) + 0.1 * T([-0.5, 0.5])))
     assert grad[0] > 0 > grad[1]  # descent lowers the preferred sample's error (its likelihood up), raises the other's
     # with the default threshold both samples already moved past the reference the way asked: only the penalty pulls
-    loss, metrics = surrogate_loss(err, ref, adv, group, 2, reference_beta=0.1)
+    loss, metrics = surrogate_loss(err, ref, adv, group, 2, TDMR1Settings(surrogate_reference_beta=0.1))
     (grad,) = torch.autograd.grad(loss, err)
     close(grad, 0.1 * T([-0.5, 0.5]))
     close(metrics["clip_fraction"], 1.0)
@@ -298,7 +299,8 @@ def test_the_surrogate_learns_the_preferred_samples():
         x_t = add_noise(x, eps, sigma)
         err = denoising_errors((x_t - m) / 0.5, x, eps)
         err_ref = denoising_errors(x_t / 0.5, x, eps)
-        loss, _ = surrogate_loss(err, err_ref, adv, group, 4, reference_threshold=10.0, clip_range=0.0)
+        loss, _ = surrogate_loss(err, err_ref, adv, group, 4,
+                                 TDMR1Settings(surrogate_reference_threshold=10.0, surrogate_clip_range=0.0))
         (grad,) = torch.autograd.grad(loss, m)
         m = (m - 0.05 * grad).detach().requires_grad_(True)
     assert m.item() > 0.05
@@ -314,8 +316,8 @@ def test_the_guidance_reward_is_cfg_reward_scale_times_the_conditional_minus_unc
 def test_tdm_r1_generator_loss_mixes_its_three_terms_by_hand():
     x0 = T([[1.0, 2.0]], requires_grad=True)
     real, fake, sur, cond = T([[0.0, 0.0]]), T([[1.0, -1.0]]), T([[0.5, 0.0]]), T([[-0.5, 0.5]])
-    loss, terms = tdm_r1_generator_loss(x0, real, fake, sur, x0_conditional=cond, guidance_scale=3.0,
-                                        tdm_weight=0.25, cfg_reward_scale=2.0)
+    settings = TDMR1Settings(tdm_weight=0.25, cfg_reward_scale=2.0)
+    loss, terms = tdm_r1_generator_loss(x0, real, fake, sur, settings, x0_conditional=cond, guidance_scale=3.0)
     tdm = revised_x0_loss(x0, real - fake, real)  # 1/3, as the TDM test
     cfg = revised_x0_loss(x0, 2.0 / 2.0 * (real - cond), real)  # correction [0.5, -0.5]: 0.125 / 1.5
     sur_term = revised_x0_loss(x0, sur - real, sur)  # correction [0.5, 0]: 0.5 * 0.125 / mean(0.5, 2) = 0.05
@@ -325,10 +327,10 @@ def test_tdm_r1_generator_loss_mixes_its_three_terms_by_hand():
     close(loss, tdm + 0.25 * cfg + 0.75 * sur_term)
     close(terms["generator_surrogate_reward_loss"], sur_term)
     # without guidance there is no guidance term
-    loss, terms = tdm_r1_generator_loss(x0, real, fake, sur, tdm_weight=0.25)
+    loss, terms = tdm_r1_generator_loss(x0, real, fake, sur, settings)
     close(loss, tdm + 0.75 * sur_term)
     with pytest.raises(ValueError, match="tdm_weight"):
-        tdm_r1_generator_loss(x0, real, fake, sur, tdm_weight=1.0)
+        TDMR1Settings(tdm_weight=1.0)
 
 
 def test_the_r1_generator_follows_the_surrogate_beyond_the_teacher():

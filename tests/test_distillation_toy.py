@@ -30,6 +30,8 @@ import torch
 from toy_distillation import MODES, distill_dmd2, distill_tdm, reinforce_tdm_r1, reward, sample, \
     sliced_wasserstein, teacher_samples
 
+from flow_factory.algorithms.distillation import TDMR1Settings
+
 SEEDS = (0, 1, 2)
 N = 2000
 
@@ -75,7 +77,7 @@ def test_tdm_r1_raises_the_reward_of_the_tdm_students_for_three_seeds():
         return reward(out).mean(1), far
 
     before, far_before = scored(generator)
-    reinforce_tdm_r1(generator, fake, steps=2, iterations=60, reference_threshold=1.0)
+    reinforce_tdm_r1(generator, fake, steps=2, iterations=60, settings=TDMR1Settings(surrogate_reference_threshold=1.0))
     after, far_after = scored(generator)
     assert ((after - before) > 0.15).all(), (before.tolist(), after.tolist())
     assert (far_after < 0.25).all(), (far_before.tolist(), far_after.tolist())

@@ -91,16 +91,11 @@ def _finite(value, low: float | None = None, *, strict: bool = False) -> bool:
     return low is None or (value > low if strict else value >= low)
 
 
-def distillation_problems(name: str, values: dict) -> list[str]:
-    """Upstream's rule checks (its training arguments' ``__post_init__`` and trainers' constructors) on
-    ``values`` (the train keys a config gives; the rest take the defaults), as messages."""
-    if name not in DISTILLATION_SPECS:
-        return [f"train.trainer_type: {name!r} is not a distillation trainer; valid: {list(DISTILLATION_SPECS)}"]
-    v, out = resolved(name, values), []
-    ttur = v["ttur_fake_updates"]
+def _dmd2_problems(v: dict, name: str) -> list[str]:
+    """The checks of every distillation trainer (DMD2's arguments and the replay's requirements)."""
+    out, ttur, rng = [], v["ttur_fake_updates"], v["perturbation_timestep_range"]
     if isinstance(ttur, bool) or not isinstance(ttur, int) or ttur < 1:
         out.append(f"train.ttur_fake_updates: an integer >= 1, got {ttur!r}")
-    rng = v["perturbation_timestep_range"]
     if not (isinstance(rng, (list, tuple)) and len(rng) == 2 and all(_finite(x, 0.0) for x in rng)
             and 0.0 <= rng[0] < rng[1] <= 1.0):
         out.append(f"train.perturbation_timestep_range: [lower, upper] with 0 <= lower < upper <= 1, got {rng!r}")
@@ -116,8 +111,12 @@ def distillation_problems(name: str, values: dict) -> list[str]:
     steps = v.get("num_inference_steps", 1)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         out.append(f"train.num_inference_steps: an integer >= 1, got {steps!r}")
-    if name == "dmd2":
-        return out
+    return out
+
+
+def _tdm_problems(v: dict) -> list[str]:
+    """TDM's own checks: its loss and its score-query policy."""
+    out = []
     if not isinstance(v["use_huber"], bool):
         out.append(f"train.use_huber: true or false, got {v['use_huber']!r}")
     for key in ("huber_c", "tdm_snr_gamma", "tdm_importance_clip", "tdm_query_logit_std"):
@@ -132,8 +131,12 @@ def distillation_problems(name: str, values: dict) -> list[str]:
         out.append(f"train.tdm_query_max_sigma: in (0, 1], got {v['tdm_query_max_sigma']!r}")
     if not _finite(v["tdm_query_logit_mean"]):
         out.append(f"train.tdm_query_logit_mean: a finite number, got {v['tdm_query_logit_mean']!r}")
-    if name == "tdm":
-        return out
+    return out
+
+
+def _tdm_r1_problems(v: dict) -> list[str]:
+    """TDM-R1's own checks: the reward mix, the surrogate's knobs, the slow copy's decays."""
+    out = []
     if not (_finite(v["tdm_weight"]) and 0.0 < v["tdm_weight"] < 1.0):
         out.append("train.tdm_weight: in (0, 1); it mixes the guidance reward against the surrogate reward as "
                    f"tdm_weight * cfg_reward + (1 - tdm_weight) * surrogate_reward, got {v['tdm_weight']!r}")
@@ -153,4 +156,18 @@ def distillation_problems(name: str, values: dict) -> list[str]:
         out.append(f"train.use_time_weighting: true or false, got {v['use_time_weighting']!r}")
     if v.get("advantage_aggregation", "gdpo") not in ("sum", "gdpo"):
         out.append(f"train.advantage_aggregation: 'sum' or 'gdpo', got {v['advantage_aggregation']!r}")
+    return out
+
+
+def distillation_problems(name: str, values: dict) -> list[str]:
+    """Upstream's rule checks (its training arguments' ``__post_init__`` and trainers' constructors) on
+    ``values`` (the train keys a config gives; the rest take the defaults), as messages."""
+    if name not in DISTILLATION_SPECS:
+        return [f"train.trainer_type: {name!r} is not a distillation trainer; valid: {list(DISTILLATION_SPECS)}"]
+    v = resolved(name, values)
+    out = _dmd2_problems(v, name)
+    if name in ("tdm", "tdm-r1"):
+        out += _tdm_problems(v)
+    if name == "tdm-r1":
+        out += _tdm_r1_problems(v)
     return out

@@ -8,11 +8,11 @@ from .fake_score import fake_score_loss, sample_perturbation_sigma
 from .flow import add_noise, clean_from_velocity, guided_velocity, noise_from_velocity, velocity_target
 from .tdm import (QUERY_DISTRIBUTIONS, QUERY_INTERVALS, conditional_renoise, query_interval, revised_x0_loss,
                   sample_query_sigma, snr_weight, student_prediction, tdm_fake_loss, tdm_generator_loss)
-from .tdm_r1 import (cfg_reward_correction, denoising_errors, runaway_mask, slow_surrogate_decay, surrogate_loss,
-                     surrogate_masks, surrogate_reward_correction, tdm_r1_generator_loss, time_weight)
+from .tdm_r1 import (TDMR1Settings, cfg_reward_correction, denoising_errors, runaway_mask, slow_surrogate_decay,
+                     surrogate_loss, surrogate_masks, surrogate_reward_correction, tdm_r1_generator_loss, time_weight)
 
 __all__ = [
-    "QUERY_DISTRIBUTIONS", "QUERY_INTERVALS", "add_noise", "cfg_reward_correction", "clean_from_velocity",
+    "QUERY_DISTRIBUTIONS", "QUERY_INTERVALS", "TDMR1Settings", "add_noise", "cfg_reward_correction", "clean_from_velocity",
     "conditional_renoise", "denoising_errors", "distribution_matching_direction", "dmd2_generator_loss",
     "fake_score_loss", "guided_velocity", "noise_from_velocity", "query_interval", "revised_x0_loss", "runaway_mask",
     "sample_boundary_index", "sample_perturbation_sigma", "sample_query_sigma", "slow_surrogate_decay", "snr_weight",

@@ -45,6 +45,8 @@ normaliser ``x0_real``; the learned reward ``L_sur_reward`` with correction ``x0
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -52,8 +54,26 @@ from ..dgpo import dgpo_loss, dsm_clip_mask, group_preferences
 from .flow import mean_over_sample, velocity_target
 from .tdm import revised_x0_loss
 
-__all__ = ["cfg_reward_correction", "denoising_errors", "runaway_mask", "slow_surrogate_decay", "surrogate_loss",
+__all__ = ["TDMR1Settings", "cfg_reward_correction", "denoising_errors", "runaway_mask", "slow_surrogate_decay", "surrogate_loss",
            "surrogate_masks", "surrogate_reward_correction", "tdm_r1_generator_loss", "time_weight"]
+
+
+@dataclass(frozen=True)
+class TDMR1Settings:
+    """TDM-R1's loss knobs under upstream's key names, with its defaults (``train.<key>``)."""
+
+    tdm_weight: float = 0.3
+    cfg_reward_scale: float = 3.5
+    use_huber: bool = False
+    huber_c: float = 1e-3
+    surrogate_preference_beta: float = 1.0
+    surrogate_reference_beta: float = 1e-3
+    surrogate_reference_threshold: float = 0.05
+    surrogate_clip_range: float = 1e-3
+
+    def __post_init__(self):
+        if not 0.0 < self.tdm_weight < 1.0:
+            raise ValueError(f"tdm_weight must be in (0, 1), got {self.tdm_weight}")
 
 
 def denoising_errors(velocity: Tensor, x_clean: Tensor, noise: Tensor) -> Tensor:
@@ -93,23 +113,25 @@ def surrogate_masks(err: Tensor, err_ref: Tensor, err_slow: Tensor | None, advan
     return mask
 
 
-def surrogate_loss(err: Tensor, err_ref: Tensor, advantages: Tensor, group: Tensor, group_size: int, *,
-                   err_slow: Tensor | None = None, preference_beta: float = 1.0, reference_beta: float = 1e-3,
-                   reference_threshold: float = 0.05, clip_range: float = 1e-3,
+def surrogate_loss(err: Tensor, err_ref: Tensor, advantages: Tensor, group: Tensor, group_size: int,
+                   settings: TDMR1Settings = TDMR1Settings(), err_slow: Tensor | None = None,
                    weight: float = 1.0) -> tuple[Tensor, dict[str, Tensor]]:
     """TDM-R1's surrogate loss (module docstring) for one transition and its metrics. ``err`` (B,) with
     gradient; ``group`` (B,) long ids in [0, num_groups) of whole groups of ``group_size``; ``advantages``
-    already clipped. The group logits use the unmasked errors, as upstream."""
+    already clipped; ``err_slow`` the slow copy's errors (no trust region without them); ``weight`` the
+    transition's ``time_weight``. The group logits use the unmasked errors, as upstream."""
     advantages = advantages.float()
     num_groups = int(group.max().item()) + 1
-    preferences = group_preferences(err, err_ref, advantages, group, group_size, preference_beta, num_groups)
-    mask = surrogate_masks(err, err_ref, err_slow, advantages, clip_range, reference_threshold)
+    preferences = group_preferences(err, err_ref, advantages, group, group_size, settings.surrogate_preference_beta,
+                                    num_groups)
+    mask = surrogate_masks(err, err_ref, err_slow, advantages, settings.surrogate_clip_range,
+                           settings.surrogate_reference_threshold)
     masked = torch.where(mask, err.detach().float(), err.float())
     pref, metrics = dgpo_loss(masked, advantages, group, preferences)
     penalty = ((err.float() - err_ref.detach().float()) ** 2).mean()
     metrics.update(preference_loss=pref.detach(), reference_penalty=penalty.detach(),
                    clip_fraction=mask.float().mean())
-    return weight * (pref + reference_beta * penalty), metrics
+    return weight * (pref + settings.surrogate_reference_beta * penalty), metrics
 
 
 def cfg_reward_correction(x0_guided: Tensor, x0_conditional: Tensor, guidance_scale: float,
@@ -126,22 +148,21 @@ def surrogate_reward_correction(x0_surrogate: Tensor, x0_real: Tensor) -> Tensor
     return x0_surrogate.detach().float() - x0_real.detach().float()
 
 
-def tdm_r1_generator_loss(x0: Tensor, x0_real: Tensor, x0_fake: Tensor, x0_surrogate: Tensor, *,
-                          x0_conditional: Tensor | None = None, guidance_scale: float = 1.0,
-                          tdm_weight: float = 0.3, cfg_reward_scale: float = 3.5, use_huber: bool = False,
-                          huber_c: float = 1e-3) -> tuple[Tensor, dict[str, Tensor]]:
+def tdm_r1_generator_loss(x0: Tensor, x0_real: Tensor, x0_fake: Tensor, x0_surrogate: Tensor,
+                          settings: TDMR1Settings = TDMR1Settings(), x0_conditional: Tensor | None = None,
+                          guidance_scale: float = 1.0) -> tuple[Tensor, dict[str, Tensor]]:
     """TDM-R1's generator loss ``L_tdm + tdm_weight L_cfg + (1 - tdm_weight) L_sur_reward`` (module
     docstring) and its terms. ``x0`` with gradient; the others are the score queries' clean predictions
     at the same ``x_t`` (``x0_real`` guided at ``guidance_scale``, ``x0_conditional`` the teacher's
     conditional one, needed only for the guidance reward)."""
-    if not 0.0 < tdm_weight < 1.0:
-        raise ValueError(f"tdm_weight must be in (0, 1), got {tdm_weight}")
-    tdm = revised_x0_loss(x0, x0_real.detach().float() - x0_fake.detach().float(), x0_real, use_huber, huber_c)
+    s = settings
+    tdm = revised_x0_loss(x0, x0_real.detach().float() - x0_fake.detach().float(), x0_real, s.use_huber, s.huber_c)
     correction = None if x0_conditional is None else cfg_reward_correction(x0_real, x0_conditional, guidance_scale,
-                                                                           cfg_reward_scale)
+                                                                           s.cfg_reward_scale)
     cfg = x0.new_zeros((), dtype=torch.float32) if correction is None else \
-        revised_x0_loss(x0, correction, x0_real, use_huber, huber_c)
-    sur = revised_x0_loss(x0, surrogate_reward_correction(x0_surrogate, x0_real), x0_surrogate, use_huber, huber_c)
-    loss = tdm + tdm_weight * cfg + (1.0 - tdm_weight) * sur
+        revised_x0_loss(x0, correction, x0_real, s.use_huber, s.huber_c)
+    sur = revised_x0_loss(x0, surrogate_reward_correction(x0_surrogate, x0_real), x0_surrogate, s.use_huber,
+                          s.huber_c)
+    loss = tdm + s.tdm_weight * cfg + (1.0 - s.tdm_weight) * sur
     return loss, {"generator_tdm_loss": tdm.detach(), "generator_guidance_reward_loss": cfg.detach(),
                   "generator_surrogate_reward_loss": sur.detach()}
