@@ -10,9 +10,10 @@ transitions of a rollout.
 rollout's stored state after transition k, ``x_{k+1}``, is noised with fresh noise at a query level
 ``sigma_t`` of that stage (``tdm.sample_query_sigma``); the per-sample flow-matching errors
 
-    e = mean_elems (v_sur(x_t) - (eps - x_{k+1}))^2,    e_ref likewise with the reference,
+    e = mean_elems (v_sur(x_t) - (eps - x_{k+1}))^2,    e_ref likewise with the reference
 
-with the rollout's endpoint advantages ``A`` (group-normalised rewards, clipped to
+(the surrogate queried without guidance, the reference with ``real_guidance_scale``, as upstream), and
+the rollout's endpoint advantages ``A`` (group-normalised rewards, clipped to
 ``advantage_clip_range``), per group g of size G:
 
     s_g = beta / G sum_{i in g} A_i (e_i - e_ref_i)                  (no gradient; beta = surrogate_preference_beta)
