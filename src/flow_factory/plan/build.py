@@ -156,8 +156,9 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
               text_tokens: int | None = None, utilisation: float = UTILISATION,
               calls: dict[str, Measured] | None = None) -> Plan:
     """The plan of ``cfg`` on ``num_processes`` (the config's by default) GPUs of kind ``gpu``; ``device``
-    "cpu" plans a CPU run (float32, as ``precision.run_mixed_precision`` makes it). ``calls``: another plan's
-    measured calls, for a change that leaves them as they were (where rollouts or copies are kept)."""
+    "cpu" plans a CPU run (float32, as ``precision.run_mixed_precision`` makes it). ``calls``: measured calls
+    to take as they are (another plan's, for a change that leaves them as they were: where rollouts or copies
+    are kept); the others (rollout, training, decode) are measured."""
     n = num_processes or cfg.num_processes
     mixed = cfg.mixed_precision if device == "cuda" else "no"
     precision = Precision.of(mixed, device, cfg.model.master_weight_dtype, cfg.train.latent_storage_dtype)
@@ -179,15 +180,21 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
     per_call = cfg.trained_steps_per_sample if train.steps_per_call == "all" else train.steps_per_call
     loss_scale = getattr(train, "loss_guidance_scale", train.guidance_scale)
     rows = b * 2 if train.trainer_type == "dpo" else b  # dpo's micro-batch holds b pairs
-    if calls is None:
-        calls = {"rollout": call(b, train.guidance_scale, False), "training": call(rows * per_call, loss_scale, True),
-                 "decode": decode(adapter, b, latent, precision.load, notes)}
+    calls = dict(calls or {})
+    if "rollout" not in calls:
+        calls["rollout"] = call(b, train.guidance_scale, False)
+    if "training" not in calls:
+        calls["training"] = call(rows * per_call, loss_scale, True)
+    if "decode" not in calls:
+        calls["decode"] = decode(adapter, b, latent, precision.load, notes)
 
     networks = []
     for name, module in adapter.transformers.items():
         load_bytes = precision.load.itemsize
+        graded = calls["training"].gradients.get(name, 0)  # 0: not run by the measured call (the other expert)
         networks.append(memory.Network(name, sum(p.numel() for p in module.parameters()), load_bytes,
-                                       trained.get(name, 0), precision.master.itemsize, largest_block(module)))
+                                       trained.get(name, 0), precision.master.itemsize, largest_block(module),
+                                       graded or -1))
     trained_bytes = sum(net.trained * net.master_bytes for net in networks)
     reference = sum(net.params * net.load_bytes for net in networks if net.trained)
     copies, sharded = weight_copies(cfg, trained_bytes, reference)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -48,54 +48,96 @@ flop_counter.flop_registry[aten._scaled_dot_product_flash_attention_for_cpu_back
 
 
 class FrozenAwareMemTracker(MemTracker):
-    """``MemTracker`` of what a call allocates, in a module with frozen parameters: torch 2.13's registers a
-    gradient hook on every parameter of a module it enters, which raises on one that needs no gradient
-    (LoRA's base weights, a frozen expert). Hooks go only on the trained ones here, and the weights are not
-    tracked; the rest of the tracking is torch's."""
+    """``MemTracker`` in a module with frozen parameters: torch 2.13's registers a gradient hook on every
+    parameter of a module it enters, which raises on one that needs no gradient (LoRA's base weights, a
+    frozen expert). Hooks go only on the trained ones here; the rest of the tracking is torch's, the weights
+    included (as PARAM and BUFFER): untracked, a weight met through a view (``aten.t`` in every ``linear``)
+    would be counted as an activation."""
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
-        # the weights are planned apart (their count is exact); tracking them here would also make every
-        # operator's peak update scan each of a large model's thousand weight tensors
-        if install_grad_hooks:
-            for param in module.parameters():
-                if param.requires_grad and param not in self._param_to_grad_hook_handles:
-                    self._param_to_grad_hook_handles[param] = (
-                        param.register_hook(self._track_grad),
-                        param.register_post_accumulate_grad_hook(lambda p: self._track_grad(p.grad)))
-        return 0, 0
-
-    def _track_grad(self, grad: torch.Tensor) -> None:  # a hook that returns a value would replace the gradient
-        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+        # a frozen parameter shows torch's loop a hook already there (an empty entry), so it installs none
+        frozen = [p for p in module.parameters() if not p.requires_grad and p not in self._param_to_grad_hook_handles]
+        for param in frozen:
+            self._param_to_grad_hook_handles[param] = ()
+        try:
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+        finally:
+            for param in frozen:
+                self._param_to_grad_hook_handles.pop(param, None)
 
 
 class PeakBytes(TorchDispatchMode):
-    """The most bytes the tensors made under it held at once: each storage counted once from the operator
-    that made it until it is freed (a weak reference's callback). The weights, made before, are not in it."""
+    """The most bytes the tensors made under it held at once, gradients of trained weights apart: each new
+    storage counted from the operator that made it until it is freed (a weak reference's callback). An
+    operator's output that shares an input's storage (a view such as ``aten.t`` of a weight, an in-place
+    operator) is no new memory: not counted. The weights, made before, are never in it. A storage that
+    becomes a trained parameter's ``.grad`` (``gradient``) leaves the activations for ``grads``: the plan
+    counts the gradients apart, split by the backend (plan/memory.py)."""
 
     def __init__(self):
         super().__init__()
-        self.live = self.peak = 0
-        self._held: dict[int, object] = {}  # id(storage) -> its weak reference
+        self.live = self.peak = self.grads = 0
+        self._held: dict[int, list] = {}  # storage key -> [weak reference, bytes, is a gradient]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and _key(t) not in inputs:
                 self._hold(t.untyped_storage())
         self.peak = max(self.peak, self.live)
         return out
 
     def _hold(self, storage) -> None:
-        key = id(storage)
+        key = storage._cdata
         if key in self._held:
             return
         size = storage.nbytes()
         self.live += size
 
-        def freed(_ref, key=key, size=size):
-            self.live -= size
-            self._held.pop(key, None)
-        self._held[key] = weakref.ref(storage, freed)
+        def freed(_ref, key=key):
+            _, size, grad = self._held.pop(key)
+            if grad:
+                self.grads -= size
+            else:
+                self.live -= size
+        self._held[key] = [weakref.ref(storage, freed), size, False]
+
+    def gradient(self, grad: torch.Tensor) -> None:
+        """``grad`` is now a trained parameter's gradient (a post-accumulate-grad hook)."""
+        entry = self._held.get(_key(grad))
+        if entry is not None and not entry[2]:
+            entry[2] = True
+            self.live -= entry[1]
+            self.grads += entry[1]
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _NoModules:
+    """A ``ModuleTracker`` that tracks nothing: every FLOP is the call's ("Global")."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return None
+
+
+class CallFlops(FlopCounterMode):
+    """``FlopCounterMode`` without its per-module breakdown, which the plan does not read: to attribute a FLOP
+    to its module, torch's ``ModuleTracker`` registers a gradient hook on every module call's inputs and
+    outputs, and under gradient checkpointing those hooks change what the call holds (tiny FLUX's LoRA
+    micro-batch: 5.0 MB with them, 3.5 MB without, as the real run without a counter). The total is torch's
+    count, operator by operator."""
+
+    def __init__(self):
+        super().__init__(display=False)
+        self.mod_tracker = _NoModules()
 
 
 @contextmanager
@@ -143,44 +185,54 @@ class OnMeta(nn.Module):
 @dataclass
 class Measured:
     flops: int  # FlopCounterMode's count, forward (and backward)
-    peak: int  # bytes the tensors the call made held at their peak: activations, temporaries, gradients, inputs
+    peak: int  # bytes the tensors the call made held at their peak, its gradients apart: activations, temporaries, inputs
     seconds: float = 0.0
+    gradients: dict[str, int] = field(default_factory=dict)  # per network, trained parameters the call gave a gradient
 
 
 @contextmanager
 def adapter_on_cpu(adapter):
     """The adapter's own code on the CPU, its networks (``denoiser_for``) on the meta device."""
-    saved = adapter.device, dict(adapter._wrapped)
+    saved = adapter.device, dict(adapter.callers)
     adapter.device = torch.device("cpu")
-    adapter._wrapped = {name: OnMeta(module) for name, module in adapter.transformers.items()}
+    adapter.callers = {name: OnMeta(module) for name, module in adapter.transformers.items()}
     try:
         yield adapter
     finally:
-        adapter.device, adapter._wrapped = saved
+        adapter.device, adapter.callers = saved
 
 
 def measure_velocity(adapter, latents: torch.Tensor, sigma: float, cond: dict, guidance_scale: float,
                      train: bool) -> Measured:
     """One ``adapter.velocity`` call: with ``train``, forward and backward of a loss on it, as a training
     micro-batch (the algorithms' losses are elementwise on the velocity: nothing a GPU notices). Its peak
-    holds the gradients made by then."""
+    leaves out the trained parameters' gradients; it counts the parameters that got one (not every trained
+    one does: the text branch of a double-stream model's last block feeds no output), which alone get
+    gradients and optimizer state in a run."""
     start, tracker = time.perf_counter(), PeakBytes()
-    with adapter_on_cpu(adapter), torch.set_grad_enabled(train), fused_attention_on_meta(), \
-            FlopCounterMode(display=False) as counter, tracker:
-        sigmas = torch.full((len(latents),), float(sigma))
-        v = adapter.velocity(latents, sigmas, cond, guidance_scale)
-        if train:
-            v.float().square().mean().backward()
-        del v
-    for module in adapter.transformers.values():
-        for p in module.parameters():
-            p.grad = None
-    return Measured(counter.get_total_flops(), tracker.peak, time.perf_counter() - start)
+    trained = [p for module in adapter.transformers.values() for p in module.parameters() if p.requires_grad]
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.gradient(p.grad)) for p in trained] if train else []
+    try:
+        with adapter_on_cpu(adapter), torch.set_grad_enabled(train), fused_attention_on_meta(), \
+                CallFlops() as counter, tracker:
+            sigmas = torch.full((len(latents),), float(sigma))
+            v = adapter.velocity(latents, sigmas, cond, guidance_scale)
+            if train:
+                v.float().square().mean().backward()
+            del v
+    finally:
+        for hook in hooks:
+            hook.remove()
+    gradients = {name: sum(p.numel() for p in module.parameters() if p.requires_grad and p.grad is not None)
+                 for name, module in adapter.transformers.items()}
+    for p in trained:
+        p.grad = None
+    return Measured(counter.get_total_flops(), tracker.peak, time.perf_counter() - start, gradients)
 
 
 def measure_call(fn, *args) -> Measured:
     """A no-grad call of ``fn`` (a decode, a reward model's forward) on meta tensors."""
     start, tracker = time.perf_counter(), PeakBytes()
-    with torch.no_grad(), fused_attention_on_meta(), FlopCounterMode(display=False) as counter, tracker:
+    with torch.no_grad(), fused_attention_on_meta(), CallFlops() as counter, tracker:
         fn(*args)
     return Measured(counter.get_total_flops(), tracker.peak, time.perf_counter() - start)

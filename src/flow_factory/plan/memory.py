@@ -42,6 +42,11 @@ class Network:
     trained: int = 0  # parameters that train (LoRA's, or all of them)
     master_bytes: int = 4  # per trained parameter
     block_params: int = 0  # its largest repeated block: what FSDP2 / ZeRO-3 gathers at a time
+    stepped: int = -1  # trained parameters that get a gradient (and optimizer state); -1: all of them
+
+    @property
+    def graded(self) -> int:
+        return self.trained if self.stepped < 0 else self.stepped
 
     @property
     def weight_bytes(self) -> int:
@@ -75,6 +80,15 @@ class Sizes:
     @property
     def trained_bytes(self) -> int:
         return sum(n.trained * n.master_bytes for n in self.networks)
+
+    @property
+    def graded(self) -> int:
+        """Trained parameters that get a gradient and optimizer state."""
+        return sum(n.graded for n in self.networks)
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(n.graded * n.master_bytes for n in self.networks)
 
 
 def backend_of(config_file) -> str:
@@ -130,11 +144,11 @@ def per_gpu(s: Sizes, backend: str, n: int) -> dict[str, dict[str, int]]:
     copies = sum(int(size * (part["copies"] if name in s.sharded_copies else 1))
                  for name, (size, where) in s.copies.items() if where == "gpu")
     fixed = {"networks": weights, "VAE and other encoders": s.other_networks, "reward models": s.rewards,
-             "optimizer state": int(s.trained * s.optimizer_bytes * part["optimizer"]), "weight copies": copies}
+             "optimizer state": int(s.graded * s.optimizer_bytes * part["optimizer"]), "weight copies": copies}
     if s.text_encoders_stay:
         fixed["text encoders"] = s.text_encoders
     trajectories = s.trajectory_batch if s.offload_samples else s.trajectories
-    grads = int(s.trained_bytes * part["grads"])
+    grads = int(s.gradient_bytes * part["grads"])
     return {
         "prompt cache": {"networks": frozen, "text encoders": s.text_encoders, "VAE and other encoders": s.other_networks,
                          "reward models": s.rewards},
