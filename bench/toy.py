@@ -23,7 +23,7 @@ from flow_factory.algorithms import make_algorithm
 from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import make_dynamics
 from flow_factory.guards import NonFiniteGuard
-from flow_factory.models.base import Conditioning, FlowAdapter
+from flow_factory.models.base import Conditioning, ExpertCalls, FlowAdapter
 from flow_factory.rollout import TrajectoryOptions, sample_trajectory
 from flow_factory.sampling import Rollouts
 from flow_factory.trainer.ema import WeightCopy
@@ -49,7 +49,7 @@ class ToyAdapter(FlowAdapter):
 
     def __init__(self, module: nn.Module):  # no diffusers pipeline: just the velocity network
         self.pipeline = SimpleNamespace(transformer=module)
-        self.device, self.dtype, self._wrapped = torch.device("cpu"), torch.float32, {}
+        self.device, self.dtype, self.callers, self.expert_calls = torch.device("cpu"), torch.float32, {}, ExpertCalls()
 
     def encode(self, prompts, negative_prompts, guidance_scale) -> Conditioning:
         return {"prompt_embeds": torch.zeros(len(prompts), 1)}

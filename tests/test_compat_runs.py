@@ -140,7 +140,7 @@ def test_attn_backend_is_set_on_the_transformer_and_a_wrong_one_is_named(tmp_pat
                                           r"\(JointAttnProcessor2_0\) do not take"):
         Trainer(parse_config(sd3))
 
-    monkeypatch.setattr("flow_factory.trainer.trainer.load_adapter", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("flow_factory.trainer.model.load_adapter", lambda *a, **k: pytest.fail("the model loaded"))
     config["model"]["attn_backend"] = "flashy"
     config["log"]["run_name"] = "other"
     with pytest.raises(ConfigError, match="model.attn_backend: 'flashy' is not one of diffusers' attention backends"):

@@ -201,7 +201,7 @@ def test_deepspeed_without_zero_in_float32_is_refused(tmp_path):
     from accelerate.utils import DistributedType
 
     from flow_factory.config import ConfigError
-    from flow_factory.trainer.sharded import check_deepspeed_skips_nonfinite
+    from flow_factory.trainer.backends import check_deepspeed_skips_nonfinite
 
     def launch(stage, precision):
         return SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, mixed_precision=precision,

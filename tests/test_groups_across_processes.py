@@ -95,7 +95,7 @@ def grpo_advantages(accelerator):
 
     trainer = SimpleNamespace(accelerator=accelerator, rewards=RewardSet({"r": object()}, {"r": 1.0}),
                               cfg=SimpleNamespace(train=TrainConfig(advantage_aggregation="sum", global_std=False)),
-                              guard=NonFiniteGuard(0), source_names=[], offline_records=None)
+                              guard=NonFiniteGuard(0), data=SimpleNamespace(source_names=[], offline_records=None))
     trainer._local_share = lambda n: Trainer._local_share(trainer, n)
     trainer._gathered_datasets = lambda: Trainer._gathered_datasets(trainer)
     rollouts = SimpleNamespace(rewards={"r": rewards[mine]}, group_ids=group_ids[mine])

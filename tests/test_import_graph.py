@@ -125,3 +125,34 @@ def test_a_run_imports_only_its_own_models_adapter_and_no_plotting_until_it_draw
 
     for model_type in ADAPTERS:
         assert ADAPTERS[model_type].model_type == model_type
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module name ``path`` imports, absolute or relative as written (``..sharding`` stays ``sharding``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add(node.module or "")
+            names.update(f"{node.module or ''}.{alias.name}".lstrip(".") for alias in node.names)
+    return names
+
+
+def test_model_adapters_import_nothing_distributed():
+    """An adapter says how to call its model; who runs which expert on which process is the training backend's
+    (``trainer/backends.py``), which the adapter sees only as ``expert_calls`` and ``callers``."""
+    distributed = ("torch.distributed", "accelerate", "deepspeed", "sharding", "flow_factory.sharding", "trainer",
+                   "flow_factory.trainer")
+    offenders = {f"{path.relative_to(SRC)}: {name}" for path in (PACKAGE / "models").glob("*.py")
+                 for name in imported_names(path) if name.startswith(distributed)}
+    assert not offenders, sorted(offenders)
+    assert "accelerate" in {n.split(".")[0] for n in imported_names(PACKAGE / "trainer" / "backends.py")}
+
+
+def test_nothing_below_the_trainer_imports_it():
+    """The trainer builds on everything else; only ``ff-train``'s entry point imports it."""
+    graph = import_graph()
+    importers = {m for m, targets in graph.items() if not m.startswith("flow_factory.trainer")
+                 and any(t.startswith("flow_factory.trainer") for t in targets)}
+    assert importers == {"flow_factory.train"}

@@ -13,7 +13,7 @@ from test_config import minimal
 
 from flow_factory.config import ConfigError, parse_config
 from flow_factory.trainer.optimizers import MuonWithAdamW
-from flow_factory.trainer.sharded import check_optimizer_backend
+from flow_factory.trainer.backends import check_optimizer_backend
 
 SETTINGS = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 

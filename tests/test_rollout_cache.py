@@ -81,9 +81,7 @@ def test_nft_trains_without_the_hooks_its_rollouts_had(tmp_path, tiny_flux_path,
 
 
 def test_a_policy_the_model_does_not_take_is_refused_before_loading(tmp_path, tiny_sd3_path, monkeypatch):
-    import flow_factory.trainer.trainer as trainer_module
-
-    monkeypatch.setattr(trainer_module, "load_adapter", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("flow_factory.trainer.model.load_adapter", lambda *a, **k: pytest.fail("the model loaded"))
     config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path, trainer_type="nft", rollout_cache="first_block")
     config["scheduler"] = {"dynamics_type": "ODE", "noise_level": 0.0}
     from flow_factory.trainer.trainer import Trainer

@@ -204,7 +204,7 @@ def test_kill_during_a_save_resumes_to_the_uninterrupted_weights(tmp_path, tiny_
 
 def test_an_incomplete_or_foreign_checkpoint_is_named_before_the_model_loads(tmp_path, tiny_sd3_path,
                                                                               capsys, monkeypatch):
-    monkeypatch.setattr("flow_factory.trainer.trainer.load_adapter", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("flow_factory.trainer.model.load_adapter", lambda *a, **k: pytest.fail("the model loaded"))
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("hello")
@@ -280,8 +280,8 @@ def _files(run_dir: Path) -> dict[str, bytes]:
 
 # the steps of start-up after the run folder is claimed: a function a step calls, where a run fails or dies
 STARTUP_STEPS = {"rewards": "flow_factory.trainer.trainer.RewardSet.from_configs",
-                 "pipeline": "flow_factory.trainer.trainer.load_adapter",
-                 "trained weights": "flow_factory.trainer.trainer.Trainer._make_trainable",
+                 "pipeline": "flow_factory.trainer.model.load_adapter",
+                 "trained weights": "flow_factory.trainer.trainer.make_trainable",
                  "the old run's removal": "flow_factory.trainer.run_folder.RunFolder.started"}
 
 
@@ -354,7 +354,7 @@ def test_default_run_names_never_collide(tmp_path, tiny_sd3_path):
 
 
 def test_an_unwritable_save_dir_fails_before_the_model_loads(tmp_path, tiny_sd3_path, capsys, monkeypatch):
-    monkeypatch.setattr("flow_factory.trainer.trainer.load_adapter", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("flow_factory.trainer.model.load_adapter", lambda *a, **k: pytest.fail("the model loaded"))
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     config = _config(tmp_path, tiny_sd3_path)
@@ -373,7 +373,7 @@ def test_resume_errors_name_the_key_before_the_model_loads(tmp_path, tiny_sd3_pa
     config["model"]["resume_path"] = str(checkpoint)
 
     with monkeypatch.context() as m:
-        m.setattr("flow_factory.trainer.trainer.load_adapter", lambda *a, **k: pytest.fail("the model loaded"))
+        m.setattr("flow_factory.trainer.model.load_adapter", lambda *a, **k: pytest.fail("the model loaded"))
         assert _train(tmp_path, config) == 2  # max_epochs 1: nothing left to train
         assert (f"model.resume_path: {checkpoint} has 1 epochs done and train.max_epochs is 1: nothing to train; "
                 "set train.max_epochs above 1") in capsys.readouterr().err

@@ -382,7 +382,7 @@ def test_zero3_refuses_several_experts_before_loading_and_zero2_and_fsdp2_take_t
 
     from accelerate.utils import DistributedType
 
-    from flow_factory.trainer.sharded import check_experts_before_loading
+    from flow_factory.trainer.backends import check_experts_before_loading
 
     def launch(kind, zero_stage=None):
         plugin = None if zero_stage is None else SimpleNamespace(zero_stage=zero_stage)

@@ -66,9 +66,16 @@ class RolloutCache:
         self._calls = 0
 
     @classmethod
-    def of(cls, train) -> "RolloutCache | None":
-        """The cache the ``train`` section asks for, or None."""
-        return None if train.rollout_cache == "none" else cls(train.rollout_cache, train.rollout_cache_params)
+    def of(cls, train, adapter_cls=None) -> "RolloutCache | None":
+        """The cache the ``train`` section asks for, or None; checked against the policies ``adapter_cls``'s
+        transformer takes (before the model loads)."""
+        if train.rollout_cache == "none":
+            return None
+        policies = adapter_cls.cache_policies if adapter_cls is not None else POLICIES
+        if train.rollout_cache not in policies:
+            raise ConfigError(f"train.rollout_cache: {train.rollout_cache} does not work with "
+                              f"{adapter_cls.model_type}'s transformer; its policies: {', '.join(policies)}")
+        return cls(train.rollout_cache, train.rollout_cache_params)
 
     @contextmanager
     def applied(self, adapter):

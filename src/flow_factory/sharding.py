@@ -24,7 +24,7 @@ built (its fp32 master copies start from it), and the engine's own state (each p
 partition of the master weights and AdamW's moments) is saved and restored by DeepSpeed
 itself: ``save_engine_state`` / ``load_engine_state``. DeepSpeed builds one engine per run, so a
 model's several trained experts go into it as one network (``BundledExperts``), as Flow-Factory
-bundles them; ZeRO-3 is refused for them (``trainer/sharded.py``).
+bundles them; ZeRO-3 is refused for them (``trainer/backends.py``).
 """
 
 from __future__ import annotations

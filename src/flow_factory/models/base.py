@@ -198,6 +198,21 @@ def pad_cat(tensors: list[Tensor], stack: bool = False) -> Tensor:
     return torch.cat(padded)
 
 
+class ExpertCalls:
+    """Which experts of a multi-expert model a ``velocity`` call runs: alone, those its rows need. A training
+    backend whose experts' forward is a collective (every process runs an expert whenever one does) puts its
+    own in ``FlowAdapter.expert_calls`` (``trainer/backends.py``)."""
+
+    def to_run(self, needed: Mapping[str, bool]) -> dict[str, bool]:
+        """``needed``: expert -> whether this call's rows need it."""
+        return dict(needed)
+
+    def idle_pass(self, out: Tensor, run_one_row: Callable[[], Tensor]) -> Tensor:
+        """``out`` tied to an expert that ``to_run`` runs though no row needs it (``run_one_row``: that expert
+        on one row of the batch). Never asked here: ``to_run`` runs what the rows need."""
+        return out
+
+
 class FlowAdapter:
     """Base class; subclasses register under ``model_type`` in models/registry.py."""
 
@@ -246,10 +261,10 @@ class FlowAdapter:
         for module in [getattr(pipeline, "vae", None), *self.text_encoders().values(), *self.transformers.values()]:
             if module is not None:
                 module.requires_grad_(False)
-        self._wrapped: dict[str, torch.nn.Module] = {}  # a transformer inside its DDP wrapper, by component
-        # the experts every process calls together (FSDP2 or DeepSpeed: their forward or backward is a collective)
-        self.lockstep_experts: frozenset[str] = frozenset()
-        self.idle_passes = 0  # the passes of a sharded expert over a row only because another process needed it
+        # set by the training backend (trainer/backends.py): the module a component is called through while it
+        # trains (its DDP wrapper, DeepSpeed's engine), and which experts a call runs
+        self.callers: dict[str, torch.nn.Module] = {}
+        self.expert_calls = ExpertCalls()
 
     @classmethod
     def from_pretrained(cls, path: str, device="cpu", dtype: torch.dtype = torch.float32) -> "FlowAdapter":
@@ -277,54 +292,21 @@ class FlowAdapter:
 
     def denoiser_for(self, name: str) -> torch.nn.Module:
         """``denoiser`` of one expert of a multi-expert model."""
-        return self._wrapped[name] if name in self._wrapped else getattr(self.pipeline, name)
-
-    def wrap_transformer(self, wrap) -> bool:
-        """``wrap``: e.g. ``accelerator.prepare``; gradients then sync across processes (DDP). A model with
-        several experts is left unwrapped (False): DDP syncs only when every process calls the wrapped
-        network in a micro-step, and a micro-step at low noise calls only the low-noise expert; the trainer
-        averages its gradients itself (trainer/optimize.py)."""
-        if len(self.transformers) > 1:
-            return False
-        wrapped = wrap(self.transformer)
-        self._wrapped = {"transformer": wrapped} if wrapped is not self.transformer else {}
-        return True
-
-    def use_prepared(self, prepared: Mapping[str, Callable]) -> None:
-        """The trained networks as a sharded launch prepared them (by component): DeepSpeed's engine wraps
-        them; FSDP2 shards in place. Either way a trained expert's forward or backward becomes a collective
-        (FSDP2 gathers weights and reduce-scatters gradients, ZeRO reduces gradients in buckets that every
-        process must fill alike), so every process runs it whenever one does."""
-        self._wrapped = {name: module for name, module in prepared.items() if module is not self.transformers[name]}
-        if len(self.transformers) > 1:
-            self.lockstep_experts = frozenset(prepared)
-
-    def experts_called_anywhere(self, called: Mapping[str, bool]) -> dict[str, bool]:
-        """Which experts a velocity call runs: those it needs (``called``), and a lockstep expert that another
-        process needs now (``use_prepared``: no process may skip it). One small all-reduce, only while
-        experts run in lockstep."""
-        if not self.lockstep_experts:
-            return dict(called)
-        import torch.distributed as dist
-
-        names = list(called)
-        anywhere = torch.tensor([float(called[n]) for n in names], device=self.device)
-        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
-        return {n: called[n] or (n in self.lockstep_experts and bool(anywhere[i])) for i, n in enumerate(names)}
+        return self.callers[name] if name in self.callers else getattr(self.pipeline, name)
 
     @contextmanager
     def swapped_transformers(self, modules: Mapping[str, torch.nn.Module]):
         """Run ``velocity`` with other networks (frozen reference copies) in these components for a while."""
-        saved = {name: getattr(self.pipeline, name) for name in modules}, dict(self._wrapped)
+        saved = {name: getattr(self.pipeline, name) for name in modules}, dict(self.callers)
         for name, module in modules.items():
             setattr(self.pipeline, name, module)
-            self._wrapped.pop(name, None)
+            self.callers.pop(name, None)
         try:
             yield
         finally:
             for name, module in saved[0].items():
                 setattr(self.pipeline, name, module)
-            self._wrapped = saved[1]
+            self.callers = saved[1]
 
     # --- the text side, which the prompt cache (prompt_cache.py) stands in for ----------
     def text_encoders(self) -> dict[str, torch.nn.Module]:

@@ -117,7 +117,7 @@ class WanT2VAdapter(FlowAdapter):
         high = self.high_noise(t)
         scale_2 = guidance_scale if self.guidance_scale_2 is None else self.guidance_scale_2
         parts = {"transformer": (high, guidance_scale), "transformer_2": (~high, scale_2)}
-        called = self.experts_called_anywhere({name: bool(rows.any()) for name, (rows, _) in parts.items()})
+        called = self.expert_calls.to_run({name: bool(rows.any()) for name, (rows, _) in parts.items()})
         if sum(called.values()) == 1:
             (name,) = (name for name, on in called.items() if on)
             return self._expert_velocity(name, x, t, cond, guidance_scale, parts[name][1])
@@ -127,11 +127,10 @@ class WanT2VAdapter(FlowAdapter):
             if len(rows):
                 out[rows] = self._expert_velocity(name, x[rows], t[rows], index_cond(cond, rows), guidance_scale,
                                                   scale)
-            elif called[name]:  # a lockstep expert another process calls now: a pass over one row of this batch,
-                first = torch.zeros(1, dtype=torch.long, device=self.device)  # tied in with weight 0
-                idle = self._expert_velocity(name, x[first], t[first], index_cond(cond, first), guidance_scale, scale)
-                out = out + 0 * idle.sum()  # a zero gradient: the backward reduce-scatters with the others
-                self.idle_passes += 1
+            elif called[name]:  # no row needs it, yet the backend runs it (another process does: expert_calls)
+                first = torch.zeros(1, dtype=torch.long, device=self.device)
+                out = self.expert_calls.idle_pass(out, lambda: self._expert_velocity(
+                    name, x[first], t[first], index_cond(cond, first), guidance_scale, scale))  # noqa: B023
         return out
 
     def experts_at(self, sigmas: Tensor) -> list[str]:

@@ -12,6 +12,8 @@ pair, a record making a group of two, so that DPO's best-and-worst pair is the r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 from PIL import Image
@@ -65,3 +67,14 @@ class OfflineEpochs:
                 pixels.append(torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).float() / 255)
             self._latents[record] = self.adapter.encode_images(torch.stack(pixels)).float().cpu()
         return self._latents[record].to(self.adapter.device)
+
+
+def offline_optimize_settings(settings, train, records: int, num_processes: int, num_timesteps: int):
+    """``settings`` (``OptimizeSettings``) with an offline epoch's accumulation: a pass over the dataset, this
+    process's share of the ``records`` in micro-batches of ``num_timesteps`` drawn timesteps each, makes
+    ``gradient_step_per_epoch`` optimizer steps (or ``gradient_accumulation_steps`` micro-steps each)."""
+    if isinstance(train.gradient_accumulation_steps, int):
+        return replace(settings, accumulation=train.gradient_accumulation_steps)
+    mine = records // num_processes  # OfflineEpochs.epoch's share
+    micro = -(-mine // train.per_device_batch_size) * num_timesteps
+    return replace(settings, accumulation=max(1, micro // train.gradient_step_per_epoch))

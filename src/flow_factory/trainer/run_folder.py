@@ -131,3 +131,20 @@ class RunFolder:
         raise RunFolderError(
             f"log.run_name: {self.path} already holds a run ({', '.join(sorted(held)[:4])}); resume it with "
             f"model.resume_path={self.path}, choose another log.run_name, or set log.overwrite: true to replace it")
+
+
+def from_main(accelerator, fn):
+    """``fn()`` on the main process, its result (or its RunFolderError) on every process."""
+    from accelerate.utils import broadcast_object_list
+
+    result = error = None
+    if accelerator.is_main_process:
+        try:
+            result = fn()
+        except RunFolderError as e:
+            error = str(e)
+    if accelerator.num_processes > 1:
+        result, error = broadcast_object_list([result, error])
+    if error is not None:
+        raise RunFolderError(error)
+    return result

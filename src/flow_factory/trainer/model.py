@@ -1,0 +1,82 @@
+"""The model a run trains: the pipeline loaded and set as the config asks (``load_model``), LoRA on (or every weight
+of) the networks ``model.trained_components`` names (``make_trainable``), and the check that the steps a coupled
+algorithm trains are denoised by a trained expert (``check_trained_steps``)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+from ..config.sections import component_targets
+from ..config.train import COUPLED_TRAINER_TYPES
+from ..guards import check_pipeline_finite
+from ..models import load_adapter
+from ..models.lora import apply_lora
+from ..models.preflight import check_experts
+
+logger = logging.getLogger(__name__)
+
+
+def load_model(cfg, device: torch.device, dtype: torch.dtype):
+    """The adapter of ``model.model_type`` over the pipeline at ``model.model_name_or_path``, loaded in ``dtype``,
+    with the config's sampling settings; its weights checked finite."""
+    train, model = cfg.train, cfg.model
+    adapter = load_adapter(model.model_type, model.model_name_or_path, device, dtype)
+    # a hub id's experts are known only now (a folder's were checked before loading)
+    check_experts(adapter.experts(adapter.pipeline.config), cfg, model.model_name_or_path)
+    adapter.guidance_scale_2 = train.guidance_scale_2
+    if train.strength is not None:  # video-to-video (the config allows it for no other model)
+        adapter.strength = train.strength
+    if cfg.scheduler.flow_shift is not None:
+        adapter.set_flow_shift(cfg.scheduler.flow_shift)
+    check_pipeline_finite(adapter.pipeline, f"model.model_name_or_path: {model.model_name_or_path}")
+    if model.attn_backend is not None:  # the name is checked before loading (models/preflight.py)
+        adapter.set_attention_backend(model.attn_backend)
+    return adapter
+
+
+def make_trainable(adapter, cfg, master_dtype: torch.dtype) -> dict[str, nn.Module]:
+    """LoRA on, or every weight of, the networks ``model.trained_components`` names, by component; the others (a
+    multi-expert model's frozen expert) get no adapter and no gradient. Trained weights keep ``master_dtype``
+    (fp32 by default) under mixed precision."""
+    model = cfg.model
+    trained = {name: adapter.transformers[name] for name in model.trained_components}
+    for name, transformer in trained.items():
+        if model.finetune_type == "lora":
+            apply_lora(transformer, model.lora_rank, model.lora_alpha,
+                       component_targets(model.target_modules, name, model.target_components),
+                       adapter.default_lora_targets)
+        else:
+            transformer.requires_grad_(True)
+        if cfg.train.enable_gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+    for p in trainable_params(trained):
+        p.data = p.data.to(master_dtype)
+    return trained
+
+
+def check_trained_steps(cfg, adapter, train_size: tuple[int, int]) -> None:
+    """A step of the grpo family trains the expert that denoises it: a step of an expert that the run leaves frozen
+    (``model.target_components``, ``target_modules``) trains nothing (Wan2.2 A14B)."""
+    if cfg.train.trainer_type not in COUPLED_TRAINER_TYPES or len(adapter.transformers) == 1:
+        return
+    trained = cfg.model.trained_components
+    sigmas = adapter.sigmas(cfg.train.num_inference_steps, *train_size, cfg.train.num_frames)
+    experts = adapter.experts_at(sigmas[:-1])
+    frozen = {s: experts[s] for s in cfg.sde_step_candidates if experts[s] not in trained}
+    if not frozen:
+        return
+    message = (f"scheduler.sde_steps: steps {sorted(frozen)} are denoised by {sorted(set(frozen.values()))}, "
+               f"which the run does not train (it trains {trained}: model.target_components and target_modules)")
+    if len(frozen) == len(cfg.sde_step_candidates):
+        raise ConfigError(f"{message}; no step of the window trains anything: choose steps of {trained} "
+                          f"(sigmas {[round(float(x), 3) for x in sigmas[:-1]]})")
+    logger.warning("%s; those steps train nothing", message)
+
+
+def trainable_params(trained: dict[str, nn.Module]) -> list[nn.Parameter]:
+    """What the optimizer steps: after FSDP2, each parameter is this process's shard (a DTensor)."""
+    return [p for module in trained.values() for p in module.parameters() if p.requires_grad]

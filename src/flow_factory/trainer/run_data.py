@@ -1,0 +1,75 @@
+"""What a run trains and evaluates on, read and checked before the model loads: the train and test prompts with
+their condition files (an offline run's records instead of rollouts), the sizes each split generates at, the
+epoch's draw, and each prompt's dataset when there are several."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ConfigError
+from ..config.train import OFFLINE_TRAINER_TYPES
+from ..data import MissingPromptFile, epoch_sampler
+from ..data.offline import OFFLINE_KINDS, load_offline_sources
+from ..data.sources import source_indices
+from ..sampling import load_split, split_size
+from ..start_checks import check_prompt_counts
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunData:
+    train_prompts: list
+    test_prompts: list  # empty: evaluation is off
+    train_size: tuple[int, int]  # (height, width) of train's samples
+    eval_size: tuple[int, int]
+    sampler: object | None  # the epoch's draw of prompts and groups (None: offline)
+    offline_records: list | None  # sft, offline-dpo: the dataset's records train instead of rollouts
+    source_names: list[str]  # several datasets: their names (empty: one)
+    train_sources: torch.Tensor | None  # each training prompt's dataset, by position in source_names
+
+
+def load_run_data(cfg, adapter_cls, num_processes: int, seed: int) -> RunData:
+    """The run's prompts for the model ``adapter_cls`` (a PromptFileError or ConfigError naming the file, line or
+    key when they do not fit it)."""
+    train_type = cfg.train.trainer_type
+    records = None
+    if train_type in OFFLINE_TRAINER_TYPES:
+        if not adapter_cls.trains_offline():
+            raise ConfigError(f"train.trainer_type: {train_type} trains from images, which {cfg.model.model_type} "
+                              "does not encode in this version (sd3-5, flux1, flux1-kontext do)")
+        records = load_offline_sources(cfg.data.sources, "train", OFFLINE_KINDS[train_type])
+        if len(records) < num_processes:
+            raise ConfigError(f"num_processes: {num_processes} processes, and the dataset holds {len(records)} "
+                              "records: each process needs one")
+        train_prompts = load_split(cfg, "train", adapter_cls, [r.item for r in records])
+    else:
+        train_prompts = load_split(cfg, "train", adapter_cls)
+        check_prompt_counts(cfg, train_prompts)
+    test_prompts = _test_prompts(cfg, adapter_cls, offline=records is not None)
+    names = [s.name for s in cfg.data.datasets] if cfg.data.datasets is not None else []
+    return RunData(train_prompts, test_prompts,
+                   train_size=split_size(cfg, "train", train_prompts, adapter_cls),
+                   eval_size=split_size(cfg, "eval", test_prompts, adapter_cls),
+                   sampler=None if records else epoch_sampler(cfg, train_prompts, seed),
+                   offline_records=records, source_names=names,
+                   train_sources=source_indices(train_prompts, names) if names else None)
+
+
+def _test_prompts(cfg, adapter_cls, offline: bool) -> list:
+    """The test split when evaluation is on; a dataset without one trains without evaluation, as in
+    Flow-Factory (a broken test file is still an error)."""
+    if not cfg.eval.eval_freq or not (cfg.eval_rewards or cfg.rewards):  # an offline run may score nothing
+        return []
+    try:
+        if offline:  # its test split holds records too: their prompts
+            kind = OFFLINE_KINDS[cfg.train.trainer_type]
+            return load_split(cfg, "test", adapter_cls,
+                              [r.item for r in load_offline_sources(cfg.data.sources, "test", kind)])
+        return load_split(cfg, "test", adapter_cls)
+    except MissingPromptFile as missing:
+        logger.warning("%s; evaluation is off for this run (eval.eval_freq: %d)", missing, cfg.eval.eval_freq)
+        return []
