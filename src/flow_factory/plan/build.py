@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..config.base import resolution_pair
 from ..config.train import COUPLED_TRAINER_TYPES
 from ..precision import Precision
 from . import memory
@@ -166,35 +167,26 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
     adapter, train, notes = meta.adapter, cfg.train, []
     trained = make_trainable(adapter, cfg, precision.master)
     height, width = train.height_width
-    frames, condition_size = train.num_frames, None
-    if train.condition_image_size is not None:
-        from ..config.base import resolution_pair
-        condition_size = resolution_pair(train.condition_image_size)
+    frames = train.num_frames
+    condition_size = None if train.condition_image_size is None else resolution_pair(train.condition_image_size)
     latent = adapter.latent_shape(height, width, frames)
 
     def call(rows: int, scale: float, grad: bool) -> Measured:
         cond = conditioning(adapter, rows, scale, height, width, frames, condition_size, text_tokens)
-        return measure_velocity(adapter, torch.zeros(rows, *latent), 1.0 if not grad else 0.9, cond, scale, grad)
+        return measure_velocity(adapter, torch.zeros(rows, *latent), 1.0 if not grad else 0.9, cond, scale, grad,
+                                precision.autocast_dtype)
 
     b = train.per_device_batch_size
     per_call = cfg.trained_steps_per_sample if train.steps_per_call == "all" else train.steps_per_call
     loss_scale = getattr(train, "loss_guidance_scale", train.guidance_scale)
     rows = b * 2 if train.trainer_type == "dpo" else b  # dpo's micro-batch holds b pairs
     calls = dict(calls or {})
-    if "rollout" not in calls:
-        calls["rollout"] = call(b, train.guidance_scale, False)
-    if "training" not in calls:
-        calls["training"] = call(rows * per_call, loss_scale, True)
-    if "decode" not in calls:
-        calls["decode"] = decode(adapter, b, latent, precision.load, notes)
+    for name, measure in (("rollout", lambda: call(b, train.guidance_scale, False)),
+                          ("training", lambda: call(rows * per_call, loss_scale, True)),
+                          ("decode", lambda: decode(adapter, b, latent, precision, notes))):
+        calls[name] = calls[name] if name in calls else measure()
 
-    networks = []
-    for name, module in adapter.transformers.items():
-        load_bytes = precision.load.itemsize
-        graded = calls["training"].gradients.get(name, 0)  # 0: not run by the measured call (the other expert)
-        networks.append(memory.Network(name, sum(p.numel() for p in module.parameters()), load_bytes,
-                                       trained.get(name, 0), precision.master.itemsize, largest_block(module),
-                                       graded or -1))
+    networks = denoisers(adapter, trained, precision, calls["training"])
     trained_bytes = sum(net.trained * net.master_bytes for net in networks)
     reference = sum(net.params * net.load_bytes for net in networks if net.trained)
     copies, sharded = weight_copies(cfg, trained_bytes, reference)
@@ -222,9 +214,19 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
     return plan
 
 
-def decode(adapter, n: int, latent: tuple, dtype: torch.dtype, notes: list[str]) -> Measured:
+def denoisers(adapter, trained: dict[str, int], precision: Precision, training: Measured) -> list[memory.Network]:
+    """The denoising networks as the run holds them; a trained one's parameters that get a gradient are those
+    the measured training call gave one, or all of them where the call did not run it (the other expert)."""
+    return [memory.Network(name, sum(p.numel() for p in module.parameters()), precision.load.itemsize,
+                           trained.get(name, 0), precision.master.itemsize, largest_block(module),
+                           training.gradients.get(name) or -1)
+            for name, module in adapter.transformers.items()]
+
+
+def decode(adapter, n: int, latent: tuple, precision: Precision, notes: list[str]) -> Measured:
     try:
-        return measure_call(adapter.decode, torch.zeros(n, *latent, device="meta", dtype=dtype))
+        return measure_call(adapter.decode, torch.zeros(n, *latent, device="meta", dtype=precision.load),
+                            autocast=precision.autocast_dtype)
     except Exception as err:  # a decode that reads values (LTX-2's video processor) is not measured
         notes.append(f"VAE decode not measured ({type(err).__name__}: {str(err).splitlines()[0][:80]})")
         return Measured(0, 0)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.distributed._tools import MemTracker
 from torch.distributed._tools.mem_tracker import _MemRefType
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -170,6 +171,45 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     return aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal, scale=scale)[0]
 
 
+# autocast's lower-precision operators that hold most of a call's memory: their inputs are cast to the autocast
+# dtype, and what they save for the backward is that cast
+AUTOCAST_LOW = ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
+
+
+@contextmanager
+def autocast_on_meta(dtype: torch.dtype | None):
+    """What ``torch.autocast`` does to a GPU call's memory, on meta tensors, for which torch has no autocast
+    (``torch.autocast("meta")`` is refused: autocast is a dispatch key of the CUDA, CPU, ... tensors only).
+    ``torch.nn.functional``'s linear and convolutions cast their meta inputs to ``dtype``: a LoRA layer's
+    float32 weights otherwise make it keep a float32 copy of its input for the backward, where autocast keeps
+    one in bf16 (FLUX.1-dev at 1024 px without checkpointing: 30.7 GiB of activations planned without this,
+    25.8 with it; the H200's run held about 25, docs/experiments/gpu.md). Functions are swapped, not intercepted
+    by a ``TorchFunctionMode``: checkpointing's recomputation runs on autograd's thread, which a mode does not
+    reach, and must cast as the forward did (or torch's checkpoint refuses the recomputed dtypes). Not
+    emulated: autocast's float32 list (layer_norm, group_norm, softmax, ...), whose float32 outputs a GPU
+    keeps a little more of; ``matmul`` / ``bmm`` called directly (most attention is ``scaled_dot_product_attention``,
+    whose inputs are the linears' outputs)."""
+    if dtype is None:
+        yield
+        return
+    saved = {name: getattr(F, name) for name in AUTOCAST_LOW}
+
+    def cast_inputs(fn):
+        def call(*args, **kwargs):
+            if not any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args):
+                return fn(*args, **kwargs)
+            cast = lambda a: a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
+            return fn(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
+        return call
+    for name, fn in saved.items():
+        setattr(F, name, cast_inputs(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(F, name, fn)
+
+
 class OnMeta(nn.Module):
     """A network on the meta device, called by an adapter that runs on the CPU: its tensor inputs go there."""
 
@@ -203,7 +243,7 @@ def adapter_on_cpu(adapter):
 
 
 def measure_velocity(adapter, latents: torch.Tensor, sigma: float, cond: dict, guidance_scale: float,
-                     train: bool) -> Measured:
+                     train: bool, autocast: torch.dtype | None = None) -> Measured:
     """One ``adapter.velocity`` call: with ``train``, forward and backward of a loss on it, as a training
     micro-batch (the algorithms' losses are elementwise on the velocity: nothing a GPU notices). Its peak
     leaves out the trained parameters' gradients; it counts the parameters that got one (not every trained
@@ -213,7 +253,7 @@ def measure_velocity(adapter, latents: torch.Tensor, sigma: float, cond: dict, g
     trained = [p for module in adapter.transformers.values() for p in module.parameters() if p.requires_grad]
     hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.gradient(p.grad)) for p in trained] if train else []
     try:
-        with adapter_on_cpu(adapter), torch.set_grad_enabled(train), fused_attention_on_meta(), \
+        with adapter_on_cpu(adapter), torch.set_grad_enabled(train), fused_attention_on_meta(), autocast_on_meta(autocast), \
                 CallFlops() as counter, tracker:
             sigmas = torch.full((len(latents),), float(sigma))
             v = adapter.velocity(latents, sigmas, cond, guidance_scale)
@@ -230,9 +270,9 @@ def measure_velocity(adapter, latents: torch.Tensor, sigma: float, cond: dict, g
     return Measured(counter.get_total_flops(), tracker.peak, time.perf_counter() - start, gradients)
 
 
-def measure_call(fn, *args) -> Measured:
+def measure_call(fn, *args, autocast: torch.dtype | None = None) -> Measured:
     """A no-grad call of ``fn`` (a decode, a reward model's forward) on meta tensors."""
     start, tracker = time.perf_counter(), PeakBytes()
-    with torch.no_grad(), fused_attention_on_meta(), CallFlops() as counter, tracker:
+    with torch.no_grad(), fused_attention_on_meta(), autocast_on_meta(autocast), CallFlops() as counter, tracker:
         fn(*args)
     return Measured(counter.get_total_flops(), tracker.peak, time.perf_counter() - start)
