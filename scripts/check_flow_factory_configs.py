@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from flow_factory.config import ConfigError, load_config
-from flow_factory.config.sections import MODEL_TYPE_ALIASES
+from flow_factory.config.families import MODEL_TYPE_ALIASES
 from flow_factory.config.train import TRAINER_TYPES
 
 

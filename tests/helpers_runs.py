@@ -95,7 +95,7 @@ def tiny_run_config(tmp: Path, model_type: str, model_path, **train) -> dict:
     """A tiny run of ``model_type`` (``TINY_MODELS`` or ``CONDITIONED_MODELS``, with its condition dataset)."""
     conditioned = {**CONDITIONED_MODELS, **OWN_FILE_CONDITIONED_MODELS}
     _, resolution, frames, guidance = {**TINY_MODELS, **conditioned}[model_type]
-    from flow_factory.config.sections import MODEL_FAMILIES
+    from flow_factory.config.families import MODEL_FAMILIES
 
     videos = "videos" in MODEL_FAMILIES[model_type].conditions
 

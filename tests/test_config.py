@@ -351,6 +351,20 @@ def test_model_type_aliases(alias, canonical):
     assert cfg.model.model_type == canonical
 
 
+def test_each_spelling_of_the_family_table_names_one_family():
+    """model.model_type's spellings come from the model families' lines (config.families): none names two
+    families, and the examples the config reference gives are spellings of the table."""
+    from flow_factory.config.base import canonical_choice
+    from flow_factory.config.families import ALIAS_EXAMPLES, MODEL_FAMILIES, model_type_aliases
+
+    owners = {}
+    for family in MODEL_FAMILIES.values():
+        for spelling in (family.model_type, *family.aliases):
+            owners.setdefault(spelling.lower().replace("_", "-").replace(".", "-"), set()).add(family.model_type)
+    assert all(len(names) == 1 for names in owners.values())
+    assert all(canonical_choice(example, model_type_aliases()) in MODEL_FAMILIES for example in ALIAS_EXAMPLES)
+
+
 def test_missing_required_keys_are_named():
     assert problem_of({"model": {"model_name_or_path": "m", "model_type": "sd3"}, "rewards": {"reward_model": "a"}}) \
         == "data: dataset_dir is required: a folder of prompts (train.txt / train.jsonl, and test.* for eval); " \

@@ -13,7 +13,7 @@ import pytest
 from helpers_runs import tiny_run_config, write_config
 
 from flow_factory.config import ConfigError, parse_config
-from flow_factory.config.sections import MODEL_FAMILIES
+from flow_factory.config.families import MODEL_FAMILIES
 from flow_factory.data import PromptItem, load_prompts
 from flow_factory.models import ADAPTERS
 from flow_factory.models.preflight import check_before_loading

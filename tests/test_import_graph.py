@@ -113,7 +113,7 @@ def test_the_reward_server_and_its_wire_format_load_without_torch():
 
 def test_a_run_imports_only_its_own_models_adapter_and_no_plotting_until_it_draws():
     """The trainer and SD3's adapter load neither another family's adapter (each pulls its diffusers pipeline)
-    nor matplotlib; every model type of the registry's table loads a class of that model type."""
+    nor matplotlib."""
     code = ("import sys; from flow_factory.trainer import Trainer; from flow_factory.models import ADAPTERS; "
             "ADAPTERS['sd3-5']; "
             "print(sorted(m for m in sys.modules if m.startswith(('flow_factory.models.', 'matplotlib')) and "
@@ -121,10 +121,28 @@ def test_a_run_imports_only_its_own_models_adapter_and_no_plotting_until_it_draw
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['flow_factory.models.sd3']"
 
+
+def test_every_adapter_is_reached_through_the_family_table_and_agrees_with_its_line():
+    """A model family is its adapter file plus one line of config.families.MODEL_FAMILIES: every class of
+    models/ that sets a model_type is some line's adapter, and each line's class loads and says what the line
+    says (the config reads the line before anything loads; the adapter's code reads its class attributes)."""
+    from flow_factory.config.families import MODEL_FAMILIES
     from flow_factory.models import ADAPTERS
 
-    for model_type in ADAPTERS:
-        assert ADAPTERS[model_type].model_type == model_type
+    defined = set()
+    for path in (PACKAGE / "models").glob("*.py"):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(item, ast.Assign) and any(getattr(t, "id", None) == "model_type" for t in item.targets)
+                    for item in node.body):
+                defined.add(f"flow_factory.models.{path.stem}:{node.name}")
+    assert defined == {family.adapter for family in MODEL_FAMILIES.values()}
+    for model_type, family in MODEL_FAMILIES.items():
+        cls = ADAPTERS[model_type]
+        assert (cls.model_type, cls.pixel_factor, cls.is_video, tuple(cls.transformer_names),
+                tuple(cls.condition_inputs), getattr(cls, "frame_factor", family.frame_factor)) == (
+            model_type, family.pixel_factor, family.is_video, family.components, family.conditions,
+            family.frame_factor), model_type
 
 
 def imported_names(path: Path) -> set[str]:

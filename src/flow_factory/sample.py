@@ -62,9 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "model.model_name_or_path with --checkpoint, else required")
     p.add_argument("--checkpoint", help="an ff-train checkpoint folder (LoRA or full transformer); a run's "
                    "(RUN/checkpoints/epoch_N) also gives every setting below its run's eval value")
-    run_setting("--model-type", "the adapter: sd3-5, flux1, flux1-kontext, flux2, flux2-klein, qwen-image, "
-                "qwen-image-edit-plus, z-image, wan2_t2v, wan2_i2v, wan2_v2v, hunyuanvideo15, ltx2_t2av, ltx2_i2av, "
-                "or your adapter class's dotted path")
+    from .config.families import MODEL_TYPES
+
+    run_setting("--model-type", f"the adapter: {', '.join(MODEL_TYPES)}, or your adapter class's dotted path")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", nargs="+", help="prompts, one sample each")
     src.add_argument("--prompt-file", help="a prompt file: .txt (a prompt a line) or .jsonl")

@@ -31,9 +31,9 @@ from .base import Section, problem, setting, show, size_problem
 from .compat import read_flow_factory_spellings, without_effect
 from .errors import ConfigError
 from .explain import explain
+from .families import model_family
 from .rewards import RewardConfig, as_entry_list, duplicate_names
-from .sections import (DEFAULT_STRENGTH, DataConfig, EvalConfig, LogConfig, ModelConfig, SchedulerConfig, model_family,
-                       strength_steps)
+from .sections import DEFAULT_STRENGTH, DataConfig, EvalConfig, LogConfig, ModelConfig, SchedulerConfig, strength_steps
 from .train import (COUPLED_TRAINER_TYPES, OFFLINE_TRAINER_TYPES, TrainConfig, fill_trainer_defaults, resolve_num_train_timesteps,
                     trainer_problems)
 

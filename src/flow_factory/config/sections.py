@@ -6,56 +6,15 @@ accepted for compatibility and documented as such.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import NonNegativeInt, PositiveInt, field_validator, model_validator
 
-from ..class_path import import_class
 from .base import (DTYPE_NAMES, Section, as_list, canonical_choice, check_resolution, close_match, problem,
                    resolution_pair, setting, show)
+from .families import MODEL_FAMILIES, model_family, model_type_aliases, model_type_description
 
 
-@dataclass(frozen=True)
-class ModelFamily:
-    """What the config checks about a model family before anything loads.
-
-    The adapters in models/ take these numbers as class attributes (``SD3Adapter.pixel_factor``),
-    so config and adapter cannot disagree; they live here because config/ imports no torch.
-    """
-
-    pixel_factor: int  # height and width must be multiples of this in the released checkpoints
-    why: str  # how that factor arises, for the error message
-    frame_factor: int | None = None  # video only: num_frames must be 1 + a multiple of this
-    # the denoising networks a checkpoint of the family may have, as the pipeline names its components
-    # (model.target_components); a multi-expert family lists every expert, the first the default
-    components: tuple[str, ...] = ("transformer",)
-    # what a sample is generated from besides its prompt: ("images",) / ("videos",) for a conditioned model
-    conditions: tuple[str, ...] = ()
-
-
-MODEL_FAMILIES = {
-    "sd3-5": ModelFamily(16, "VAE x8, then 2x2 transformer patches"),
-    "flux1": ModelFamily(16, "VAE x8, then 2x2 token packing"),
-    # Wan2.2 A14B: transformer for high noise, transformer_2 for low noise (TI2V-5B: VAE x16, so 32)
-    "wan2_t2v": ModelFamily(16, "VAE x8, then 2x2 transformer patches", frame_factor=4,
-                            components=("transformer", "transformer_2")),
-    "qwen-image": ModelFamily(16, "VAE x8, then 2x2 token packing"),
-    "z-image": ModelFamily(16, "VAE x8, then 2x2 transformer patches"),
-    # FLUX.2 and Klein: text-to-image, or image-to-image from the reference images a row names
-    "flux2": ModelFamily(16, "VAE x8, then 2x2 latent patchify", conditions=("images",)),
-    "flux2-klein": ModelFamily(16, "VAE x8, then 2x2 latent patchify", conditions=("images",)),
-    "hunyuanvideo15": ModelFamily(16, "VAE x16, then 1x1 transformer patches", frame_factor=4),
-    "ltx2_t2av": ModelFamily(32, "VAE x32, then 1x1 transformer patches", frame_factor=8),
-    # LTX-2 image-to-audio-video: the video's first frame from the dataset's rows
-    "ltx2_i2av": ModelFamily(32, "VAE x32, then 1x1 transformer patches", frame_factor=8, conditions=("images",)),
-    "flux1-kontext": ModelFamily(16, "VAE x8, then 2x2 token packing", conditions=("images",)),
-    # Wan2.1 I2V (one transformer, CLIP image encoder) and Wan2.2 I2V A14B (two experts)
-    "wan2_i2v": ModelFamily(16, "VAE x8, then 2x2 transformer patches", frame_factor=4,
-                            components=("transformer", "transformer_2"), conditions=("images",)),
-    "wan2_v2v": ModelFamily(16, "VAE x8, then 2x2 transformer patches", frame_factor=4, conditions=("videos",)),
-    "qwen-image-edit-plus": ModelFamily(16, "VAE x8, then 2x2 token packing", conditions=("images",)),
-}
 # video-to-video's strength when train.strength is null: WanVideoToVideoPipeline's default
 DEFAULT_STRENGTH = 0.8
 
@@ -66,68 +25,12 @@ def strength_steps(num_steps: int, strength: float) -> int:
     return min(int(num_steps * strength), num_steps)
 
 
-# what a user's adapter class (model.model_type: package.module.Class) sets, as the built-in ones do
-ADAPTER_CLASS_ATTRIBUTES = ("model_type", "pipeline_class", "pixel_factor", "default_lora_targets")
-
-
-def model_family(model_type: str) -> ModelFamily:
-    """What the config checks about ``model.model_type``: a built-in family's numbers, or those a
-    user's adapter class declares, named by its dotted path (imported here, and torch with it)."""
-    if model_type in MODEL_FAMILIES:
-        return MODEL_FAMILIES[model_type]
-    try:
-        cls = import_class(model_type, "adapter class path")
-    except (ImportError, ValueError) as e:
-        raise problem(f"{e}; the model families are {', '.join(MODEL_FAMILIES)}") from None
-    # by name, not issubclass: the config does not import the models (they import the config)
-    if not isinstance(cls, type) or "flow_factory.models.base.FlowAdapter" not in {
-            f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__}:
-        raise problem(f"{model_type!r} is {cls!r}, not a subclass of flow_factory.models.FlowAdapter")
-    missing = [name for name in ADAPTER_CLASS_ATTRIBUTES if not hasattr(cls, name)]
-    if missing:
-        raise problem(f"{model_type!r} does not set {', '.join(missing)}; an adapter class sets "
-                      f"{', '.join(ADAPTER_CLASS_ATTRIBUTES)} (docs/guides/adding-a-model.md)")
-    factor = cls.pixel_factor
-    if not isinstance(factor, int) or isinstance(factor, bool) or factor <= 0:
-        raise problem(f"{model_type!r} has pixel_factor {factor!r}; it must be a positive integer")
-    # a video adapter may declare frame_factor (num_frames = 1 + a multiple of it); 1 checks nothing
-    frames = (getattr(cls, "frame_factor", None) or 1) if cls.is_video else None
-    return ModelFamily(factor, f"{cls.__qualname__}.pixel_factor", frames,
-                       tuple(getattr(cls, "transformer_names", ("transformer",))),
-                       tuple(getattr(cls, "condition_inputs", ())))
-
-
 # Flow-Factory's sample placements, its legacy names and its newer ones
 SAMPLER_TYPES = ("auto", "distributed_k_repeat", "group_contiguous", "group_distributed", "group_tiled",
                  "global_random", "contiguous_shard", "rank_local", "global_batch", "global_tile", "subgroup_tile")
 # a diffusers pipeline's networks, as Flow-Factory prefixes module names with them
 PIPELINE_COMPONENTS = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3", "vae",
                        "image_encoder")
-MODEL_TYPES = tuple(MODEL_FAMILIES)
-MODEL_TYPE_ALIASES = {
-    "sd3-5": "sd3-5", "sd3_5": "sd3-5", "sd3": "sd3-5", "sd35": "sd3-5",
-    "flux1": "flux1", "flux": "flux1", "flux-1": "flux1",
-    "wan2_t2v": "wan2_t2v", "wan": "wan2_t2v", "wan2.1": "wan2_t2v", "wan21": "wan2_t2v",
-    "wan21_t2v": "wan2_t2v", "wan2.1_t2v": "wan2_t2v", "wan2.2": "wan2_t2v", "wan22": "wan2_t2v",
-    "wan22_t2v": "wan2_t2v", "wan2.2_t2v": "wan2_t2v",
-    "qwen-image": "qwen-image", "qwenimage": "qwen-image", "qwen": "qwen-image",
-    "z-image": "z-image", "zimage": "z-image", "z-image-turbo": "z-image", "zimage-turbo": "z-image",
-    "flux2": "flux2", "flux-2": "flux2", "flux2-dev": "flux2",
-    "flux2-klein": "flux2-klein", "flux-2-klein": "flux2-klein", "klein": "flux2-klein",
-    "flux2-klein-base": "flux2-klein",
-    "hunyuanvideo15": "hunyuanvideo15", "hunyuanvideo1.5": "hunyuanvideo15", "hunyuan-video-1.5": "hunyuanvideo15",
-    "hunyuan_video15": "hunyuanvideo15", "hunyuanvideo-1.5": "hunyuanvideo15",
-    "ltx2_t2av": "ltx2_t2av", "ltx2": "ltx2_t2av", "ltx-2": "ltx2_t2av",
-    "ltx2_i2av": "ltx2_i2av", "ltx2-i2av": "ltx2_i2av", "ltx-2_i2av": "ltx2_i2av", "ltx-2-i2av": "ltx2_i2av",
-    "flux1-kontext": "flux1-kontext", "flux-kontext": "flux1-kontext", "flux-1-kontext": "flux1-kontext",
-    "kontext": "flux1-kontext", "flux1-kontext-dev": "flux1-kontext",
-    "wan2_i2v": "wan2_i2v", "wan21_i2v": "wan2_i2v", "wan2.1_i2v": "wan2_i2v", "wan22_i2v": "wan2_i2v",
-    "wan2.2_i2v": "wan2_i2v", "wan_i2v": "wan2_i2v",
-    "wan2_v2v": "wan2_v2v", "wan21_v2v": "wan2_v2v", "wan2.1_v2v": "wan2_v2v", "wan_v2v": "wan2_v2v",
-    "qwen-image-edit-plus": "qwen-image-edit-plus", "qwen_image_edit_plus": "qwen-image-edit-plus",
-    "qwen-image-edit": "qwen-image-edit-plus", "qwen-edit": "qwen-image-edit-plus",
-    "qwenimage-edit-plus": "qwen-image-edit-plus",
-}
 DYNAMICS_TYPES = ("Flow-SDE", "Dance-SDE", "CPS", "ODE", "DPM-Solver++2M")
 DYNAMICS_ALIASES = {"flow-sde": "Flow-SDE", "flowsde": "Flow-SDE", "dance-sde": "Dance-SDE",
                     "dancesde": "Dance-SDE", "cps": "CPS", "ode": "ODE", "dpm-solver++2m": "DPM-Solver++2M",
@@ -232,16 +135,7 @@ def component_targets(target_modules, component: str, components: list[str]):
 
 class ModelConfig(Section):
     model_name_or_path: str = setting(description="Hugging Face hub id or local folder of a diffusers pipeline")
-    model_type: str = setting(
-        description="model family: sd3-5, flux1, wan2_t2v, qwen-image, z-image, flux2, flux2-klein (text-to-image, "
-        "or image-to-image from 1 to 10 reference images a row names), hunyuanvideo15, ltx2_t2av, ltx2_i2av (LTX-2 "
-        "image to video with audio: the first frame from the dataset's rows), flux1-kontext (image editing: "
-        "condition images from the dataset's rows), or "
-        "wan2_i2v (image-to-video, Wan2.1 and Wan2.2: the first frame from the dataset's rows), wan2_v2v "
-        "(video-to-video: a condition video per row), qwen-image-edit-plus (image editing from 1 to 3 condition "
-        "images per row) "
-        "(aliases such as sd3_5, flux, wan2.1, qwenimage, z_image, flux2_klein, hunyuanvideo1.5, ltx2, "
-        "flux1_kontext accepted), or the dotted path of your own FlowAdapter subclass (my_package.adapters.MyAdapter)")
+    model_type: str = setting(description=model_type_description())
     finetune_type: Literal["lora", "full"] = setting("lora", "train LoRA adapters or every transformer weight")
     lora_rank: PositiveInt = setting(32, "LoRA rank r")
     lora_alpha: PositiveInt = setting(64, "LoRA alpha; the update is scaled by alpha / r")
@@ -277,7 +171,7 @@ class ModelConfig(Section):
     @field_validator("model_type", mode="before")
     @classmethod
     def _model_type_alias(cls, value):
-        return canonical_choice(value, MODEL_TYPE_ALIASES)
+        return canonical_choice(value, model_type_aliases())  # the table as it is now
 
     @field_validator("model_type")
     @classmethod

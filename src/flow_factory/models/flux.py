@@ -15,7 +15,7 @@ import torch
 from diffusers import FluxPipeline
 from torch import Tensor
 
-from ..config.sections import MODEL_FAMILIES
+from ..config.families import MODEL_FAMILIES
 from .base import (JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image, encode_image,
                    packed_2x2_pixel_factor, shifted_sigmas)
 

@@ -34,7 +34,7 @@ from diffusers import Flux2KleinPipeline, Flux2Pipeline
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from torch import Tensor
 
-from ..config.sections import MODEL_FAMILIES
+from ..config.families import MODEL_FAMILIES
 from .base import ConditionMedia, Conditioning, FlowAdapter, pad_text
 
 # Flow-Factory's FLUX.2 targets: the double-stream blocks' attention and both feed-forwards, the

@@ -19,7 +19,7 @@ import torch
 from diffusers import FluxKontextPipeline
 from torch import Tensor
 
-from ..config.sections import MODEL_FAMILIES
+from ..config.families import MODEL_FAMILIES
 from .base import JOINT_ATTENTION_LORA_TARGETS, ConditionMedia, Conditioning, resized_images
 from .flux import FluxAdapter
 

@@ -27,7 +27,7 @@ from diffusers import HunyuanVideo15Pipeline
 from diffusers.guiders.guider_utils import rescale_noise_cfg
 from torch import Tensor
 
-from ..config.sections import MODEL_FAMILIES
+from ..config.families import MODEL_FAMILIES
 from .base import JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image, pad_text, trim_text
 
 TEXT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")

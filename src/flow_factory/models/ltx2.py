@@ -29,7 +29,7 @@ import torch
 from diffusers import LTX2Pipeline
 from torch import Tensor
 
-from ..config.sections import MODEL_FAMILIES
+from ..config.families import MODEL_FAMILIES
 from ..dynamics import Dynamics, PartlyStochastic
 from .base import Conditioning, FlowAdapter, shifted_sigmas
 

@@ -34,7 +34,7 @@ from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf, resolve
 from PIL import Image
 from torch import Tensor
 
-from ..config.sections import MODEL_FAMILIES
+from ..config.families import MODEL_FAMILIES
 from .base import ConditionMedia, Conditioning, resized_images
 from .ltx2 import Geometry, LTX2Adapter
 

@@ -20,7 +20,7 @@ import torch
 from diffusers import QwenImagePipeline
 from torch import Tensor
 
-from ..config.sections import MODEL_FAMILIES
+from ..config.families import MODEL_FAMILIES
 from .base import (JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_normalized, pad_text, shifted_sigmas,
                    trim_text)
 

@@ -31,7 +31,7 @@ from diffusers import QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
 from torch import Tensor
 
-from ..config.sections import MODEL_FAMILIES
+from ..config.families import MODEL_FAMILIES
 from .base import JOINT_ATTENTION_LORA_TARGETS, ConditionMedia, Conditioning, pad_text
 from .qwen_image import QwenImageAdapter
 

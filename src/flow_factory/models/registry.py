@@ -1,65 +1,59 @@
-"""Adapters by ``model.model_type``: the one place a new model is registered. A ``model_type``
-that is a dotted path (``my_package.adapters.MyAdapter``) names a user's own adapter class instead."""
+"""Adapters by ``model.model_type``, found through the model families' table (``config.families``:
+each family's line names its adapter class). A ``model_type`` that is a dotted path
+(``my_package.adapters.MyAdapter``) names a user's own adapter class instead."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 
 import torch
 
 from ..class_path import import_class
+from ..config.families import MODEL_FAMILIES, ModelFamily
 from .base import FlowAdapter
 
-# model_type -> "module:Class"; adding a model is adding its line here. A run imports only its own
-# adapter's module (and the diffusers pipeline behind it): each of the others costs seconds and memory.
-BUILTIN_ADAPTERS: dict[str, str] = {
-    "sd3-5": "flow_factory.models.sd3:SD3Adapter",
-    "flux1": "flow_factory.models.flux:FluxAdapter",
-    "wan2_t2v": "flow_factory.models.wan:WanT2VAdapter",
-    "qwen-image": "flow_factory.models.qwen_image:QwenImageAdapter",
-    "z-image": "flow_factory.models.z_image:ZImageAdapter",
-    "flux2": "flow_factory.models.flux2:Flux2Adapter",
-    "flux2-klein": "flow_factory.models.flux2:Flux2KleinAdapter",
-    "hunyuanvideo15": "flow_factory.models.hunyuan_video15:HunyuanVideo15Adapter",
-    "ltx2_t2av": "flow_factory.models.ltx2:LTX2Adapter",
-    "ltx2_i2av": "flow_factory.models.ltx2_i2av:LTX2I2AVAdapter",
-    "flux1-kontext": "flow_factory.models.flux_kontext:FluxKontextAdapter",
-    "wan2_i2v": "flow_factory.models.wan_i2v:WanI2VAdapter",
-    "wan2_v2v": "flow_factory.models.wan_v2v:WanV2VAdapter",
-    "qwen-image-edit-plus": "flow_factory.models.qwen_image_edit:QwenImageEditPlusAdapter",
-}
+# model_type -> "module:Class", as the table says
+BUILTIN_ADAPTERS: dict[str, str] = {name: family.adapter for name, family in MODEL_FAMILIES.items()}
 
 
 class AdapterTable(MutableMapping):
-    """model_type -> adapter class, each imported when first looked up (iterating the values imports all)."""
+    """model_type -> adapter class: each family of ``families`` (read when looked up, so a line added to the
+    table is found), its class imported when first looked up, so a run imports only its own adapter's module
+    (and the diffusers pipeline behind it; each of the others costs seconds and memory); and classes set here
+    directly, which stand in for a family's (iterating the values imports all)."""
 
-    def __init__(self, paths: dict[str, str]):
-        self._paths: dict[str, str | None] = dict(paths)
-        self._classes: dict[str, type[FlowAdapter]] = {}
+    def __init__(self, families: Mapping[str, ModelFamily]):
+        self._families = families
+        self._set: dict[str, type[FlowAdapter]] = {}
+        self._imported: dict[str, type[FlowAdapter]] = {}  # by "module:Class"
 
     def __getitem__(self, model_type: str) -> type[FlowAdapter]:
-        if model_type not in self._classes:
-            self._classes[model_type] = import_class(self._paths[model_type], "adapter class path")
-        return self._classes[model_type]
+        if model_type in self._set:
+            return self._set[model_type]
+        path = self._families[model_type].adapter
+        if path not in self._imported:
+            self._imported[path] = import_class(path, "adapter class path")
+        return self._imported[path]
 
     def __setitem__(self, model_type: str, cls: type[FlowAdapter]) -> None:
-        self._paths[model_type], self._classes[model_type] = None, cls
+        self._set[model_type] = cls
 
     def __delitem__(self, model_type: str) -> None:
-        del self._paths[model_type]
-        self._classes.pop(model_type, None)
+        if model_type not in self._set:
+            raise KeyError(f"{model_type!r}: a model family of config.families.MODEL_FAMILIES is removed there")
+        del self._set[model_type]
 
     def __contains__(self, model_type) -> bool:
-        return model_type in self._paths
+        return model_type in self._set or model_type in self._families
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._paths)
+        return iter({**dict.fromkeys(self._families), **dict.fromkeys(self._set)})
 
     def __len__(self) -> int:
-        return len(self._paths)
+        return len(set(self._families) | set(self._set))
 
 
-ADAPTERS = AdapterTable(BUILTIN_ADAPTERS)
+ADAPTERS = AdapterTable(MODEL_FAMILIES)
 
 
 def get_adapter_class(model_type: str) -> type[FlowAdapter]:

@@ -22,7 +22,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from torch import Tensor
 
-from ..config.sections import MODEL_FAMILIES
+from ..config.families import MODEL_FAMILIES
 from .base import Conditioning, FlowAdapter, decode_normalized, index_cond
 
 

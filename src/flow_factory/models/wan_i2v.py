@@ -31,7 +31,7 @@ import torch
 from diffusers import WanImageToVideoPipeline
 from torch import Tensor
 
-from ..config.sections import MODEL_FAMILIES
+from ..config.families import MODEL_FAMILIES
 from .base import ConditionMedia, Conditioning, as_pil, resized_images
 from .wan import WanT2VAdapter
 

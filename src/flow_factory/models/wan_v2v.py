@@ -18,7 +18,8 @@ from diffusers import WanVideoToVideoPipeline
 from diffusers.pipelines.wan.pipeline_wan_video2video import retrieve_latents
 from torch import Tensor
 
-from ..config.sections import DEFAULT_STRENGTH, MODEL_FAMILIES, strength_steps
+from ..config.families import MODEL_FAMILIES
+from ..config.sections import DEFAULT_STRENGTH, strength_steps
 from .base import ConditionMedia, Conditioning, as_pil, resized_images
 from .wan import WanT2VAdapter
 

@@ -16,7 +16,7 @@ from diffusers import ZImagePipeline
 from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
 from torch import Tensor
 
-from ..config.sections import MODEL_FAMILIES
+from ..config.families import MODEL_FAMILIES
 from .base import Conditioning, FlowAdapter, decode_image, pad_text, packed_2x2_pixel_factor, shifted_sigmas
 
 
