@@ -65,18 +65,30 @@ def run_block(code: str, module_name: str, monkeypatch) -> types.ModuleType:
 
 
 def test_model_guide_example_reproduces_the_pipeline(monkeypatch, tiny_sd3_path):
-    """The guide's adapter, registered and loaded as the guide says, passes the guide's own check
-    (an ODE rollout equals the pipeline's latents) and agrees with the shipped SD3 adapter."""
+    """The guide's adapter, registered and loaded as the guide says (its one line in the model families'
+    table, which the config and the registry both read), passes the guide's own check (an ODE rollout
+    equals the pipeline's latents) and agrees with the shipped SD3 adapter."""
+    import dataclasses
+
     import torch
 
+    from flow_factory.config.families import MODEL_FAMILIES, ModelFamily
+    from flow_factory.config.sections import ModelConfig
     from flow_factory.models import ADAPTERS, FlowAdapter, SD3Adapter, index_cond, load_adapter
 
-    adapter_code, check_code = python_blocks(DOCS / "guides" / "adding-a-model.md")
+    adapter_code, line, check_code = python_blocks(DOCS / "guides" / "adding-a-model.md")
     guide = run_block(adapter_code, "ff_guide_model", monkeypatch)
     check = run_block(check_code, "ff_guide_model_check", monkeypatch)
     cls = guide.MinimalSD3Adapter
+    (family,) = eval(line, {"ModelFamily": ModelFamily})
     assert issubclass(cls, FlowAdapter) and cls.model_type not in ADAPTERS
-    monkeypatch.setitem(ADAPTERS, cls.model_type, cls)  # what adding it to models/registry.py does
+    assert (family.model_type, family.adapter.rpartition(":")[2], family.pixel_factor) == (
+        cls.model_type, cls.__name__, cls.pixel_factor)
+    # the line, its module being importable here as ff_guide_model rather than flow_factory.models.sd3_minimal
+    monkeypatch.setitem(MODEL_FAMILIES, family.model_type,
+                        dataclasses.replace(family, adapter=f"ff_guide_model:{cls.__name__}"))
+    for spelling in (family.model_type, *family.aliases, "SD3_Minimal"):
+        assert ModelConfig(model_type=spelling, model_name_or_path=str(tiny_sd3_path)).model_type == cls.model_type
 
     adapter = load_adapter(cls.model_type, tiny_sd3_path)
     assert type(adapter) is cls
@@ -240,6 +252,15 @@ def github_anchor(heading: str) -> str:
     """The anchor GitHub gives a markdown heading: lower case, punctuation dropped, spaces to '-'."""
     text = heading.strip().lower().replace("`", "")
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_the_models_page_has_a_row_for_every_model_family():
+    """docs/models.md's table: one row per line of the model families' table (config.families), no other."""
+    from flow_factory.config.families import MODEL_FAMILIES
+
+    table = (DOCS / "models.md").read_text(encoding="utf-8").split("\n|---|", 1)[1]  # below the header
+    rows = re.findall(r"^\| `([^`]+)` \|", table, flags=re.M)
+    assert sorted(rows) == sorted(MODEL_FAMILIES)
 
 
 def test_links_between_documents_resolve():
