@@ -135,6 +135,34 @@ def test_training_micro_batch_memory_within_a_quarter_of_the_measured(request, f
         assert abs(figure - measured) / measured < 0.25, (checkpointing, figure, measured)
 
 
+def test_a_config_over_its_gpu_gets_the_change_that_fits_with_its_figures(tiny_sd3_path, monkeypatch):
+    """A GPU a little smaller than the tiny demo's plan needs (the 2 GiB reserve set aside): the verdict names the
+    cheapest change that fits, and its figures are those of the config planned with that change."""
+    from flow_factory.config import load_config
+    from flow_factory.plan import gpus, memory
+    from flow_factory.plan.report import as_json, as_text, plan_for_cli
+
+    example, overrides = "examples/demo_tiny_sd3.yaml", [f"model.model_name_or_path={tiny_sd3_path}"]
+    change = "train.offload_samples_to_cpu=true"  # the rollouts of the epoch are the most of what it holds
+    changed = make_plan(load_config(example, overrides + [change]))
+    as_is = make_plan(load_config(example, overrides))
+    monkeypatch.setattr(memory, "RESERVE", 0)
+    monkeypatch.setitem(gpus.GPUS, "small", gpus.GPU("small GPU", (changed.peak()[1] + as_is.peak()[1]) // 2,
+                                                     gpus.GPUS[changed.gpu].bf16_flops))
+
+    plan, changes, fitted = plan_for_cli(example, overrides, "small", None, 0.4)
+    assert not plan.fits() and changes == [change] and fitted.fits()
+    assert fitted.peak() == changed.peak() and fitted.memory("fsdp2") == changed.memory("fsdp2")
+    out = as_json(plan, changes, fitted)
+    assert not out["fits"] and out["change"] == [change]
+    assert out["planned_with_change"]["peak"] == {"phase": changed.peak()[0], "bytes": changed.peak()[1]}
+    assert out["planned_with_change"]["seconds_per_epoch"] == changed.seconds_per_epoch
+    gib = f"{changed.peak()[1] / 2 ** 30:.1f} GiB at {changed.peak()[0]}"
+    assert f"verdict: does not fit ({as_is.peak()[1] / 2 ** 30:.1f} GiB at {as_is.peak()[0]}" in as_text(
+        plan, changes, fitted)
+    assert f"the cheapest change that fits: {change} -> {gib}" in as_text(plan, changes, fitted)
+
+
 def test_plan_cli_json(tiny_sd3_path, capsys):
     from flow_factory.train import main
 
