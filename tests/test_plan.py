@@ -31,6 +31,24 @@ def test_public_transformers_at_their_parameter_counts(hub_id, model_type, publi
     assert meta.components["transformer"].bytes == 2 * params  # bf16
 
 
+@pytest.mark.parametrize("hub_id, public, within", [
+    ("black-forest-labs/FLUX.2-dev", 32e9, 0.01),  # the makers' figures, rounded: "32B", "9B", "8.3B", "19B", "6B"
+    ("black-forest-labs/FLUX.2-klein-9B", 9e9, 0.01),
+    ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v", 8.3e9, 0.01),
+    ("Lightricks/LTX-2", 19e9, 0.01),
+    ("Tongyi-MAI/Z-Image-Turbo", 6e9, 0.03),  # 6.15 B: "6B" is rounded further
+])
+def test_public_transformers_at_their_makers_figures(hub_id, public, within):
+    """The table's transformer configs (checked against diffusers' conversion scripts, plan/public_configs.py) give
+    the parameter counts their makers announce."""
+    from flow_factory.plan.pipeline import build_module
+    from flow_factory.plan.public_configs import PUBLIC_PIPELINES
+
+    library, class_name, config = PUBLIC_PIPELINES[hub_id]["transformer"]
+    params = sum(p.numel() for p in build_module(library, class_name, config, torch.bfloat16).parameters())
+    assert abs(params - public) / public < within, params
+
+
 FAMILIES = [("tiny_sd3_path", "sd3-5", 64, None, 4.5), ("tiny_flux_path", "flux1", 64, None, 3.5),
             ("tiny_wan_path", "wan2_t2v", 32, 5, 5.0), ("tiny_qwen_image_path", "qwen-image", 64, None, 4.0),
             ("tiny_z_image_path", "z-image", 64, None, 0.0), ("tiny_flux2_path", "flux2", 64, None, 4.0),

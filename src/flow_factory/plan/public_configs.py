@@ -6,9 +6,15 @@ here by hand from the model cards and released configs (the numbers that set a n
 call's cost; scheduler settings, which change neither, are left to the class's defaults). Each entry
 is a model_index: ``component: [library, class, config]``, and its plain keys (``boundary_ratio``).
 
-Held by tests: FLUX.1-dev's transformer at 11.9 B parameters, Qwen-Image's at 20.4 B, Wan2.1 14B's at
-14.3 B (the hub's counts; tests/test_plan.py). The others are the released configs as we know them,
-not checked against the files: a local folder's own config.json always wins over this table.
+Held by tests (tests/test_plan.py): FLUX.1-dev's transformer at 11.9 B parameters, Qwen-Image's at 20.4 B,
+Wan2.1 14B's at 14.3 B (the hub's counts); FLUX.2 [dev]'s at 32 B, FLUX.2 [klein] 9B's at 9 B,
+HunyuanVideo-1.5's at 8.3 B, LTX-2's at 19 B, Z-Image's at 6 B (the makers' rounded figures). Those five
+transformers' configs were checked against diffusers' conversion scripts (``scripts/convert_flux2_to_diffusers.py``
+``flux2-dev`` and ``klein-9b``, ``convert_hunyuan_video1_5_to_diffusers.py`` ``480p_t2v``,
+``convert_ltx2_to_diffusers.py``, whose connectors, VAEs and vocoder configs are the classes' defaults used
+here) and, for Z-Image, its released ``transformer/config.json`` as other projects quote it. The rest (text
+encoders, VAEs, the Wan2.2 and Qwen-Image-Edit variants) are the released configs as we know them, not
+checked against the files: a local folder's own config.json always wins over this table.
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ QWEN_IMAGE = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layer
 Z_IMAGE = {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16, "dim": 3840, "n_layers": 30,
            "n_refiner_layers": 2, "n_heads": 30, "n_kv_heads": 30, "norm_eps": 1e-5, "qk_norm": True,
            "cap_feat_dim": 2560, "rope_theta": 256.0, "t_scale": 1000.0, "axes_dims": [32, 48, 48],
-           "axes_lens": [1024, 512, 512]}
+           "axes_lens": [1536, 512, 512]}
 FLUX2_DEV = {"in_channels": 128, "num_layers": 8, "num_single_layers": 48, "attention_head_dim": 128,
              "num_attention_heads": 48, "joint_attention_dim": 15360, "mlp_ratio": 3.0,
              "axes_dims_rope": [32, 32, 32, 32], "guidance_embeds": True}
