@@ -166,15 +166,15 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
     meta = build_pipeline(cfg.model.model_type, cfg.model.model_name_or_path, precision.load)
     adapter, train, notes = meta.adapter, cfg.train, []
     trained = make_trainable(adapter, cfg, precision.master)
-    height, width = train.height_width
-    frames = train.num_frames
+    (height, width), frames = train.height_width, train.num_frames
     condition_size = None if train.condition_image_size is None else resolution_pair(train.condition_image_size)
     latent = adapter.latent_shape(height, width, frames)
 
     def call(rows: int, scale: float, grad: bool) -> Measured:
         cond = conditioning(adapter, rows, scale, height, width, frames, condition_size, text_tokens)
-        return measure_velocity(adapter, torch.zeros(rows, *latent), 1.0 if not grad else 0.9, cond, scale, grad,
-                                precision.autocast_dtype)
+        return unless_values_read(lambda: measure_velocity(adapter, torch.zeros(rows, *latent), 0.9 if grad else 1.0,
+                                                           cond, scale, grad, precision.autocast_dtype),
+                                  f"{'training' if grad else 'sampling'} call", notes)
 
     b = train.per_device_batch_size
     per_call = cfg.trained_steps_per_sample if train.steps_per_call == "all" else train.steps_per_call
@@ -223,13 +223,22 @@ def denoisers(adapter, trained: dict[str, int], precision: Precision, training: 
             for name, module in adapter.transformers.items()]
 
 
-def decode(adapter, n: int, latent: tuple, precision: Precision, notes: list[str]) -> Measured:
+def unless_values_read(measure, what: str, notes: list[str]) -> Measured:
+    """``measure()``, or nothing measured (0 FLOPs, 0 bytes) with a note where the code reads a tensor's values,
+    which meta tensors do not hold: LTX-2's video processor in its decode, HunyuanVideo-1.5's transformer (its
+    masks, ``.item()`` and boolean indexing)."""
     try:
-        return measure_call(adapter.decode, torch.zeros(n, *latent, device="meta", dtype=precision.load),
-                            autocast=precision.autocast_dtype)
-    except Exception as err:  # a decode that reads values (LTX-2's video processor) is not measured
-        notes.append(f"VAE decode not measured ({type(err).__name__}: {str(err).splitlines()[0][:80]})")
+        return measure()
+    except Exception as err:
+        notes.append(f"{what} NOT MEASURED, its memory and FLOPs are missing ({type(err).__name__}: "
+                     f"{str(err).splitlines()[0][:80]})")
         return Measured(0, 0)
+
+
+def decode(adapter, n: int, latent: tuple, precision: Precision, notes: list[str]) -> Measured:
+    return unless_values_read(lambda: measure_call(adapter.decode, torch.zeros(n, *latent, device="meta",
+                                                                                dtype=precision.load),
+                                                   autocast=precision.autocast_dtype), "VAE decode", notes)
 
 
 def epoch_flops(cfg, n: int, calls: dict[str, Measured], rewards: list, per_call: int) -> dict[str, float]:

@@ -102,6 +102,23 @@ LTX2 = {"in_channels": 128, "out_channels": 128, "num_attention_heads": 32, "att
         "audio_num_attention_heads": 32, "audio_attention_head_dim": 64, "audio_cross_attention_dim": 2048,
         "num_layers": 48, "caption_channels": 3840}
 
+# diffusers' convert_ltx2_to_diffusers.py: the video VAE's compression ratios are not its class's defaults (those
+# derive 16 frames per latent frame from the block types; LTX-2 packs 8), the rest are written out as the script does
+LTX2_VIDEO_VAE = {"latent_channels": 128, "block_out_channels": [256, 512, 1024, 2048],
+                  "decoder_block_out_channels": [256, 512, 1024], "layers_per_block": [4, 6, 6, 2, 2],
+                  "decoder_layers_per_block": [5, 5, 5, 5], "patch_size": 4, "patch_size_t": 1,
+                  "encoder_causal": True, "decoder_causal": False, "spatial_compression_ratio": 32,
+                  "temporal_compression_ratio": 8}
+LTX2_AUDIO_VAE = {"base_channels": 128, "output_channels": 2, "ch_mult": [1, 2, 4], "num_res_blocks": 2,
+                  "in_channels": 2, "latent_channels": 8, "norm_type": "pixel", "causality_axis": "height",
+                  "mid_block_add_attention": False, "sample_rate": 16000, "mel_hop_length": 160, "is_causal": True,
+                  "mel_bins": 64, "double_z": True}
+LTX2_CONNECTORS = {"caption_channels": 3840, "text_proj_in_factor": 49, "video_connector_num_attention_heads": 30,
+                   "video_connector_attention_head_dim": 128, "video_connector_num_layers": 2,
+                   "video_connector_num_learnable_registers": 128, "audio_connector_num_attention_heads": 30,
+                   "audio_connector_attention_head_dim": 128, "audio_connector_num_layers": 2,
+                   "audio_connector_num_learnable_registers": 128}
+
 _FLOW = ["diffusers", "FlowMatchEulerDiscreteScheduler", {}]
 
 
@@ -176,8 +193,10 @@ PUBLIC_PIPELINES: dict[str, dict] = {
     "Lightricks/LTX-2": {
         "_class_name": "LTX2Pipeline", "scheduler": _FLOW,
         "text_encoder": ["transformers", "Gemma3ForConditionalGeneration", GEMMA3_12B],
-        "connectors": ["ltx2", "LTX2TextConnectors", {}], "transformer": ["diffusers", "LTX2VideoTransformer3DModel", LTX2],
-        "vae": ["diffusers", "AutoencoderKLLTX2Video", {}], "audio_vae": ["diffusers", "AutoencoderKLLTX2Audio", {}],
+        "connectors": ["ltx2", "LTX2TextConnectors", LTX2_CONNECTORS],
+        "transformer": ["diffusers", "LTX2VideoTransformer3DModel", LTX2],
+        "vae": ["diffusers", "AutoencoderKLLTX2Video", LTX2_VIDEO_VAE],
+        "audio_vae": ["diffusers", "AutoencoderKLLTX2Audio", LTX2_AUDIO_VAE],
         "vocoder": ["ltx2", "LTX2Vocoder", {}]},
 }
 
