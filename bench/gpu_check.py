@@ -196,8 +196,8 @@ def part_flux(budget: float, work: Path) -> None:
     from flow_factory.guards import NonFiniteGuard
     from flow_factory.models.lora import apply_lora
     from flow_factory.precision import Precision, avoid_cudnn_attention, run_mixed_precision
-    from flow_factory.sampling import SamplingSettings, collect_rollouts
-    from flow_factory.trainer.optimize import OptimizeSettings, optimize_epoch
+    from flow_factory.sampling import SamplingServices, SamplingSettings, collect_rollouts
+    from flow_factory.trainer.optimize import OptimizeSettings, Stepper, optimize_epoch
     from flow_factory.trainer.policy import AdapterPolicy
 
     deadline = time.perf_counter() + budget
@@ -233,7 +233,7 @@ def part_flux(budget: float, work: Path) -> None:
     start = time.perf_counter()
     try:
         rollouts = collect_rollouts(adapter, dynamics, items, torch.tensor([0, 0]), [0, 1], settings, epoch=0,
-                                    autocast=precision.autocast)
+                                    services=SamplingServices(autocast=precision.autocast))
         row("flux", f"rollout: 2 samples x 4 steps at {size} px", True, time.perf_counter() - start)
     except BaseException as exc:  # noqa: BLE001
         row("flux", "rollout", False, time.perf_counter() - start, note=error_line(exc))
@@ -248,8 +248,7 @@ def part_flux(budget: float, work: Path) -> None:
         begin = time.perf_counter()
         _, steps = optimize_epoch(algorithm, policy, rollouts, advantages,
                                   OptimizeSettings(batch_size=1, accumulation=2, steps_per_call=steps_per_call),
-                                  accelerator=accelerator, optimizer=optimizer, params=trained, syncing_module=None,
-                                  seed=0, epoch=0, guard=NonFiniteGuard(10))
+                                  Stepper(accelerator, optimizer, trained, NonFiniteGuard(10)), epoch=0)
         if gpu:
             torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else None

@@ -27,8 +27,8 @@ from flow_factory.models.base import Conditioning, ExpertCalls, FlowAdapter
 from flow_factory.rollout import TrajectoryOptions, sample_trajectory
 from flow_factory.sampling import Rollouts
 from flow_factory.trainer.ema import WeightCopy
-from flow_factory.trainer.optimize import OptimizeSettings, optimize_epoch
-from flow_factory.trainer.policy import AdapterPolicy
+from flow_factory.trainer.optimize import OptimizeSettings, Stepper, optimize_epoch
+from flow_factory.trainer.policy import AdapterPolicy, PolicyWeights
 
 TARGET = torch.tensor([1.5, -1.0])
 
@@ -93,7 +93,7 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
     # CRD's old / sampling models (moved per epoch), DGPO's fast old-policy EMA (per optimizer step)
     snapshots = {name: WeightCopy(params) for name in {**algorithm.weight_snapshots, **algorithm.step_snapshots}}
     policy = AdapterPolicy(adapter, 1.0, "full", keep_reference=algorithm.needs_reference,
-                           sampling_weights=rollout_weights, snapshots=snapshots)
+                           weights=PolicyWeights(sampling=rollout_weights, snapshots=snapshots))
     optimizer = torch.optim.SGD(params, lr=lr) if sgd else torch.optim.Adam(params, lr=lr)
     acc = Accelerator(cpu=True)
     n = groups * group_size
@@ -118,11 +118,11 @@ def train_toy(trainer_type: str, seed: int, epochs: int = 30, dynamics: str | No
                             media=traj.final, means=traj.means, latent_steps=traj.latent_steps)
         advantages = combine_advantages({"r": rewards}, {"r": 1.0}, group_ids, "sum", False)
         settings = OptimizeSettings(batch_size=n, accumulation=accumulation, max_grad_norm=max_grad_norm,
-                                    steps_per_call=cfg.steps_per_call)
-        _, done = optimize_epoch(algorithm, policy, rollouts, advantages, settings, accelerator=acc,
-                                 optimizer=optimizer, params=params, syncing_module=adapter.transformer, seed=seed,
-                                 epoch=epoch, guard=NonFiniteGuard(0), steps_before=steps,
-                                 step_snapshots={k: (snapshots[k], d) for k, d in algorithm.step_snapshots.items()})
+                                    steps_per_call=cfg.steps_per_call, seed=seed)
+        stepper = Stepper(acc, optimizer, params, NonFiniteGuard(0), syncing_module=adapter.transformer,
+                          step_snapshots={k: (snapshots[k], d) for k, d in algorithm.step_snapshots.items()})
+        _, done = optimize_epoch(algorithm, policy, rollouts, advantages, settings, stepper, epoch=epoch,
+                                 steps_before=steps)
         steps += done
         for name, decay_of in algorithm.weight_snapshots.items():
             snapshots[name].update(decay_of(steps))

@@ -21,7 +21,7 @@ from flow_factory.models.lora import apply_lora
 from flow_factory.rollout import TrajectoryOptions, sample_trajectory
 from flow_factory.sampling import Rollouts
 from flow_factory.trainer.ema import WeightCopy
-from flow_factory.trainer.policy import AdapterPolicy
+from flow_factory.trainer.policy import AdapterPolicy, PolicyWeights
 
 PROMPTS = ["a red cube", "a blue ball", "a green cone", "a white star"]
 GROUPS = torch.tensor([0, 0, 1, 1])
@@ -71,8 +71,8 @@ def _setup(tiny_sd3_path, case):
         _perturb(adapter.transformer, 10 + i)
         snapshots[snap] = WeightCopy(params)
     _perturb(adapter.transformer, 2)
-    policy = AdapterPolicy(adapter, 3.0, "lora", keep_reference=False, sampling_weights=sampling,
-                           snapshots=snapshots)
+    policy = AdapterPolicy(adapter, 3.0, "lora", keep_reference=False,
+                           weights=PolicyWeights(sampling=sampling, snapshots=snapshots))
 
     cond = adapter.encode(PROMPTS, None, 3.0)
     noise = adapter.initial_noise(4, 64, 64, torch.Generator().manual_seed(3))

@@ -17,7 +17,6 @@ The failure message lists every offender as ``path:line name (N lines / N params
 
 import ast
 import functools
-import warnings
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -25,32 +24,6 @@ PACKAGE = SRC / "flow_factory"
 MAX_LINES = 60
 MAX_PARAMS = 8
 LONG_MARKER = "Long because"
-
-# (path under src/, qualified function name) of offenders skipped for now, in files that are
-# being restructured (issue 36 point 1 / issue 37); remove once done. Only those files may
-# appear here (test_pending_lists_only_offenders_in_files_being_restructured).
-BEING_RESTRUCTURED = ("flow_factory/trainer/", "flow_factory/sharding.py", "flow_factory/models/base.py",
-                      "flow_factory/models/wan.py", "flow_factory/plan/")
-PENDING = {
-    ("flow_factory/plan/build.py", "make_plan"),
-    ("flow_factory/trainer/optimize.py", "optimize_epoch"),
-    ("flow_factory/trainer/optimizers.py", "MuonWithAdamW.__init__"),
-    ("flow_factory/trainer/policy.py", "AdapterPolicy.__init__"),
-}
-# Functions elsewhere whose only offence is their parameter count, which cannot change without
-# their call site in trainer/trainer.py, being restructured (issue 36 point 1 / issue 37);
-# remove once done, with the call site. The grouping each waits for:
-PENDING_CALL_SITES = {
-    # the six keywords after epoch as one sampling.SamplingServices (which it builds already)
-    ("flow_factory/sampling.py", "collect_rollouts"),
-    # weights, optimizer, extra and folders as one CheckpointContents (trainer/backends.py's, moved here)
-    ("flow_factory/checkpoint.py", "save_checkpoint"),
-}
-# Issue 39's distillation losses and config checks, still being written (not registered yet):
-# its author brings them under the rules; remove once done.
-BEING_WRITTEN = ("flow_factory/algorithms/distillation/", "flow_factory/config/distillation.py")
-PENDING_BEING_WRITTEN: set[tuple[str, str]] = set()  # issue 39's three offenders keep the rules now
-
 
 def functions(tree: ast.AST, prefix: str = ""):
     """``(qualified name, node)`` for every function and method of ``tree``, nested ones included."""
@@ -92,28 +65,9 @@ def offenders() -> dict[tuple[str, str], tuple[str, int, int]]:
 
 
 def test_functions_are_short_and_take_few_parameters():
-    skipped = PENDING | PENDING_CALL_SITES | PENDING_BEING_WRITTEN
-    bad = [line for key, (line, _, _) in sorted(offenders().items()) if key not in skipped]
+    bad = [line for line, _, _ in sorted(offenders().values())]
     assert not bad, (f"functions over {MAX_LINES} lines (without '{LONG_MARKER}' in the docstring) or over "
                      f"{MAX_PARAMS} parameters (docs/contributing.md):\n" + "\n".join(bad))
-
-
-def test_pending_lists_only_offenders_in_files_being_restructured():
-    elsewhere = sorted(p for p in PENDING if not p[0].startswith(BEING_RESTRUCTURED))
-    assert not elsewhere, f"PENDING names functions outside the files being restructured: {elsewhere}"
-    elsewhere = sorted(p for p in PENDING_BEING_WRITTEN if not p[0].startswith(BEING_WRITTEN))
-    assert not elsewhere, f"PENDING_BEING_WRITTEN names functions outside issue 39's files: {elsewhere}"
-    found = offenders()
-    fixed = sorted((PENDING | PENDING_CALL_SITES | PENDING_BEING_WRITTEN) - set(found))
-    if fixed:  # a warning, not a failure: the files move while they are restructured
-        warnings.warn(f"these pending functions keep the rules now: remove them from their list: {fixed}")
-    # a call-site entry waits only for its parameters, and only for a caller in the files being restructured
-    too_long = sorted(key for key in PENDING_CALL_SITES if key in found and found[key][1] > MAX_LINES)
-    assert not too_long, f"PENDING_CALL_SITES covers parameters only; these are too long too: {too_long}"
-    callers = "\n".join(p.read_text(encoding="utf-8") for p in PACKAGE.rglob("*.py")
-                        if p.relative_to(SRC).as_posix().startswith(BEING_RESTRUCTURED))
-    uncalled = sorted(key for key in PENDING_CALL_SITES if f"{key[1]}(" not in callers)
-    assert not uncalled, f"PENDING_CALL_SITES: no file being restructured calls {uncalled}"
 
 
 def test_the_rules_see_what_they_should():

@@ -29,7 +29,7 @@ from flow_factory.models.base import as_pil
 from flow_factory.rewards import RewardSet
 from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput, to_uint8_hwc
 from flow_factory.rollout import sample_trajectory
-from flow_factory.sampling import SamplingSettings, collect_rollouts
+from flow_factory.sampling import SamplingServices, SamplingSettings, collect_rollouts
 from flow_factory.train import main as ff_train
 from flow_factory.trainer.policy import AdapterPolicy
 
@@ -343,7 +343,7 @@ def test_rewards_see_each_samples_condition_in_both_forms(request, case, tmp_pat
     settings = SamplingSettings(height, width, frames, 2, guidance, batch_size=3, seed=0, sde_steps=[],
                                 condition_size=condition_size)
     rollouts = collect_rollouts(adapter, ODE(), items, torch.arange(3).repeat_interleave(2), list(range(6)),
-                                settings, epoch=0, reward_set=rewards)
+                                settings, epoch=0, services=SamplingServices(rewards))
     assert rollouts.rewards["pil"].tolist() == [0, 0, 1, 1, 2, 2]  # each sample's own metadata, in order
 
     def expected(item):  # (k, 3, H, W), or for a video (k, F, 3, H, W)

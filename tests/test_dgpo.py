@@ -248,8 +248,8 @@ def test_the_fast_ema_moves_after_every_optimizer_step():
     from flow_factory.guards import NonFiniteGuard
     from flow_factory.sampling import Rollouts
     from flow_factory.trainer.ema import WeightCopy
-    from flow_factory.trainer.optimize import OptimizeSettings, optimize_epoch
-    from flow_factory.trainer.policy import AdapterPolicy
+    from flow_factory.trainer.optimize import OptimizeSettings, Stepper, optimize_epoch
+    from flow_factory.trainer.policy import AdapterPolicy, PolicyWeights
 
     torch.manual_seed(0)
     adapter = ToyAdapter(ToyVelocity(8))
@@ -259,7 +259,8 @@ def test_the_fast_ema_moves_after_every_optimizer_step():
     algo = DGPO(train, ODE())
     ema_ref = WeightCopy(params)
     start = [w.clone() for w in ema_ref.weights]
-    policy = AdapterPolicy(adapter, 1.0, "full", keep_reference=True, snapshots={"ema_ref": ema_ref})
+    policy = AdapterPolicy(adapter, 1.0, "full", keep_reference=True,
+                           weights=PolicyWeights(snapshots={"ema_ref": ema_ref}))
     optimizer = torch.optim.SGD(params, lr=0.1)
     after_each_step = []
     step = optimizer.step
@@ -274,11 +275,10 @@ def test_the_fast_ema_moves_after_every_optimizer_step():
     rollouts = Rollouts([""] * n, torch.zeros(n, dtype=torch.long), x0.unsqueeze(1), torch.zeros(n, 3),
                         adapter.sigmas(3), [], adapter.encode([""] * n, None, 1.0), media=x0, latent_steps=[3])
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    stepper = Stepper(Accelerator(cpu=True), optimizer, params, NonFiniteGuard(0), syncing_module=adapter.transformer,
+                      step_snapshots={"ema_ref": (ema_ref, algo.step_snapshots["ema_ref"])})
     _, steps = optimize_epoch(algo, policy, rollouts, advantages, OptimizeSettings(batch_size=4, max_grad_norm=10.0),
-                              accelerator=Accelerator(cpu=True), optimizer=optimizer, params=params,
-                              syncing_module=adapter.transformer, seed=0, epoch=0, guard=NonFiniteGuard(0),
-                              steps_before=5,
-                              step_snapshots={"ema_ref": (ema_ref, algo.step_snapshots["ema_ref"])})
+                              stepper, epoch=0, steps_before=5)
     assert steps == 3 and len(after_each_step) == 3
     expected = start
     for k, theta in zip((5, 6, 7), after_each_step):

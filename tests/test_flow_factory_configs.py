@@ -426,7 +426,7 @@ def test_shuffle_samples_false_trains_in_rollout_order(shuffle):
     from accelerate import Accelerator
 
     from flow_factory.guards import NonFiniteGuard
-    from flow_factory.trainer.optimize import OptimizeSettings, optimize_epoch
+    from flow_factory.trainer.optimize import OptimizeSettings, Stepper, optimize_epoch
 
     @dataclass
     class Batch:
@@ -454,8 +454,8 @@ def test_shuffle_samples_false_trains_in_rollout_order(shuffle):
 
     rollouts = type("Rollouts", (), {"group_ids": torch.arange(8) // 2})
     optimize_epoch(Recorder(), None, rollouts, torch.zeros(8), OptimizeSettings(batch_size=2, shuffle=shuffle),
-                   accelerator=Accelerator(cpu=True), optimizer=torch.optim.SGD([weight], lr=0.1), params=[weight],
-                   syncing_module=torch.nn.Linear(1, 1), seed=0, epoch=0, guard=NonFiniteGuard(3))
+                   Stepper(Accelerator(cpu=True), torch.optim.SGD([weight], lr=0.1), [weight], NonFiniteGuard(3),
+                           syncing_module=torch.nn.Linear(1, 1)), epoch=0)
     assert sorted(seen) == list(range(8)) and (seen == list(range(8))) == (not shuffle)
 
 

@@ -32,8 +32,8 @@ from flow_factory.dynamics import ODE
 from flow_factory.guards import NonFiniteGuard
 from flow_factory.sampling import Rollouts
 from flow_factory.trainer.ema import WeightCopy
-from flow_factory.trainer.optimize import OptimizeSettings, optimize_epoch
-from flow_factory.trainer.policy import AdapterPolicy
+from flow_factory.trainer.optimize import OptimizeSettings, Stepper, optimize_epoch
+from flow_factory.trainer.policy import AdapterPolicy, PolicyWeights
 from flow_factory.trainer.trainer import Trainer
 
 GROUP_SIZE, GROUPS = 4, 6
@@ -59,7 +59,8 @@ def train_dgpo_epoch(rank: int, world: int, batch_size: int, shared_noise: bool,
                       ema_ref_ramp_rate=0.2)
     algo = make_algorithm("dgpo", cfg, ODE())
     snapshots = {name: WeightCopy(params) for name in algo.step_snapshots}
-    policy = AdapterPolicy(adapter, 1.0, "full", keep_reference=algo.needs_reference, snapshots=snapshots)
+    policy = AdapterPolicy(adapter, 1.0, "full", keep_reference=algo.needs_reference,
+                           weights=PolicyWeights(snapshots=snapshots))
     with torch.no_grad():  # away from the reference, so that every group's preference is far from 0
         for p in params:
             p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
@@ -74,11 +75,10 @@ def train_dgpo_epoch(rank: int, world: int, batch_size: int, shared_noise: bool,
     optimizer = torch.optim.SGD(params, lr=0.05)
     micro_steps = len(mine) // batch_size * 2
     optimize_epoch(algo, policy, rollouts, advantages[mine],
-                   OptimizeSettings(batch_size=batch_size, accumulation=micro_steps // 2, max_grad_norm=100.0),
-                   accelerator=accelerator, optimizer=optimizer, params=params, syncing_module=None, seed=5, epoch=0,
-                   guard=NonFiniteGuard(0),
-                   steps_before=1,  # the fast EMA's decay is 0.2 from the first step: it lags behind the weights
-                   step_snapshots={k: (snapshots[k], d) for k, d in algo.step_snapshots.items()})
+                   OptimizeSettings(batch_size=batch_size, accumulation=micro_steps // 2, max_grad_norm=100.0, seed=5),
+                   Stepper(accelerator, optimizer, params, NonFiniteGuard(0),
+                           step_snapshots={k: (snapshots[k], d) for k, d in algo.step_snapshots.items()}),
+                   epoch=0, steps_before=1)  # the fast EMA's decay is 0.2 from the first step: it lags the weights
     return torch.cat([p.detach().flatten() for p in params])
 
 

@@ -20,7 +20,7 @@ from flow_factory.models.preflight import check_reward_inputs
 from flow_factory.rewards import RewardSet
 from flow_factory.rewards.base import PointwiseRewardModel, RewardInputs, RewardModelOutput
 from flow_factory.rollout import TrajectoryOptions, sample_trajectory
-from flow_factory.sampling import SamplingSettings, collect_rollouts
+from flow_factory.sampling import SamplingServices, SamplingSettings, collect_rollouts
 from flow_factory.trainer.policy import AdapterPolicy
 
 SIZE, FRAMES = 32, 9
@@ -130,7 +130,7 @@ def _rollouts(adapter, rewards):
     items = [PromptItem("a dog barking"), PromptItem("rain on a roof")]
     settings = SamplingSettings(SIZE, SIZE, FRAMES, num_steps=2, guidance_scale=1.0, batch_size=2, seed=0)
     return collect_rollouts(adapter, ODE(), items, torch.tensor([0, 1]), [0, 1], settings, epoch=0,
-                            reward_set=rewards)
+                            services=SamplingServices(rewards))
 
 
 def test_rewards_that_ask_for_the_audio_receive_it(adapter):

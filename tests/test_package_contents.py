@@ -8,13 +8,15 @@ import re
 
 from test_import_graph import PACKAGE, import_graph
 
+from flow_factory.config.families import MODEL_FAMILIES
+
 ROOT = PACKAGE.parents[1]
 
 
 def entry_points(graph: dict[str, set[str]]) -> set[str]:
     """The package's surface: its __init__, flow_factory.testing, the console scripts of
     pyproject.toml, modules run as ``python -m`` (a ``__main__`` guard), and modules named
-    in strings (the reward table's ``"flow_factory.rewards.pickscore:PickScore"``)."""
+    in strings (the reward table's ``"flow_factory.rewards.pickscore:PickScore"``), and the model families' adapters."""
     scripts = (ROOT / "pyproject.toml").read_text().split("[project.scripts]")[1].split("\n[")[0]
     roots = {"flow_factory", "flow_factory.testing"} | set(re.findall(r'=\s*"([\w.]+):', scripts))
     for path in PACKAGE.rglob("*.py"):
@@ -22,6 +24,7 @@ def entry_points(graph: dict[str, set[str]]) -> set[str]:
         roots.update(re.findall(r"[\"'](flow_factory(?:\.\w+)+)[:\"']", text))
         if re.search(r"^if __name__ == [\"']__main__[\"']:", text, re.M):
             roots.add(".".join(path.relative_to(ROOT / "src").with_suffix("").parts))
+    roots.update(family.adapter.partition(":")[0] for family in MODEL_FAMILIES.values())  # imported by name
     return roots & set(graph)
 
 

@@ -26,7 +26,7 @@ from flow_factory.models import QwenImageEditPlusAdapter, apply_lora, load_adapt
 from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput
 from flow_factory.models.qwen_image_edit import load_pipeline
 from flow_factory.rollout import sample_trajectory
-from flow_factory.sampling import SamplingSettings, collect_rollouts
+from flow_factory.sampling import SamplingServices, SamplingSettings, collect_rollouts
 from flow_factory.trainer.policy import AdapterPolicy
 
 STEPS, GUIDANCE, SIZE = 3, 2.5, 64
@@ -138,7 +138,7 @@ def test_rows_of_other_image_counts_and_sizes_sample_store_and_score(adapter, tm
     rewards = RewardSet({"pil": Recorder(batch_size=4), "tensor": TensorRecorder(batch_size=4)},
                         {"pil": 1, "tensor": 1})
     settings = SamplingSettings(SIZE, SIZE, None, 2, GUIDANCE, batch_size=1, seed=0, sde_steps=[])
-    rollouts = collect_rollouts(adapter, ODE(), items, torch.arange(2), [0, 1], settings, epoch=0, reward_set=rewards)
+    rollouts = collect_rollouts(adapter, ODE(), items, torch.arange(2), [0, 1], settings, epoch=0, services=SamplingServices(rewards))
 
     assert rollouts.cond["image_shapes"].tolist() == [[[4, 6], [0, 0]], [[4, 6], [4, 4]]]  # token grids, padded
     assert [[im.size for im in sample] for sample in Recorder.calls] == [[(96, 64)], [(96, 64), (64, 64)]]
@@ -206,7 +206,7 @@ def test_a_prompt_is_encoded_with_its_own_rows_images(adapter, tmp_path):
 
     settings = SamplingSettings(SIZE, SIZE, None, 2, GUIDANCE, batch_size=1, seed=0, sde_steps=[])
     rollouts = collect_rollouts(adapter, ODE(), same_prompt, torch.arange(2), [0, 1], settings, epoch=0,
-                                condition_cache=cache)
+                                services=SamplingServices(condition_cache=cache))
     assert all(torch.equal(rollouts.cond[k], cached[k]) for k in cached)
 
 

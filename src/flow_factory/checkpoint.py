@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,14 +54,26 @@ class CheckpointError(ValueError):
 
 
 # ------------------------------------------------------------------ writing
-def save_checkpoint(out_dir: Path, adapter, finetune_type: str, optimizer, state: dict,
-                    extra: dict | None = None, components: list[str] = ("transformer",),
-                    weights: dict | None = None, folders: dict | None = None) -> Path:
-    """Write the checkpoint atomically to ``out_dir``; ``extra``: file name -> object for ``torch.save``;
-    ``components``: the trained networks (``model.target_components``); ``optimizer``: the optimizer or
-    its state dict. ``weights``: component -> its full state dict, gathered from a sharded model whose
-    own parameters are shards (``sharding.py``). ``folders``: name -> a folder written beforehand (by
-    every process: DeepSpeed's engine state), moved into the checkpoint under that name."""
+@dataclass
+class CheckpointContents:
+    """What a checkpoint holds beyond the trainer state. ``weights``: None reads the adapter's own (whole) weights,
+    else component -> its full state dict, gathered from a sharded model whose own parameters are shards
+    (``sharding.py``); ``optimizer``: the optimizer or its state dict (None: the weights only,
+    ``log.save_model_only``, or DeepSpeed's state in ``folders``); ``extra``: file name -> object for
+    ``torch.save`` (the weight copies); ``folders``: name -> a folder written beforehand (by every process:
+    DeepSpeed's engine state), moved into the checkpoint under that name."""
+
+    weights: dict | None = None
+    optimizer: object = None
+    extra: dict = field(default_factory=dict)
+    folders: dict = field(default_factory=dict)
+
+
+def save_checkpoint(out_dir: Path, adapter, finetune_type: str, state: dict, contents: CheckpointContents,
+                    components: list[str] = ("transformer",)) -> Path:
+    """Write the checkpoint atomically to ``out_dir``: the trained networks ``components``
+    (``model.target_components``) and ``contents``, with the trainer ``state``."""
+    weights, optimizer, extra, folders = contents.weights, contents.optimizer, contents.extra, contents.folders
     out_dir = Path(out_dir)
     trained = {name: adapter.transformers[name] for name in components}
     if weights is None:

@@ -137,14 +137,13 @@ class SamplingServices:
 
 @torch.no_grad()
 def collect_rollouts(adapter, dynamics, items: list, group_ids: Tensor, sample_ids: list[int],
-                     settings: SamplingSettings, *, epoch: int, reward_set=None, timer: PhaseTimer | None = None,
-                     autocast=nullcontext, prompt_cache=None, condition_cache=None, cache=None) -> Rollouts:
+                     settings: SamplingSettings, *, epoch: int, services: SamplingServices | None = None) -> Rollouts:
     """Sample ``items`` (``data.PromptItem``: prompt, negative prompt, a conditioned model's condition files,
     metadata) in batches, decode, and score with ``reward_set``.
 
-    ``sample_ids``: each item's global sample index (its noise seed); the other keywords are those of
-    ``SamplingServices``."""
-    services = SamplingServices(reward_set, timer or PhaseTimer(), autocast, prompt_cache, condition_cache, cache)
+    ``sample_ids``: each item's global sample index (its noise seed); ``services``: the rewards, caches, timer
+    and autocast it works with (none by default)."""
+    services = services or SamplingServices()
     return _RolloutBatches(adapter, dynamics, settings, epoch, services).collect(items, group_ids, sample_ids)
 
 
@@ -261,9 +260,9 @@ def sample_prompts(adapter, items: list, settings: SamplingSettings, *, sample_i
                         log_probs=torch.empty(0, settings.num_steps), sigmas=torch.empty(0), sde_steps=[], cond={},
                         media=torch.empty(0), latent_steps=[],
                         rewards=None if reward_set is None else {name: torch.empty(0) for name in reward_set.models})
-    return collect_rollouts(adapter, ODE(), items, torch.tensor(ids), ids, settings, epoch=-1,
-                            reward_set=reward_set, autocast=autocast, prompt_cache=prompt_cache,
-                            condition_cache=condition_cache)
+    services = SamplingServices(reward_set, autocast=autocast, prompt_cache=prompt_cache,
+                                condition_cache=condition_cache)
+    return collect_rollouts(adapter, ODE(), items, torch.tensor(ids), ids, settings, epoch=-1, services=services)
 
 
 def gather_scores(scores: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -225,7 +225,7 @@ class FlowAdapter:
     # True: the model makes sound too; decode_audio gives it (a reward asks with the "audio" field)
     has_audio: ClassVar[bool] = False
     # height and width must be multiples of this in the released checkpoints; the config checks it
-    # before anything loads, so the number lives in config.sections.MODEL_FAMILIES (no torch there)
+    # before anything loads, so the number lives in config.families.MODEL_FAMILIES (no torch there)
     pixel_factor: ClassVar[int]
     # text tokens per prompt where the adapter fixes the length; part of the prompt cache's fingerprint
     max_sequence_length: ClassVar[int | None] = None

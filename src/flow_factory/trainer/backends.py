@@ -29,7 +29,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ..checkpoint import PARTIAL, CheckpointError, checkpoint_dir
+from ..checkpoint import PARTIAL, CheckpointContents, CheckpointError, checkpoint_dir
 from ..config import ConfigError
 from ..guards import all_finite
 from ..models import get_adapter_class
@@ -132,19 +132,6 @@ class Built:
     params: list
     optimizer: torch.optim.Optimizer
     copies: WeightCopies
-
-
-@dataclass
-class CheckpointContents:
-    """What a checkpoint holds beyond the trainer state: ``weights`` None reads the adapter's own (whole) weights,
-    else component -> full state dict gathered from shards; ``optimizer`` the optimizer or its full state (None:
-    none saved, or DeepSpeed's in ``folders``); ``extra``: file name -> state (the weight copies); ``folders``:
-    name -> a folder written beforehand, moved in (DeepSpeed's engine state)."""
-
-    weights: dict | None
-    optimizer: object
-    extra: dict
-    folders: dict
 
 
 class LockstepExperts(ExpertCalls):

@@ -15,8 +15,8 @@ Up to ``steps_per_call`` consecutive micro-batches of a chunk are merged into on
 the gradient is the sum the separate calls would give; merging never crosses an optimizer
 step, so every step sees the same gradient either way.
 
-Gradients sync across processes through the DDP wrapper ``syncing_module``; a multi-expert model
-is not wrapped (``FlowAdapter.wrap_transformer``), so with ``syncing_module=None`` this loop
+Gradients sync across processes through the DDP wrapper ``Stepper.syncing_module``; a multi-expert model
+is not wrapped (``backends.DataParallel``), so with ``syncing_module=None`` this loop
 averages them itself before the optimizer step. FSDP2 reduce-scatters every backward into the
 sharded gradients. DeepSpeed's engine accumulates, clips and steps
 inside ``backward`` at the end of an accumulation; the optimizer's own step is then a no-op. The engine
@@ -26,7 +26,7 @@ the other backends' (``engine.was_step_applied()``).
 A lockstep algorithm (DGPO) shuffles and draws alike on every process, so the processes train
 the parts of one global micro-batch together.
 
-``step_snapshots`` (name -> (``WeightCopy``, ``decay(k)``)) move after every optimizer step k of
+``Stepper.step_snapshots`` (name -> (``WeightCopy``, ``decay(k)``)) move after every optimizer step k of
 the run (``steps_before`` + the steps of this epoch so far), as ``w <- d w + (1 - d) theta``.
 """
 
@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
@@ -55,127 +56,177 @@ class OptimizeSettings:
     num_inner_epochs: int = 1  # passes over the rollouts
     shuffle: bool = True  # the units' order, reshuffled each pass
     steps_per_call: int | str = 1  # micro-batches merged into one transformer call
+    seed: int = 0  # with the epoch, seeds the shuffles and the training draws: a resumed run repeats them
 
     @classmethod
     def from_config(cls, cfg) -> "OptimizeSettings":
         train = cfg.train
         return cls(batch_size=train.per_device_batch_size, accumulation=cfg.gradient_accumulation,
                    max_grad_norm=train.max_grad_norm, num_inner_epochs=train.num_inner_epochs,
-                   shuffle=train.shuffle_samples, steps_per_call=train.steps_per_call)
+                   shuffle=train.shuffle_samples, steps_per_call=train.steps_per_call,
+                   seed=train.seed if train.seed is not None else cfg.seed)
 
 
-def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, settings: OptimizeSettings, *,
-                   accelerator, optimizer, params: list, syncing_module, guard: NonFiniteGuard, seed: int,
-                   epoch: int, step_snapshots: dict | None = None, steps_before: int = 0) -> tuple[dict[str, float], int]:
-    """Returns the epoch's mean (``_min`` / ``_max``: extreme) metrics and the optimizer steps taken.
+@dataclass
+class Stepper:
+    """What steps the trained weights: the accelerator, the optimizer over ``params``, the non-finite ``guard``,
+    and ``syncing_module``: the module whose backend syncs the gradients (DDP's wrapper, whose all-reduce this loop
+    defers to the micro-step that steps; an FSDP2 root; DeepSpeed's engine), or None, when this loop averages them
+    over the processes itself (a multi-expert model DDP cannot wrap: ``backends.Backend.syncing_module``).
+    ``step_snapshots``: name -> (``WeightCopy``, ``decay(k)``), moved after every optimizer step k of the run."""
 
-    ``syncing_module``: the module whose backend syncs the gradients (DDP's wrapper, whose all-reduce this
-    loop defers to the micro-step that steps; an FSDP2 root; DeepSpeed's engine), or None, when this loop
-    averages them over the processes itself (a multi-expert model DDP cannot wrap). ``seed`` and ``epoch``
-    seed the shuffles and the training draws, so that a resumed run repeats them.
+    accelerator: Any
+    optimizer: Any
+    params: list
+    guard: NonFiniteGuard
+    syncing_module: Any = None
+    step_snapshots: dict = field(default_factory=dict)
+
+
+def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, settings: OptimizeSettings,
+                   stepper: Stepper, *, epoch: int, steps_before: int = 0) -> tuple[dict[str, float], int]:
+    """Returns the epoch's mean (``_min`` / ``_max``: extreme) metrics and the optimizer steps taken
+    (``steps_before``: those of the run before this epoch).
 
     Metrics that are NaN or inf are left out of the means; ``skipped_updates`` counts the
     optimizer steps skipped for a non-finite gradient."""
-    acc = accelerator
-    batch_size, accumulation, max_grad_norm = settings.batch_size, settings.accumulation, settings.max_grad_norm
-    deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
-    engine = acc.deepspeed_engine_wrapped.engine if deepspeed else None
-    scaled = acc.scaler is not None or (deepspeed and engine.fp16_enabled())  # fp16: a loss scaler skips overflows
-    # DDP skips the all-reduce of micro-steps that do not step. FSDP2 reduce-scatters every backward
-    # instead (deferring would keep whole gradients on every process); DeepSpeed knows its boundary itself
-    defer_sync = isinstance(syncing_module, torch.nn.parallel.DistributedDataParallel)
+    acc = stepper.accelerator
+    run = _EpochSteps(stepper, settings, epoch, steps_before)
     units = algorithm.training_units(rollouts.group_ids, advantages)
-    batch_size = algorithm.units_per_chunk(batch_size)
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    micro, steps, skipped, overflowed = 0, 0, 0, 0
-    # fp16: whether a loss of the accumulation so far was NaN or inf (tells the data's inf from an overflow);
-    # a tensor, read only when a step overflowed, so that no micro-step waits on the device for it
-    bad_loss = torch.zeros((), dtype=torch.bool, device=acc.device)
+    batch_size = algorithm.units_per_chunk(settings.batch_size)
     rank = 0 if algorithm.lockstep else acc.process_index  # which process's draws this one makes
     for inner in range(settings.num_inner_epochs):
-        order = (torch.randperm(len(units), generator=generator("shuffle", seed, epoch, inner, rank))
+        order = (torch.randperm(len(units), generator=generator("shuffle", settings.seed, epoch, inner, rank))
                  if settings.shuffle else torch.arange(len(units)))
         for b, start in enumerate(range(0, len(units), batch_size)):
             chosen = units[order[start:start + batch_size]]
             # training noise / timesteps of the decoupled algorithms: seeded per micro-batch, so a
             # resumed run draws the same ones
-            draws = generator("train", seed, epoch, inner, rank, b)
+            draws = generator("train", settings.seed, epoch, inner, rank, b)
             for batch in _merged(algorithm.micro_batches(rollouts, advantages, chosen, draws), settings.steps_per_call,
-                                 lambda: accumulation - micro % accumulation):
-                batch = on_device(batch, acc.device)
-                parts = batch.parts
-                # gradients sync across processes only on the micro-step that steps the optimizer
-                syncs = (micro + parts) % accumulation == 0
-                with nullcontext() if syncs or not defer_sync else acc.no_sync(syncing_module), acc.autocast():
-                    loss, metrics = algorithm.loss(policy, batch)
-                    # no gradient when only a frozen expert denoised the batch (Wan2.2 training one expert)
-                    if deepspeed:
-                        # DeepSpeed's engine divides by its gradient_accumulation_steps (= accumulation)
-                        # and steps, clipping, in the backward of the micro-step told it ends the accumulation;
-                        # so a micro-step without a gradient (on every process: the experts run in lockstep)
-                        # backs a zero through the trained weights, and the engine still counts and steps
-                        tied = loss if loss.requires_grad else loss + 0 * sum(p.sum() for p in params)
-                        _tell_deepspeed_the_boundary(acc, syncs)
-                        acc.backward(tied * parts)
-                    elif loss.requires_grad:
-                        acc.backward(loss * parts / accumulation)
-                micro += parts
-                metrics["loss"] = loss.detach()
-                if scaled:
-                    bad_loss |= ~torch.isfinite(loss.detach()).to(bad_loss.device)
-                if syncs:
-                    if syncing_module is None and acc.num_processes > 1:
-                        average_gradients(params)
-                    metrics["grad_norm"] = grad_norm = _norm(acc.clip_grad_norm_(params, max_grad_norm))
-                    # DeepSpeed's engine has stepped already, unless its overflow check found the reduced
-                    # gradients (or their norm) NaN or inf: then it skipped the step, alike on every process
-                    stepped = engine.was_step_applied() if deepspeed else bool(torch.isfinite(grad_norm))
-                    if stepped:
-                        optimizer.step()  # a no-op under DeepSpeed
-                        for name, (snapshot, decay_of) in (step_snapshots or {}).items():
-                            metrics[f"{name}_decay"] = decay = decay_of(steps_before + steps)
-                            snapshot.update(decay)
-                        steps += 1
-                        guard.passed()
-                    elif scaled and _everywhere(acc, not bool(bad_loss)):
-                        # fp16: finite losses whose scaled gradients overflowed. The scaler skips the step
-                        # (the weights are untouched) and lowers its scale: not a lost update. (DeepSpeed's
-                        # own scaler has skipped it already, and lowers its scale for the data's NaN too)
-                        optimizer.step()
-                        overflowed += 1
-                    else:
-                        skipped += 1
-                        if acc.scaler is not None:  # the data's NaN or inf: skipped, the loss scale kept
-                            scale = acc.scaler.get_scale()
-                            optimizer.step()  # the scaler skips it, and must close its step to unscale again
-                            acc.scaler.update(scale)
-                        optimizer.zero_grad(set_to_none=True)  # before a raise, too
-                        guard.skip(f"epoch {epoch}: optimizer step with a non-finite gradient norm "
-                                   f"(loss {float(loss.detach()):.4g})")
-                    optimizer.zero_grad(set_to_none=True)
-                    bad_loss.zero_()
-                for k, v in metrics.items():
-                    v = float(v)
-                    if not math.isfinite(v):
-                        continue
-                    if k.endswith("_min"):
-                        sums[k] = min(sums.get(k, v), v)
-                    elif k.endswith("_max"):
-                        sums[k] = max(sums.get(k, v), v)
-                    else:  # a merged batch's metric is the mean over its parts: it counts that many times
-                        weight = 1 if k == "grad_norm" else parts
-                        sums[k] = sums.get(k, 0.0) + v * weight
-                        counts[k] = counts.get(k, 0) + weight
-    if deepspeed:
-        _tell_deepspeed_the_boundary(acc, True)
-    out = {f"train/{k}": (v / counts[k] if k in counts else v) for k, v in sums.items()}
-    out["train/skipped_updates"] = skipped
-    if scaled:
-        out["train/overflow_skipped_steps"] = overflowed
-    if acc.scaler is not None:
-        out["train/loss_scale"] = float(acc.scaler.get_scale())
-    return out, steps
+                                 run.room):
+                run.train_on(algorithm, policy, on_device(batch, acc.device))
+    return run.results()
+
+
+class _EpochSteps:
+    """The micro-steps of one ``optimize_epoch``: each one's backward, the optimizer step at the end of an
+    accumulation (or its skip), and the metrics' running sums."""
+
+    def __init__(self, stepper: Stepper, settings: OptimizeSettings, epoch: int, steps_before: int):
+        self.stepper, self.settings, self.epoch, self.steps_before = stepper, settings, epoch, steps_before
+        acc = stepper.accelerator
+        self.deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+        self.engine = acc.deepspeed_engine_wrapped.engine if self.deepspeed else None
+        # fp16: a loss scaler skips overflows
+        self.scaled = acc.scaler is not None or (self.deepspeed and self.engine.fp16_enabled())
+        # DDP skips the all-reduce of micro-steps that do not step. FSDP2 reduce-scatters every backward
+        # instead (deferring would keep whole gradients on every process); DeepSpeed knows its boundary itself
+        self.defer_sync = isinstance(stepper.syncing_module, torch.nn.parallel.DistributedDataParallel)
+        self.micro = self.steps = self.skipped = self.overflowed = 0
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        # fp16: whether a loss of the accumulation so far was NaN or inf (tells the data's inf from an overflow);
+        # a tensor, read only when a step overflowed, so that no micro-step waits on the device for it
+        self.bad_loss = torch.zeros((), dtype=torch.bool, device=acc.device)
+
+    def room(self) -> int:
+        """The micro-steps left before the next optimizer step."""
+        accumulation = self.settings.accumulation
+        return accumulation - self.micro % accumulation
+
+    def train_on(self, algorithm, policy, batch) -> None:
+        """One micro-step (a merged batch: ``batch.parts`` of them); the optimizer step if it ends an accumulation."""
+        acc, parts = self.stepper.accelerator, batch.parts
+        # gradients sync across processes only on the micro-step that steps the optimizer
+        syncs = (self.micro + parts) % self.settings.accumulation == 0
+        no_sync = not syncs and self.defer_sync
+        with acc.no_sync(self.stepper.syncing_module) if no_sync else nullcontext(), acc.autocast():
+            loss, metrics = algorithm.loss(policy, batch)
+            self._backward(loss, parts, syncs)
+        self.micro += parts
+        metrics["loss"] = loss.detach()
+        if self.scaled:
+            self.bad_loss |= ~torch.isfinite(loss.detach()).to(self.bad_loss.device)
+        if syncs:
+            self._step(metrics, loss)
+        self._record(metrics, parts)
+
+    def _backward(self, loss: torch.Tensor, parts: int, syncs: bool) -> None:
+        acc = self.stepper.accelerator
+        # no gradient when only a frozen expert denoised the batch (Wan2.2 training one expert)
+        if self.deepspeed:
+            # DeepSpeed's engine divides by its gradient_accumulation_steps (= accumulation) and steps, clipping,
+            # in the backward of the micro-step told it ends the accumulation; so a micro-step without a gradient
+            # (on every process: the experts run in lockstep) backs a zero through the trained weights, and the
+            # engine still counts and steps
+            tied = loss if loss.requires_grad else loss + 0 * sum(p.sum() for p in self.stepper.params)
+            _tell_deepspeed_the_boundary(acc, syncs)
+            acc.backward(tied * parts)
+        elif loss.requires_grad:
+            acc.backward(loss * parts / self.settings.accumulation)
+
+    def _step(self, metrics: dict, loss: torch.Tensor) -> None:
+        """The optimizer step of an accumulation, or its skip: a non-finite gradient norm is the guard's (fp16's
+        overflow of finite losses is the scaler's, not held against the run)."""
+        s = self.stepper
+        acc, optimizer = s.accelerator, s.optimizer
+        if s.syncing_module is None and acc.num_processes > 1:
+            average_gradients(s.params)
+        metrics["grad_norm"] = grad_norm = _norm(acc.clip_grad_norm_(s.params, self.settings.max_grad_norm))
+        # DeepSpeed's engine has stepped already, unless its overflow check found the reduced
+        # gradients (or their norm) NaN or inf: then it skipped the step, alike on every process
+        stepped = self.engine.was_step_applied() if self.deepspeed else bool(torch.isfinite(grad_norm))
+        if stepped:
+            optimizer.step()  # a no-op under DeepSpeed
+            for name, (snapshot, decay_of) in s.step_snapshots.items():
+                metrics[f"{name}_decay"] = decay = decay_of(self.steps_before + self.steps)
+                snapshot.update(decay)
+            self.steps += 1
+            s.guard.passed()
+        elif self.scaled and _everywhere(acc, not bool(self.bad_loss)):
+            # fp16: finite losses whose scaled gradients overflowed. The scaler skips the step (the weights are
+            # untouched) and lowers its scale: not a lost update. (DeepSpeed's own scaler has skipped it already,
+            # and lowers its scale for the data's NaN too)
+            optimizer.step()
+            self.overflowed += 1
+        else:
+            self.skipped += 1
+            if acc.scaler is not None:  # the data's NaN or inf: skipped, the loss scale kept
+                scale = acc.scaler.get_scale()
+                optimizer.step()  # the scaler skips it, and must close its step to unscale again
+                acc.scaler.update(scale)
+            optimizer.zero_grad(set_to_none=True)  # before a raise, too
+            s.guard.skip(f"epoch {self.epoch}: optimizer step with a non-finite gradient norm "
+                         f"(loss {float(loss.detach()):.4g})")
+        optimizer.zero_grad(set_to_none=True)
+        self.bad_loss.zero_()
+
+    def _record(self, metrics: dict, parts: int) -> None:
+        for k, v in metrics.items():
+            v = float(v)
+            if not math.isfinite(v):
+                continue
+            if k.endswith("_min"):
+                self.sums[k] = min(self.sums.get(k, v), v)
+            elif k.endswith("_max"):
+                self.sums[k] = max(self.sums.get(k, v), v)
+            else:  # a merged batch's metric is the mean over its parts: it counts that many times
+                weight = 1 if k == "grad_norm" else parts
+                self.sums[k] = self.sums.get(k, 0.0) + v * weight
+                self.counts[k] = self.counts.get(k, 0) + weight
+
+    def results(self) -> tuple[dict[str, float], int]:
+        acc = self.stepper.accelerator
+        if self.deepspeed:
+            _tell_deepspeed_the_boundary(acc, True)
+        out = {f"train/{k}": (v / self.counts[k] if k in self.counts else v) for k, v in self.sums.items()}
+        out["train/skipped_updates"] = self.skipped
+        if self.scaled:
+            out["train/overflow_skipped_steps"] = self.overflowed
+        if acc.scaler is not None:
+            out["train/loss_scale"] = float(acc.scaler.get_scale())
+        return out, self.steps
 
 
 def _tell_deepspeed_the_boundary(acc, steps: bool) -> None:

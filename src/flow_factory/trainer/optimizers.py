@@ -18,15 +18,20 @@ import torch
 OPTIMIZERS = ("adamw", "muon")
 
 
+MUON_DEFAULTS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": "match_rms_adamw"}
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon over the 2-D parameters, AdamW over the others; one param group list and one state."""
 
-    def __init__(self, params, lr: float, betas, eps: float, weight_decay: float, momentum: float = 0.95,
-                 nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str | None = "match_rms_adamw"):
+    def __init__(self, params, lr: float, betas, eps: float, weight_decay: float, **muon_options):
+        """``muon_options``: ``torch.optim.Muon``'s own (momentum, nesterov, ns_steps, adjust_lr_fn), over
+        these defaults."""
         params = list(params)
         matrices, others = [p for p in params if p.ndim == 2], [p for p in params if p.ndim != 2]
-        self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                                     nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn) if matrices else None
+        muon_options = {**MUON_DEFAULTS, **muon_options}
+        self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay,
+                                     **muon_options) if matrices else None
         self.adamw = torch.optim.AdamW(others, lr=lr, betas=betas, eps=eps,
                                        weight_decay=weight_decay) if others else None
         # the inner optimizers' own group dicts: a change of lr here (a scheduler, the scaler) reaches them

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,11 +25,23 @@ from ..models.base import Conditioning, FlowAdapter
 from ..models.lora import lora_disabled
 
 
+@dataclass
+class PolicyWeights:
+    """The copies of the trained weights a loss may call the model with, each a ``WeightCopy`` swapped in for
+    the call."""
+
+    ema: Any = None  # the EMA weights, when train.ema_decay > 0
+    sampling: Any = None  # the weights the rollout sampled with
+    snapshots: dict = field(default_factory=dict)  # name -> the algorithm's weight / step snapshots
+    reference: Any = None  # a sharded full fine-tune's starting shards (else the reference is made here)
+
+
 class AdapterPolicy:
     def __init__(self, adapter: FlowAdapter, guidance_scale: float, finetune_type: str,
-                 keep_reference: bool, ref_param_device: str = "same", ema=None, sampling_weights=None,
-                 snapshots=None, components: list[str] = ("transformer",), reference=None,
-                 one_scale_for_experts: bool = False):
+                 keep_reference: bool, ref_param_device: str = "same", weights: PolicyWeights | None = None,
+                 components: list[str] = ("transformer",), one_scale_for_experts: bool = False):
+        weights = weights or PolicyWeights()
+        ema, sampling_weights, snapshots, reference = weights.ema, weights.sampling, weights.snapshots, weights.reference
         self.adapter = adapter
         self.components = list(components)  # the trained networks (model.target_components)
         self.guidance_scale = guidance_scale

@@ -30,7 +30,7 @@ from ..models import get_adapter_class
 from ..models.preflight import check_before_loading, check_reward_inputs
 from ..rewards import RewardSet
 from ..rollout_cache import RolloutCache
-from ..sampling import Rollouts, SamplingSettings, collect_rollouts, condition_size, gather_scores, sample_prompts
+from ..sampling import Rollouts, SamplingServices, SamplingSettings, collect_rollouts, condition_size, gather_scores, sample_prompts
 from ..seeding import generator
 from ..timer import PhaseTimer
 from .backends import Backend, make_accelerator
@@ -39,7 +39,7 @@ from .interrupt import StopFlag, TrainingInterrupted
 from .metrics import (advantage_metrics, eval_means, headline, memory_metrics, reward_metrics, save_eval_grid,
                       time_metrics, write_history)
 from .offline import OfflineEpochs, offline_optimize_settings
-from .optimize import OptimizeSettings, optimize_epoch
+from .optimize import OptimizeSettings, Stepper, optimize_epoch
 from .run_data import load_run_data
 from .run_folder import RunFolder, from_main
 from .tracking import check_backend, flat_hparams, log_media
@@ -164,9 +164,9 @@ class Trainer:
         with sampling_weights, cached:
             rollouts = collect_rollouts(
                 self.adapter, self.dynamics, [self.data.train_prompts[i] for i in indices[share]], group_ids[share],
-                sample_ids, settings, epoch=epoch, reward_set=self.rewards, timer=self.timer,
-                autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache,
-                condition_cache=self.condition_cache, cache=self.rollout_cache)
+                sample_ids, settings, epoch=epoch, services=SamplingServices(
+                    self.rewards, self.timer, self.accelerator.autocast, self.prompt_cache, self.condition_cache,
+                    self.rollout_cache))
         return rollouts
 
     def _offline_epoch(self, epoch: int) -> Rollouts:
@@ -204,12 +204,12 @@ class Trainer:
     def optimize(self, rollouts: Rollouts, advantages: torch.Tensor, epoch: int) -> dict[str, float]:
         for transformer in self.trained.values():
             transformer.train()
-        metrics, steps = optimize_epoch(
-            self.algorithm, self.policy, rollouts, advantages, self._optimize_settings(),
-            accelerator=self.accelerator, optimizer=self.optimizer, params=self.params,
-            syncing_module=self.backend.syncing_module(self.adapter), guard=self.guard,
-            seed=self.seed, epoch=epoch, steps_before=self.global_step,
-            step_snapshots={name: (self.snapshots[name], decay) for name, decay in self.step_snapshot_decays.items()})
+        stepper = Stepper(self.accelerator, self.optimizer, self.params, self.guard,
+                          syncing_module=self.backend.syncing_module(self.adapter),
+                          step_snapshots={name: (self.snapshots[name], decay)
+                                          for name, decay in self.step_snapshot_decays.items()})
+        metrics, steps = optimize_epoch(self.algorithm, self.policy, rollouts, advantages, self._optimize_settings(),
+                                        stepper, epoch=epoch, steps_before=self.global_step)
         self.global_step += steps
         if not self.backend.all_finite(self.params):  # finite gradients, yet a step overflowed: stop before it spreads
             raise NonFiniteError(f"epoch {epoch}: an optimizer step made trained weights NaN or inf (mean "
@@ -372,11 +372,10 @@ class Trainer:
                      "sharding": {"backend": self.backend.name, "processes": acc.num_processes,
                                   "trained_values_per_process": self.held_per_process,
                                   "by_component": self.held_per_component}}
-            extra = dict(contents.extra)
             if acc.scaler is not None and contents.optimizer is not None:  # fp16: the loss scale resumes too
-                extra[SCALER_FILE] = acc.scaler.state_dict()
-            save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, contents.optimizer, state, extra,
-                            self.cfg.model.trained_components, weights=contents.weights, folders=contents.folders)
+                contents.extra[SCALER_FILE] = acc.scaler.state_dict()
+            save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, state, contents,
+                            self.cfg.model.trained_components)
         # what ff-sample and ff-eval read to sample a checkpoint as this run's eval did
         write_atomic(self.run_dir / RUN_CONFIG, self.cfg.to_yaml())
         write_history(self.run_dir, self.history, self.eval_history)

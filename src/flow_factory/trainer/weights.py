@@ -21,7 +21,7 @@ from torch import nn
 from ..checkpoint import CheckpointError, check_fits, find_checkpoint, load_checkpoint
 from .ema import EMA_FILE, WeightCopy, ema_decay_at, load_ema
 from .optimizers import make_optimizer
-from .policy import AdapterPolicy
+from .policy import AdapterPolicy, PolicyWeights
 
 logger = logging.getLogger(__name__)
 SCALER_FILE = "grad_scaler.pt"  # fp16's gradient scaler (its loss scale and growth tracker)
@@ -95,8 +95,9 @@ class WeightCopies:
         train, model = cfg.train, cfg.model
         return AdapterPolicy(adapter, train.loss_guidance_scale, model.finetune_type,
                              keep_reference=algorithm.needs_reference, ref_param_device=train.ref_param_device,
-                             ema=self.ema, sampling_weights=self.ema if train.off_policy else self.rollout_weights,
-                             snapshots=self.snapshots, components=model.trained_components, reference=self.reference,
+                             weights=PolicyWeights(self.ema, self.ema if train.off_policy else self.rollout_weights,
+                                                   self.snapshots, self.reference),
+                             components=model.trained_components,
                              one_scale_for_experts=train.train_guidance_scale is not None)
 
 
