@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.distributed._tools import MemTracker
-from torch.distributed._tools.mem_tracker import _MemRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils import flop_counter
@@ -51,9 +51,9 @@ flop_counter.flop_registry[aten._scaled_dot_product_flash_attention_for_cpu_back
 class FrozenAwareMemTracker(MemTracker):
     """``MemTracker`` in a module with frozen parameters: torch 2.13's registers a gradient hook on every
     parameter of a module it enters, which raises on one that needs no gradient (LoRA's base weights, a
-    frozen expert). Hooks go only on the trained ones here; the rest of the tracking is torch's, the weights
-    included (as PARAM and BUFFER): untracked, a weight met through a view (``aten.t`` in every ``linear``)
-    would be counted as an activation."""
+    frozen expert). Hooks go only on the trained ones here, and only the whole call's peak is kept (not each
+    module's); the rest of the tracking is torch's, the weights included (as PARAM and BUFFER): untracked, a
+    weight met through a view (``aten.t`` in every ``linear``) would be counted as an activation."""
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
         # a frozen parameter shows torch's loop a hook already there (an empty entry), so it installs none
@@ -65,6 +65,14 @@ class FrozenAwareMemTracker(MemTracker):
         finally:
             for param in frozen:
                 self._param_to_grad_hook_handles.pop(param, None)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        # torch's global peak, as torch updates it; its per-module peaks, which nothing here reads, are left out:
+        # torch updates them by walking every module it has seen at every operator (most of a tiny LTX-2 step's time)
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
+                self._peak_mem[device] = snapshot[_TOTAL_KEY]
+                self._peak_mem_snap[device] = dict(snapshot)
 
 
 class PeakBytes(TorchDispatchMode):
