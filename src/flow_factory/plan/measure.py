@@ -9,10 +9,13 @@ The adapter runs on the CPU with the networks on the meta device (``OnMeta`` tak
 some adapters read values, such as the real length of a padded prompt (``trim_text``), which a meta tensor
 does not hold; the CPU tensors they make are counted with the meta ones, as they would be on the GPU.
 
-Not used, and why: ``torch.distributed._tools.MemTracker`` measures the same peak by kind, but updates it
-by scanning every live tensor at every operator: FLUX.1-dev's training call at 1024 px (11 k operators,
-thousands of live activations) ran over five minutes under it. ``PeakBytes`` keeps a running sum instead;
-tests/test_plan.py holds its figures against ``MemTracker`` on the real tiny runs. ``FakeTensorMode`` (the GPU-less mode ``MemTracker``'s docs name) refuses those values
+Not used, and why: ``torch.distributed._tools.MemTracker`` measures the same peak by kind, but at every
+operator it walks every module it has seen to update each one's peak, and at every module call every
+parameter of the module: FLUX.1-dev's training call at 1024 px (11 k operators, thousands of modules) ran
+over five minutes under it. ``PeakBytes`` keeps a running sum instead, and tells gradients from
+activations, which the plan splits apart by backend; tests/test_plan.py holds its figures against
+``MemTracker`` (``FrozenAwareMemTracker``) on the real tiny runs. ``FakeTensorMode`` (the GPU-less mode
+``MemTracker``'s docs name) refuses those values
 too (``DataDependentOutputException``), and diffusers' forwards fail on fake CUDA tensors (the note in
 shared/notes/gpu-path-on-cpu.md); meta tensors serve the same. ``FSDPMemTracker`` needs the model
 ``fully_shard``-ed over a fake process group of N ranks, once per backend and process count, and nothing of
