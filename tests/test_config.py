@@ -533,6 +533,7 @@ def test_the_torch_free_config_agrees_with_the_classes_it_names():
 
     assert set(get_args(TrainConfig.model_fields["trainer_type"].annotation)) == set(ALGORITHMS)
     assert {name for name, cls in ALGORITHMS.items() if cls.coupled} == set(COUPLED_TRAINER_TYPES)
+    assert all(cls.name == name for name, cls in ALGORITHMS.items())  # each spec names its own class
     assert set(get_args(SchedulerConfig.model_fields["dynamics_type"].annotation)) == set(DYNAMICS)
     assert {name for name, cls in DYNAMICS.items() if cls.stochastic} == set(STOCHASTIC)
     assert set(get_args(TrainConfig.model_fields["kl_type"].annotation)) == set(KL_TYPES)

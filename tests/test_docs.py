@@ -211,14 +211,18 @@ def test_algorithm_guide_example_weights_better_samples_more(monkeypatch):
 
     from flow_factory.algorithms import ALGORITHMS, DecoupledAlgorithm, make_algorithm
     from flow_factory.config import TrainConfig
+    from flow_factory.config.train import ALGORITHM_SPECS, AlgorithmSpec
     from flow_factory.dynamics import ODE
 
-    (code,) = python_blocks(DOCS / "guides" / "adding-an-algorithm.md")
-    cls = run_block(code, "ff_guide_algorithm", monkeypatch).RewardWeightedRegression
+    code, registration = python_blocks(DOCS / "guides" / "adding-an-algorithm.md")
+    cls = run_block(code, "rwr", monkeypatch).RewardWeightedRegression  # the guide's algorithms/rwr.py
     assert issubclass(cls, DecoupledAlgorithm) and cls.name not in ALGORITHMS
-    monkeypatch.setitem(ALGORITHMS, cls.name, cls)  # what adding it to algorithms/__init__.py does
+    spec = eval(registration.strip().rstrip(","), {"AlgorithmSpec": AlgorithmSpec})  # the guide's one line
+    assert spec.name == cls.name and spec.family == "decoupled"
+    monkeypatch.setitem(ALGORITHM_SPECS, spec.name, spec)  # what adding the line to ALGORITHM_SPECS does
     cfg = TrainConfig(trainer_type="nft", num_inference_steps=4, kl_beta=0.1, adv_clip_range=2.0)
     algorithm = make_algorithm(cls.name, cfg, ODE())
+    assert type(algorithm) is cls
     assert algorithm.needs_reference
 
     gen = torch.Generator().manual_seed(0)

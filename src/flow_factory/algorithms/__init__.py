@@ -1,8 +1,13 @@
 """Training objectives: each algorithm is what its rollout records and a loss over a micro-batch.
 
-The config's ``train.trainer_type`` chooses here (a class of ``ALGORITHMS`` by its ``name``);
-the algorithm reads its settings from the ``train`` section.
+The config's ``train.trainer_type`` chooses here: ``ALGORITHMS`` holds the class each ``AlgorithmSpec``
+(``config/train.py``) names; the algorithm reads its settings from the ``train`` section.
 """
+
+from importlib import import_module
+from pathlib import Path
+
+from ..config.train import ALGORITHM_SPECS
 
 from .awm import AWM, AWM_WEIGHTINGS, awm_log_prob
 from .base import Algorithm, Policy, TrainBatch
@@ -17,18 +22,28 @@ from .kl import KL_TYPES, v_based_kl, x_based_kl
 from .nft import NFT, NFT_WEIGHTINGS, nft_loss, optimality_probability
 from .sft import SFT, flow_matching_loss
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (GRPO, GRPOGuard, DPPO, NFT, AWM, DPO, DGPO, CRD, SFT,
-                                                                   OfflineDPO)}
+
+
+def algorithm_class(path: str) -> type[Algorithm]:
+    """The class an ``AlgorithmSpec.algorithm`` names: ``module:Class`` of this package (``grpo:GRPO``), or of
+    any importable module."""
+    module, _, name = path.partition(":")
+    ours = (Path(__file__).parent / f"{module}.py").is_file()
+    return getattr(import_module(f"{__name__}.{module}" if ours else module), name)
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = {name: algorithm_class(spec.algorithm) for name, spec in ALGORITHM_SPECS.items()}
 
 
 def make_algorithm(name: str, train_cfg, dynamics) -> Algorithm:
-    if name not in ALGORITHMS:
-        raise ValueError(f"train.trainer_type: unknown {name!r}; valid: {sorted(ALGORITHMS)}")
-    return ALGORITHMS[name](train_cfg, dynamics)
+    if name not in ALGORITHMS and name not in ALGORITHM_SPECS:
+        raise ValueError(f"train.trainer_type: unknown {name!r}; valid: {sorted(ALGORITHM_SPECS)}")
+    cls = ALGORITHMS[name] if name in ALGORITHMS else algorithm_class(ALGORITHM_SPECS[name].algorithm)
+    return cls(train_cfg, dynamics)
 
 
 __all__ = [
-    "ALGORITHMS", "AWM", "AWM_WEIGHTINGS", "Algorithm", "CRD", "DGPO", "DPO", "DPPO", "OfflineDPO", "SFT", "DecoupledAlgorithm", "GRPO", "GRPOGuard",
+    "ALGORITHMS", "algorithm_class", "AWM", "AWM_WEIGHTINGS", "Algorithm", "CRD", "DGPO", "DPO", "DPPO", "OfflineDPO", "SFT", "DecoupledAlgorithm", "GRPO", "GRPOGuard",
     "KL_TYPES", "NFT", "NFT_WEIGHTINGS", "NoisedBatch", "Policy", "TrainBatch", "awm_log_prob",
     "best_and_worst", "clipped_surrogate", "crd_policy_loss", "decay_at", "dgpo_loss", "dpo_loss", "dsm_clip_mask",
     "ema_ref_decay", "flow_matching_loss", "group_preferences", "implicit_reward", "make_algorithm", "nft_loss",

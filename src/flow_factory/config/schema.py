@@ -34,8 +34,8 @@ from .explain import explain
 from .families import model_family
 from .rewards import RewardConfig, as_entry_list, duplicate_names
 from .sections import DEFAULT_STRENGTH, DataConfig, EvalConfig, LogConfig, ModelConfig, SchedulerConfig, strength_steps
-from .train import (COUPLED_TRAINER_TYPES, OFFLINE_TRAINER_TYPES, TrainConfig, fill_trainer_defaults, resolve_num_train_timesteps,
-                    trainer_problems)
+from .train import (ALGORITHM_SPECS, COUPLED_TRAINER_TYPES, OFFLINE_TRAINER_TYPES, TrainConfig, fill_trainer_defaults,
+                    resolve_num_train_timesteps, trainer_problems)
 
 STOCHASTIC = ("Flow-SDE", "Dance-SDE", "CPS")
 DEFAULT_LEARNING_RATE = {"lora": 1e-4, "full": 1e-5}
@@ -254,7 +254,8 @@ class Config(Section):
     def _algorithm_contradictions(self) -> list[str]:
         """What the trainer type refuses of the dynamics, the rollout cache and the guidance scale."""
         train, sched, out = self.train, self.scheduler, []
-        coupled = train.trainer_type in COUPLED_TRAINER_TYPES
+        spec = ALGORITHM_SPECS[train.trainer_type]
+        coupled = spec.family == "coupled"
         if not coupled:
             out += self._decoupled_contradictions()
             if train.outside_kl_beta > 0:
@@ -264,9 +265,10 @@ class Config(Section):
             out.append(f"train.trainer_type {train.trainer_type!r} needs a stochastic dynamics to have "
                        f"log-probabilities to train, but scheduler.dynamics_type is {sched.dynamics_type!r}; "
                        f"use one of {', '.join(STOCHASTIC)}")
-        elif train.trainer_type == "grpo-guard" and sched.dynamics_type != "Flow-SDE":
-            out.append(f"train.trainer_type 'grpo-guard' re-normalises Flow-SDE's log-ratios and works only with "
-                       f"scheduler.dynamics_type 'Flow-SDE', got {sched.dynamics_type!r}")
+        elif spec.dynamics and sched.dynamics_type not in spec.dynamics:
+            why = f" {spec.dynamics_why} and" if spec.dynamics_why else ""
+            out.append(f"train.trainer_type {train.trainer_type!r}{why} works only with scheduler.dynamics_type "
+                       f"{' or '.join(map(repr, spec.dynamics))}, got {sched.dynamics_type!r}")
         elif sched.noise_level == 0:
             out.append(f"scheduler.noise_level: 0 makes {sched.dynamics_type} deterministic, so "
                        f"{train.trainer_type} has no log-probabilities to train; use a value > 0 (e.g. 0.7)")
@@ -361,8 +363,8 @@ class Config(Section):
                        f"micro-batch of all processes together (num_processes x per_device_batch_size = "
                        f"{self.num_processes} x {train.per_device_batch_size} = {together}) must hold whole groups, "
                        f"but group_size is {train.group_size}; use a multiple of {smallest}")
-        if name == "dpo" and train.unique_sample_num_per_epoch % self.num_processes:
-            out.append(f"train.unique_sample_num_per_epoch: dpo pairs the best and worst sample of each group on "
+        if ALGORITHM_SPECS[name].pairs_per_group and train.unique_sample_num_per_epoch % self.num_processes:
+            out.append(f"train.unique_sample_num_per_epoch: {name} pairs the best and worst sample of each group on "
                        f"one process, so the {train.unique_sample_num_per_epoch} groups must split evenly over "
                        f"num_processes = {self.num_processes}")
         return out
@@ -447,7 +449,7 @@ class Config(Section):
     @property
     def optimize_batches_per_epoch(self) -> int:
         """Training micro-batches of samples per process; dpo's hold per_device_batch_size pairs, one per group."""
-        if self.train.trainer_type == "dpo":
+        if ALGORITHM_SPECS[self.train.trainer_type].pairs_per_group:
             groups = self.train.unique_sample_num_per_epoch // self.num_processes
             return -(-groups // self.train.per_device_batch_size)
         return self.batches_per_epoch

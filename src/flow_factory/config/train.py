@@ -15,33 +15,41 @@ from .base import DTYPE_NAMES, Section, as_list, canonical_choice, check_resolut
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
-    """What the torch-free config knows of an algorithm (``train.trainer_type``); its class, in
-    ``algorithms/``, is registered by the same name. Adding an algorithm: a class and a line here."""
+    """What the torch-free config knows of an algorithm (``train.trainer_type``), and where its class is. Adding an
+    algorithm: its file in ``algorithms/`` and a line here (docs/guides/adding-an-algorithm.md)."""
 
     name: str
     family: Literal["coupled", "decoupled", "offline"]  # the sampler's SDE steps / the forward process / a dataset
+    algorithm: str  # "module:Class" in flow_factory.algorithms, imported by name (algorithms.ALGORITHMS)
     keys: tuple[str, ...] = ()  # train keys only it reads: set under another trainer, an error
     defaults: dict = field(default_factory=dict)  # Flow-Factory's for keys a config leaves out
     time_shift: float = 3.0  # what time_shift: null means
+    # a training unit is a group's best-and-worst pair, made on one process (DPO): the epoch's micro-batches count
+    # groups, which must split evenly over the processes
+    pairs_per_group: bool = False
+    dynamics: tuple[str, ...] = ()  # the only scheduler.dynamics_type it works with (empty: any of its family's)
+    dynamics_why: str = ""  # why, for the error message
 
 
 _LOGIT_NORMAL_ONE_STEP = {"time_sampling_strategy": "logit_normal", "timestep_range": 0.99, "num_train_timesteps": 1}
 # in the order the config's trainer_type lists them; Flow-Factory's training_args/<trainer>.py for the defaults
 ALGORITHM_SPECS = {spec.name: spec for spec in (
-    AlgorithmSpec("grpo", "coupled"),
-    AlgorithmSpec("grpo-guard", "coupled"),
-    AlgorithmSpec("dppo", "coupled", keys=("kl_mask_type", "kl_mask_threshold", "kl_guidance_scale")),
-    AlgorithmSpec("nft", "decoupled"),
-    AlgorithmSpec("awm", "decoupled"),
-    AlgorithmSpec("dpo", "decoupled", defaults=_LOGIT_NORMAL_ONE_STEP, time_shift=1.0),
-    AlgorithmSpec("dgpo", "decoupled", defaults={"timestep_range": 0.6},
+    AlgorithmSpec("grpo", "coupled", "grpo:GRPO"),
+    AlgorithmSpec("grpo-guard", "coupled", "grpo_guard:GRPOGuard", dynamics=("Flow-SDE",),
+                  dynamics_why="re-normalises Flow-SDE's log-ratios"),
+    AlgorithmSpec("dppo", "coupled", "dppo:DPPO", keys=("kl_mask_type", "kl_mask_threshold", "kl_guidance_scale")),
+    AlgorithmSpec("nft", "decoupled", "nft:NFT"),
+    AlgorithmSpec("awm", "decoupled", "awm:AWM"),
+    AlgorithmSpec("dpo", "decoupled", "dpo:DPO", defaults=_LOGIT_NORMAL_ONE_STEP, time_shift=1.0,
+                  pairs_per_group=True),
+    AlgorithmSpec("dgpo", "decoupled", "dgpo:DGPO", defaults={"timestep_range": 0.6},
                   keys=("dpo_beta", "use_shared_noise", "clip_dsm", "clip_kl", "kl_cfg", "switch_ema_ref",
                         "use_ema_ref", "ema_ref_max_decay", "ema_ref_ramp_rate", "ema_ref_device")),
-    AlgorithmSpec("crd", "decoupled", defaults={"timestep_range": 0.99, "kl_beta": 0.1, "kl_cfg": 4.5},
+    AlgorithmSpec("crd", "decoupled", "crd:CRD", defaults={"timestep_range": 0.99, "kl_beta": 0.1, "kl_cfg": 4.5},
                   keys=("crd_beta", "crd_loss_type", "use_old_for_loss", "adaptive_logp", "weight_temp",
                         "old_model_decay", "sampling_model_decay", "reward_adaptive_kl", "kl_cfg")),
-    AlgorithmSpec("sft", "offline", defaults=_LOGIT_NORMAL_ONE_STEP, time_shift=1.0),
-    AlgorithmSpec("offline-dpo", "offline", defaults=_LOGIT_NORMAL_ONE_STEP, time_shift=1.0),
+    AlgorithmSpec("sft", "offline", "sft:SFT", defaults=_LOGIT_NORMAL_ONE_STEP, time_shift=1.0),
+    AlgorithmSpec("offline-dpo", "offline", "dpo:OfflineDPO", defaults=_LOGIT_NORMAL_ONE_STEP, time_shift=1.0),
 )}
 TRAINER_TYPES = tuple(ALGORITHM_SPECS)
 COUPLED_TRAINER_TYPES = tuple(n for n, a in ALGORITHM_SPECS.items() if a.family == "coupled")
