@@ -181,6 +181,22 @@ def test_a_config_over_its_gpu_gets_the_change_that_fits_with_its_figures(tiny_s
     assert f"the cheapest change that fits: {change} -> {gib}" in as_text(plan, changes, fitted)
 
 
+def test_networks_too_large_to_load_get_no_change(tiny_sd3_path, monkeypatch):
+    """Every network is loaded whole on each GPU before anything is split: a GPU smaller than that gets no change
+    (none of the list alters it), and the verdict says why, without planning any change."""
+    from flow_factory.config import load_config
+    from flow_factory.plan import gpus, memory
+    from flow_factory.plan.report import as_text, plan_for_cli
+
+    example, overrides = "examples/demo_tiny_sd3.yaml", [f"model.model_name_or_path={tiny_sd3_path}"]
+    loading = sum(make_plan(load_config(example, overrides)).memory()["prompt cache"].values())
+    monkeypatch.setattr(memory, "RESERVE", 0)
+    monkeypatch.setitem(gpus.GPUS, "tiny", gpus.GPU("tiny GPU", loading - 1, 1e12))
+    plan, changes, fitted = plan_for_cli(example, overrides, "tiny", None, 0.4)
+    assert (changes, fitted) == ([], None) and not plan.fits("fsdp2_offload")
+    assert "every network is loaded whole on each GPU" in as_text(plan, changes, fitted)
+
+
 def test_plan_cli_json(tiny_sd3_path, capsys):
     from flow_factory.train import main
 

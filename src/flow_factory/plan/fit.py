@@ -45,9 +45,12 @@ def _candidates(plan: Plan) -> list[str]:
 def cheapest_fit(plan: Plan, replan: Callable[[list[str]], Plan]) -> tuple[list[str], Plan | None]:
     """(the overrides that make ``plan`` fit, the plan with them); ([], plan) when it fits as it is; (all the
     changes tried, None) when nothing does. ``replan`` plans the config with more ``key=value`` overrides
-    (a change of backend alone is arithmetic on ``plan``, not planned again)."""
+    (a change of backend alone is arithmetic on ``plan``, not planned again); ([], None) when the networks alone,
+    loaded whole on every GPU to cache the prompts, are too large for it, which no change of the list alters."""
     if plan.fits():
         return [], plan
+    if sum(plan.memory()["prompt cache"].values()) > plan.usable:  # loading alone: no change of the list helps
+        return [], None
     tried = {}
 
     def planned(changes: list[str]) -> Plan | None:

@@ -91,6 +91,9 @@ def as_text(plan: Plan, changes: list[str], fitted: Plan | None) -> str:
         lines.append(f"verdict: does not fit ({_gib(peak)} GiB at {phase}, {_gib(plan.usable)} usable); the cheapest "
                      f"change that fits: {' '.join(changes)} -> {_gib(fitted.peak()[1])} GiB at {fitted.peak()[0]}, "
                      f"{fitted.seconds_per_epoch:.0f} s per epoch")
+    elif not changes:
+        lines.append(f"verdict: does not fit ({_gib(peak)} GiB at {phase}): every network is loaded whole on each GPU, "
+                     "and the prompts cached, before anything is split; a GPU with more memory")
     else:
         lines.append(f"verdict: does not fit ({_gib(peak)} GiB at {phase}), not even with {' '.join(changes)}: "
                      "more GPUs, or a GPU with more memory")
