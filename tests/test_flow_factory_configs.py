@@ -378,7 +378,6 @@ def test_the_newest_layout_one_dataset_and_one_optimizer():
     ({"optimizers": [{"learning_rate": 1e-4, "momentum": 0.9}]}, r"optimizers\[0\]: unknown keys \['momentum'\]"),
     ({"optimizers": [{"learning_rate": 1e-4}], "train": {"learning_rate": 1e-5}},
      r"optimizers\[0\].learning_rate: 0.0001 and train.learning_rate: 1e-05 are two spellings"),
-    ({"train": {"reward_optimization_overlap": True}}, "overlapping reward scoring with optimisation"),
     ({"model": {"frozen_parameters_dtype": {"default": None, "vae": "fp32"}}}, "the frozen networks take"),
     ({"train": {"trainer_type": "dpo", "logit_std": 2.0}}, r"train.logit_std: 2.0; only 1 here"),
 ])

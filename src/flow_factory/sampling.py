@@ -116,6 +116,9 @@ class Rollouts(KeptStates):
     conditions: ConditionMedia | None = None  # a conditioned model's condition media, as it saw them
     audio: Tensor | None = None  # a model with audio: soundtracks (N, channels, samples), when kept
     audio_sample_rate: int | None = None
+    # train.reward_optimization_overlap: the open ``RewardJob`` whose async rewards are still being scored (then
+    # ``rewards`` is None until the trainer collects them)
+    pending_rewards: Any = None
 
 
 @dataclass
@@ -125,7 +128,8 @@ class SamplingServices:
     (``accelerator.autocast``); ``prompt_cache``: a ``PromptCache`` that answers for the prompts it holds (the
     others are encoded); ``condition_cache``: a ``ConditionCache`` that answers for a conditioned model's
     condition files likewise; ``cache``: the ``RolloutCache`` applied to the adapter, emptied before each
-    trajectory."""
+    trajectory; ``rewards_pending``: leave the rewards' job open in ``Rollouts.pending_rewards`` instead of waiting
+    for its scores (``train.reward_optimization_overlap``)."""
 
     reward_set: Any = None
     timer: PhaseTimer = field(default_factory=PhaseTimer)
@@ -133,6 +137,7 @@ class SamplingServices:
     prompt_cache: Any = None
     condition_cache: Any = None
     cache: Any = None
+    rewards_pending: bool = False
 
 
 @torch.no_grad()
@@ -189,7 +194,9 @@ class _RolloutBatches:
                 with timer.phase("reward"):
                     self.add_to(job, batch, chunks[-1])
         rollouts = self.join(items, group_ids, chunks)
-        if job is not None:
+        if job is not None and self.services.rewards_pending:
+            rollouts.pending_rewards = job  # the trainer asks for the scores group by group, as it trains
+        elif job is not None:
             with timer.phase("reward"):
                 # on the adapter's device: the Trainer gathers them across processes
                 rollouts.rewards = {name: r.float().to(self.adapter.device) for name, r in job.finish().items()}

@@ -132,7 +132,6 @@ def read_flow_factory_spellings(data: dict) -> dict:
         _put(data, "data.datasets", _read_datasets(data, datasets), "data.datasets")
     elif found:  # ours: [{name, dataset_dir, weight, ...}]
         data.setdefault("data", {})["datasets"] = datasets
-    _read_overlap(data)
     _read_ema_warmup(data)
     _read_frozen_dtypes(data)
     _read_acceleration(data)
@@ -222,16 +221,6 @@ def _read_ema_warmup(data: dict) -> None:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _read_overlap(data: dict) -> None:
-    found, overlap = _pop(data, "train.reward_optimization_overlap")
-    if found and overlap is not False:
-        raise problem("train.reward_optimization_overlap: overlapping reward scoring with optimisation is not in this "
-                      "version (async_reward overlaps scoring with sampling); use false")
-    if found:  # the mode and the poll interval tune an overlap that is off
-        _pop(data, "train.reward_optimization_overlap_mode")
-        _pop(data, "train.reward_optimization_overlap_poll_interval")
 
 
 def _read_frozen_dtypes(data: dict) -> None:

@@ -32,6 +32,7 @@ from .compat import read_flow_factory_spellings, without_effect
 from .errors import ConfigError
 from .explain import explain
 from .families import model_family
+from .overlap import overlap_notes, overlap_problems
 from .rewards import RewardConfig, as_entry_list, duplicate_names
 from .sections import DEFAULT_STRENGTH, DataConfig, EvalConfig, LogConfig, ModelConfig, SchedulerConfig, strength_steps
 from .train import (ALGORITHM_SPECS, COUPLED_TRAINER_TYPES, OFFLINE_TRAINER_TYPES, TrainConfig, fill_trainer_defaults,
@@ -239,6 +240,7 @@ class Config(Section):
                        "offline-dpo train from a dataset without)")
         out += self._algorithm_contradictions()
         out += self._reward_routing_problems()
+        out += overlap_problems(self)
         # off_policy with grpo is allowed: the importance ratio corrects for sampling with the EMA
         if train.off_policy and train.ema_decay == 0:
             out.append("train.off_policy: true samples with the EMA weights, but train.ema_decay is 0 (no EMA); "
@@ -474,7 +476,7 @@ class Config(Section):
 
     def notes(self) -> list[str]:
         """Settings given that change nothing in this run, with why (``compat.without_effect``)."""
-        return without_effect(self)
+        return without_effect(self) + overlap_notes(self)
 
     # ------------------------------------------------------------------ output
     def to_yaml(self) -> str:

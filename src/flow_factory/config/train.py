@@ -309,6 +309,17 @@ class TrainConfig(Section):
     enable_gradient_checkpointing: bool = setting(
         False, "trade compute for memory in the transformer (every block; also {mode: full} or {mode: none})")
     shuffle_samples: bool = setting(True, "shuffle the rollouts before each inner epoch of training")
+    reward_optimization_overlap: bool = setting(
+        False, "optimise while the async rewards (async_reward: true) are still scored: each training micro-batch "
+        "starts once every group it draws from is scored, in the order and with the accumulation of a run without "
+        "overlap, so the update is the same; needs global_std: false, advantage_aggregation: sum, one process and "
+        "an algorithm whose training units do not depend on the advantages (not dpo)")
+    reward_optimization_overlap_mode: Literal["ordered", "ready"] = setting(
+        "ordered", "Flow-Factory's order of the overlapped micro-batches; here always ordered (the order without "
+        "overlap): its ready, an order set by which rewards come in first, is read as ordered, with a note")
+    reward_optimization_overlap_poll_interval: float = setting(
+        0.05, "Flow-Factory compatibility: its seconds between reward-readiness polls; here the loop waits on the "
+        "rewards themselves, so it changes nothing", gt=0)
     latent_storage_dtype: Literal["float16", "bfloat16", "float32"] | None = setting(
         "float16", "precision the rollouts' trajectories are kept in (fp16: half the bytes of fp32; the rollout "
         "integrates on the stored values, so training sees exactly what was sampled); null = the model's dtype")

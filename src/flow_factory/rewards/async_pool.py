@@ -11,6 +11,8 @@ of the async ones.
   added (so it always sees the complete group, whatever the micro-batch size).
 - Every other reward is scored in ``finish`` on the whole batch, as without async.
 - A reward routed to some datasets (``data.datasets``) scores only their samples; the others get NaN.
+- ``scores_for(indices)``, once every sample is added, waits only for the work that holds those samples: the
+  trainer's ``train.reward_optimization_overlap`` trains on the groups scored while the rest are scored.
 
 Threads fit rewards that wait (remote servers, VLM APIs) or release the GIL (torch
 forward passes). A worker's exception is re-raised on the main thread, at the next
@@ -54,6 +56,8 @@ class RewardJob:
             ids = self.group_ids.tolist()
             self._group_size = {g: ids.count(g) for g in set(ids)}
         self._arrived: dict[int, list[int]] = {}
+        self._sync_scores: dict[int, Tensor] | None = None  # the other rewards' scores, once asked (scores_for)
+        self._async_scores: dict[int, Tensor] = {}  # id(model) -> (N,): each async reward's scores collected so far
 
     def add(self, prompts: list[str], images: Tensor | None = None, videos: Tensor | None = None,
             condition_images: list | None = None, condition_videos: list | None = None,
@@ -122,9 +126,43 @@ class RewardJob:
     def finish(self) -> dict[str, Tensor]:
         """``{name: float32 (N,)}`` on the CPU, in batch order: async results collected,
         the other rewards scored now on the whole batch."""
+        return self.scores_for(torch.arange(self._complete()))
+
+    def scores_for(self, indices: Tensor) -> dict[str, Tensor]:
+        """``{name: float32 (len(indices),)}`` on the CPU: the scores of samples ``indices`` once every sample is
+        added, waiting only for the async work that holds them (``train.reward_optimization_overlap`` asks group by
+        group while the rest are still scored). The other rewards are scored on the whole batch at the first call."""
+        n = self._complete()
+        indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1).cpu()
+        if self._sync_scores is None:
+            self._sync_scores = self._score_sync(n)
+        wanted = torch.zeros(n, dtype=torch.bool)
+        wanted[indices] = True
+        scored = dict(self._sync_scores)
+        for key in self._async:
+            # NaN where a routed reward does not score; an async reward that had nothing to score: 0 (or NaN)
+            out = self._async_scores.setdefault(key, torch.full((n,), float("nan") if key in self._masks else 0.0,
+                                                                dtype=torch.float32))
+            for members, future in self._futures.get(key, []):
+                if not wanted[members].any():
+                    continue
+                try:
+                    out[members] = future.result()
+                except Exception:  # noqa: BLE001 - re-raised below with the reward's name
+                    self.raise_failures()
+                    raise
+            scored[key] = out
+        return {name: scored[id(m)][indices].clone() for name, m in self.models.items()}
+
+    def _complete(self) -> int:
+        """The batch's size, once every sample is added."""
         n = self._next
         if self.group_ids is not None and n != len(self.group_ids):
             raise ValueError(f"{n} samples added for {len(self.group_ids)} group ids")
+        return n
+
+    def _score_sync(self, n: int) -> dict[int, Tensor]:
+        """The rewards that are not async, scored on the whole batch (a routed one on its samples, NaN elsewhere)."""
         scored: dict[int, Tensor] = {}
         sync = {id(m): m for m in self.models.values() if id(m) not in self._async}
         whole = [m for key, m in sync.items() if key not in self._masks]
@@ -138,16 +176,4 @@ class RewardJob:
                     groups = None if self.group_ids is None else self.group_ids[mine]
                     out[mine] = score_each_once([sync[key]], self._gather(mine.tolist()), groups)[key].float()
                 scored[key] = out
-        for key, futures in self._futures.items():
-            out = torch.full((n,), float("nan"), dtype=torch.float32) if key in self._masks else \
-                torch.zeros(n, dtype=torch.float32)
-            for indices, future in futures:
-                try:
-                    out[indices] = future.result()
-                except Exception:  # noqa: BLE001 - re-raised below with the reward's name
-                    self.raise_failures()
-                    raise
-            scored[key] = out
-        for key in set(self._async) - set(self._futures):  # an async reward that had nothing to score
-            scored[key] = torch.full((n,), float("nan") if key in self._masks else 0.0, dtype=torch.float32)
-        return {name: scored[id(m)].clone() for name, m in self.models.items()}
+        return scored

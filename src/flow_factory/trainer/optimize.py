@@ -83,15 +83,20 @@ class Stepper:
     step_snapshots: dict = field(default_factory=dict)
 
 
-def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, settings: OptimizeSettings,
+def optimize_epoch(algorithm, policy, rollouts, advantages, settings: OptimizeSettings,
                    stepper: Stepper, *, epoch: int, steps_before: int = 0) -> tuple[dict[str, float], int]:
     """Returns the epoch's mean (``_min`` / ``_max``: extreme) metrics and the optimizer steps taken
     (``steps_before``: those of the run before this epoch).
 
+    ``advantages``: (N,), or a ``trainer.overlap.StreamedAdvantages`` whose rewards are still being scored (each
+    chunk then waits for its groups'; a NaN or inf among them stops the update there).
     Metrics that are NaN or inf are left out of the means; ``skipped_updates`` counts the
     optimizer steps skipped for a non-finite gradient."""
     acc = stepper.accelerator
     run = _EpochSteps(stepper, settings, epoch, steps_before)
+    # train.reward_optimization_overlap: a StreamedAdvantages, whose values are final group by group (overlap.py)
+    streamed = None if isinstance(advantages, torch.Tensor) else advantages
+    advantages = advantages if streamed is None else streamed.values
     units = algorithm.training_units(rollouts.group_ids, advantages)
     batch_size = algorithm.units_per_chunk(settings.batch_size)
     rank = 0 if algorithm.lockstep else acc.process_index  # which process's draws this one makes
@@ -100,6 +105,9 @@ def optimize_epoch(algorithm, policy, rollouts, advantages: torch.Tensor, settin
                  if settings.shuffle else torch.arange(len(units)))
         for b, start in enumerate(range(0, len(units), batch_size)):
             chosen = units[order[start:start + batch_size]]
+            if streamed is not None and not streamed.ready(chosen):  # waits for their groups' rewards
+                run.abandon(f"epoch {epoch}: {streamed.problem}; the rest of the epoch's update is skipped")
+                return run.results()
             # training noise / timesteps of the decoupled algorithms: seeded per micro-batch, so a
             # resumed run draws the same ones
             draws = generator("train", settings.seed, epoch, inner, rank, b)
@@ -129,6 +137,13 @@ class _EpochSteps:
         # fp16: whether a loss of the accumulation so far was NaN or inf (tells the data's inf from an overflow);
         # a tensor, read only when a step overflowed, so that no micro-step waits on the device for it
         self.bad_loss = torch.zeros((), dtype=torch.bool, device=acc.device)
+
+    def abandon(self, why: str) -> None:
+        """Stop the epoch's update here (a NaN or inf reward scored while it trained): the gradient accumulated
+        since the last optimizer step is dropped, and the guard counts the skip."""
+        self.stepper.optimizer.zero_grad(set_to_none=True)
+        self.skipped += 1
+        self.stepper.guard.skip(why)
 
     def room(self) -> int:
         """The micro-steps left before the next optimizer step."""

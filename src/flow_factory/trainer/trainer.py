@@ -40,6 +40,7 @@ from .metrics import (advantage_metrics, eval_means, headline, memory_metrics, r
                       time_metrics, write_history)
 from .offline import OfflineEpochs, offline_optimize_settings
 from .optimize import OptimizeSettings, Stepper, optimize_epoch
+from .overlap import StreamedAdvantages
 from .run_data import load_run_data
 from .run_folder import RunFolder, from_main
 from .tracking import check_backend, flat_hparams, log_media
@@ -166,7 +167,7 @@ class Trainer:
                 self.adapter, self.dynamics, [self.data.train_prompts[i] for i in indices[share]], group_ids[share],
                 sample_ids, settings, epoch=epoch, services=SamplingServices(
                     self.rewards, self.timer, self.accelerator.autocast, self.prompt_cache, self.condition_cache,
-                    self.rollout_cache))
+                    self.rollout_cache, rewards_pending=train.reward_optimization_overlap))
         return rollouts
 
     def _offline_epoch(self, epoch: int) -> Rollouts:
@@ -180,14 +181,20 @@ class Trainer:
                 epoch, acc.process_index, acc.num_processes, acc.autocast, self.prompt_cache, self.condition_cache)
         return rollouts
 
-    def compute_advantages(self, rollouts: Rollouts, epoch: int) -> torch.Tensor | None:
+    def compute_advantages(self, rollouts: Rollouts, epoch: int) -> torch.Tensor | StreamedAdvantages | None:
         """Over the global batch (all ranks), then this rank's share; None (and a counted skip)
-        when a reward or an advantage is NaN or inf. An offline run's are its records' (``_offline_epoch``)."""
+        when a reward or an advantage is NaN or inf. An offline run's are its records' (``_offline_epoch``); with
+        rewards still being scored (``train.reward_optimization_overlap``, one process), group by group as they come."""
         if self.data.offline_records is not None:
             return self.offline_advantages
+        datasets = self._gathered_datasets()
+        if rollouts.pending_rewards is not None:
+            n = len(rollouts.group_ids)
+            return StreamedAdvantages(rollouts.pending_rewards, rollouts.group_ids, self.rewards.sample_weights(datasets),
+                                      {k: self.rewards.scored_mask(k, datasets, n) for k in self.rewards.names},
+                                      self.timer, self.accelerator.device)
         gather = self.accelerator.gather
         rewards = {k: gather(v) for k, v in rollouts.rewards.items()}
-        datasets = self._gathered_datasets()
         # a reward routed to some datasets was not scored (NaN) on the others' samples, where it weighs 0
         scored = {k: v[self.rewards.scored_mask(k, datasets, len(v)).to(v.device)] for k, v in rewards.items()}
         problem = nonfinite_rewards(scored)
@@ -339,8 +346,10 @@ class Trainer:
             self.epoch_datasets = [names[i] for i in self.accelerator.gather(self.epoch_sources).tolist()]
         return self.epoch_datasets
 
-    def _epoch_metrics(self, rollouts: Rollouts, advantages: torch.Tensor | None) -> dict[str, float]:
+    def _epoch_metrics(self, rollouts: Rollouts, advantages) -> dict[str, float]:
         acc = self.accelerator
+        if isinstance(advantages, StreamedAdvantages):  # overlap: every reward is in by now
+            advantages = advantages.finish(rollouts)
         gathered = {name: acc.gather(scores) for name, scores in rollouts.rewards.items()}
         metrics = reward_metrics(gathered, self.rewards, self._gathered_datasets(), self.data.source_names,
                                  self.cfg.train.group_size)
