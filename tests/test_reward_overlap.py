@@ -27,9 +27,9 @@ class SlowBrightness(PointwiseRewardModel):
     required_fields = ("prompt", "image")
     use_tensor_inputs = True
 
-    def __init__(self, delay: float = 0.3, **kwargs):
+    def __init__(self, delay: float = 0.3, nan_call: int = 0, **kwargs):
         super().__init__(**kwargs)
-        self.delay, self.calls = delay, 0
+        self.delay, self.nan_call, self.calls = delay, nan_call, 0
 
     def __call__(self, prompt, image):
         with LOCK:
@@ -38,7 +38,8 @@ class SlowBrightness(PointwiseRewardModel):
         time.sleep(self.delay * k)
         with LOCK:
             EVENTS.append(("scored", time.perf_counter()))
-        return RewardModelOutput(rewards=image.float().mean(dim=(1, 2, 3)))
+        scores = image.float().mean(dim=(1, 2, 3))
+        return RewardModelOutput(rewards=scores * float("nan") if k == self.nan_call else scores)
 
 
 def overlap_config(tmp, path, overlap: bool, **train) -> dict:
@@ -93,6 +94,22 @@ def test_overlap_trains_early_and_ends_with_the_same_weights(tmp_path, tiny_sd3_
     assert moved > 0
     for name in without:
         torch.testing.assert_close(with_overlap[name], without[name], rtol=0, atol=1e-6)
+
+
+def test_a_nan_scored_while_training_stops_the_rest_of_the_update(tmp_path, tiny_sd3_path, monkeypatch):
+    """The last group of epoch 0 is scored NaN after its first groups trained an optimizer step: the rest of the
+    epoch's update is skipped, nothing non-finite reaches the weights, and epoch 1 trains."""
+    import json
+
+    config = overlap_config(tmp_path, tiny_sd3_path, True, shuffle_samples=False)
+    config["rewards"][0]["nan_call"] = 6  # the sixth sample of epoch 0: group 2
+    weights = train_and_load(tmp_path, config, monkeypatch)
+    assert all(bool(torch.isfinite(v).all()) for v in weights.values())
+    history = json.loads((tmp_path / "saves" / "run" / "history.json").read_text())["train"]
+    assert history[0]["train/skipped_updates"] == 1 and history[0]["reward/slow/nonfinite"] == 1
+    assert "train/loss" in history[0]  # groups 0 and 1 trained before group 2 was scored
+    assert "advantage/mean" not in history[0] and "advantage/mean" in history[1]
+    assert history[1]["train/skipped_updates"] == 0
 
 
 class Fixed(PointwiseRewardModel):
