@@ -40,7 +40,7 @@ tiny-demo: $(STAMP)
 # More cores: make test TEST_WORKERS=8
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # the GPU path on the first GPU at hand, under 8 minutes: precision-sensitive tests on CUDA, every tiny family in
 # bf16, a FLUX.1-dev-sized training step; prints a table and appends it to docs/experiments/gpu.md.

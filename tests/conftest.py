@@ -25,6 +25,18 @@ if TEST_DEVICE == "cpu":
 
 import pytest  # noqa: E402
 
+# The files whose tests take longest (pytest --durations; multi-process launches and whole runs), first in the
+# collection: the Makefile's pytest-xdist (--dist loadfile --no-loadscope-reorder) hands files to its workers in
+# this order, so no long file starts last and runs alone at the end. The other files keep their order.
+LONGEST_FIRST = ("test_train_cli.py", "test_wan22.py", "test_deepspeed.py", "test_sharded_training.py",
+                 "test_decoupled_train.py", "test_start_checks.py", "test_run_safety.py", "test_plan.py",
+                 "test_conditioned.py", "test_reward_overlap.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
 
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
