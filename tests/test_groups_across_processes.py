@@ -98,7 +98,7 @@ def grpo_advantages(accelerator):
                               guard=NonFiniteGuard(0), data=SimpleNamespace(source_names=[], offline_records=None))
     trainer._local_share = lambda n: Trainer._local_share(trainer, n)
     trainer._gathered_datasets = lambda: Trainer._gathered_datasets(trainer)
-    rollouts = SimpleNamespace(rewards={"r": rewards[mine]}, group_ids=group_ids[mine])
+    rollouts = SimpleNamespace(rewards={"r": rewards[mine]}, group_ids=group_ids[mine], pending_rewards=None)
     return Trainer.compute_advantages(trainer, rollouts, 0), combine_advantages(
         {"r": rewards}, {"r": 1.0}, group_ids, "sum", False)[mine]
 
