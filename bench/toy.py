@@ -23,7 +23,8 @@ from flow_factory.algorithms import make_algorithm
 from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import make_dynamics
 from flow_factory.guards import NonFiniteGuard
-from flow_factory.models.base import Conditioning, ExpertCalls, FlowAdapter
+from flow_factory.models.base import ExpertCalls, FlowAdapter
+from flow_factory.models.conditioning import Conditioning
 from flow_factory.rollout import TrajectoryOptions, sample_trajectory
 from flow_factory.sampling import Rollouts
 from flow_factory.trainer.ema import WeightCopy

@@ -25,7 +25,7 @@ from flow_factory.dynamics.ode import ODE
 from flow_factory.media import probe
 from flow_factory.models import (ADAPTERS, FluxKontextAdapter, WanI2VAdapter, WanT2VAdapter, WanV2VAdapter, apply_lora,
                                  get_adapter_class, index_cond, load_adapter, save_lora)
-from flow_factory.models.base import as_pil
+from flow_factory.models.conditioning import as_pil
 from flow_factory.rewards import RewardSet
 from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput, to_uint8_hwc
 from flow_factory.rollout import sample_trajectory

@@ -111,13 +111,18 @@ def test_the_reward_server_and_its_wire_format_load_without_torch():
     assert out.strip() == "[]"
 
 
+# what every family's adapter shares (models/): the modules that are not one family's adapter
+SHARED_MODEL_MODULES = ('base', 'conditioning', 'vae', 'schedule', 'text', 'lora', 'registry', 'preflight')
+
+
 def test_a_run_imports_only_its_own_models_adapter_and_no_plotting_until_it_draws():
     """The trainer and SD3's adapter load neither another family's adapter (each pulls its diffusers pipeline)
     nor matplotlib."""
     code = ("import sys; from flow_factory.trainer import Trainer; from flow_factory.models import ADAPTERS; "
             "ADAPTERS['sd3-5']; "
+            f"SHARED = {SHARED_MODEL_MODULES!r}; "
             "print(sorted(m for m in sys.modules if m.startswith(('flow_factory.models.', 'matplotlib')) and "
-            "m.split('.')[-1] not in ('base', 'lora', 'registry', 'preflight')))")
+            "m.split('.')[-1] not in SHARED))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['flow_factory.models.sd3']"
 

@@ -35,7 +35,7 @@ from safetensors.torch import save
 from tqdm.auto import tqdm
 
 from .data import read_image, read_video
-from .models.base import Conditioning, pad_cat
+from .models.conditioning import Conditioning, pad_cat
 
 logger = logging.getLogger(__name__)
 FORMAT = 1  # bump when what a shard holds changes

@@ -31,7 +31,8 @@ from torch import Tensor
 
 from .dynamics import Dynamics
 from .dynamics.ode import ODE
-from .models.base import Conditioning, FlowAdapter, index_cond
+from .models.base import FlowAdapter
+from .models.conditioning import Conditioning, index_cond
 
 
 class KeptStates:

@@ -23,7 +23,7 @@ from torch import Tensor
 from .data import load_sources
 from .data.conditions import check_batchable, check_conditions, generated_size
 from .dynamics.ode import ODE
-from .models.base import ConditionMedia, Conditioning, cat_cond, index_cond
+from .models.conditioning import ConditionMedia, Conditioning, cat_cond, index_cond
 from .models.preflight import checkpoint_conditions
 from .prompt_cache import condition_media, encode_condition_rows
 from .rollout import KeptStates, Trajectory, TrajectoryOptions, sample_trajectory

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ..dynamics import Dynamics
-from ..models.base import Conditioning, cat_cond, index_cond
+from ..models.conditioning import Conditioning, cat_cond, index_cond
 
 
 class Policy(Protocol):

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..dynamics.base import as_batch_column
-from ..models.base import Conditioning, index_cond
+from ..models.conditioning import Conditioning, index_cond
 from .base import Algorithm, RolloutsLike
 from .timesteps import draw_training_sigmas, num_train_timesteps
 

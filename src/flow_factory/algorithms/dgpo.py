@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from ..dynamics.base import mean_over_sample
-from ..models.base import index_cond
+from ..models.conditioning import index_cond
 from ..seeding import generator as seeded
 from .across_processes import gather, rank_and_world, sum_over_processes
 from .base import mean_over_parts

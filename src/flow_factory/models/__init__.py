@@ -4,7 +4,8 @@ The adapter classes (``SD3Adapter``, ...) are imported from here on first use, a
 importing this package loads no diffusers pipeline.
 """
 
-from .base import ConditionMedia, Conditioning, FlowAdapter, cat_cond, index_cond
+from .base import FlowAdapter
+from .conditioning import ConditionMedia, Conditioning, cat_cond, index_cond
 from .lora import (
     apply_lora, block_linear_names, load_lora_state, lora_disabled, lora_state_dict, lora_target_names, save_lora,
 )

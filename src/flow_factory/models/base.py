@@ -8,7 +8,10 @@ computes a loss. Latents are always in the VAE's natural layout,
 packs tokens (FLUX) packs inside ``velocity``.
 
 Conditioning is a dict of batch-first tensors, so it can be sliced per sample
-(``index_cond``), cached, and moved between devices.
+(``conditioning.index_cond``), cached, and moved between devices. What several adapters share
+lives in small modules beside this one: ``vae.py`` (latents to pixels and back),
+``schedule.py`` (resolution-shifted sigmas), ``text.py`` (prompts of their own lengths),
+``conditioning.py`` (conditioning and condition media, per sample).
 
 A conditioned model (editing, image- or video-to-video) also takes condition images or
 videos (``condition_inputs``): ``prepare_conditions`` resizes a batch's files as its pipeline
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -29,8 +31,8 @@ from torch import Tensor
 
 from ..config import ConfigError
 from ..dynamics import Dynamics
+from .conditioning import ConditionMedia, Conditioning
 
-Conditioning = dict[str, Tensor]
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
 
@@ -42,160 +44,6 @@ JOINT_ATTENTION_LORA_TARGETS = [
     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
 ]
-
-
-@torch.no_grad()
-def packed_2x2_pixel_factor(vae: Mapping, transformer: Mapping) -> int | None:
-    """``pixel_factor_of`` for an AutoencoderKL whose 2x2 latents make one token (FLUX.1 and Z-Image): the
-    VAE halves the size at each block after the first, and the tokens halve it again."""
-    if "block_out_channels" not in vae:
-        return None
-    return 2 ** (len(vae["block_out_channels"]) - 1) * 2
-
-
-def decode_image(vae, latents: Tensor, device) -> Tensor:
-    """(B, 3, H, W) in [0, 1] from latents of a VAE with ``scaling_factor`` and ``shift_factor`` (SD3's and
-    FLUX's), as their pipelines decode; (B, 3, F, H, W) from a video VAE's, whose shift may be absent
-    (HunyuanVideo-1.5's)."""
-    z = latents.to(device, vae.dtype) / vae.config.scaling_factor + (vae.config.get("shift_factor") or 0.0)
-    image = vae.decode(z, return_dict=False)[0]
-    return (image.float() / 2 + 0.5).clamp(0, 1)
-
-
-@torch.no_grad()
-def encode_image(vae, images: Tensor, device) -> Tensor:
-    """``decode_image``'s inverse: the latents of (B, 3, H, W) images in [0, 1], the VAE's mode (as the
-    image-to-image pipelines encode), float32."""
-    z = vae.encode((images * 2 - 1).to(device, vae.dtype)).latent_dist.mode()
-    return (z.float() - (vae.config.get("shift_factor") or 0.0)) * vae.config.scaling_factor
-
-
-@torch.no_grad()
-def decode_normalized(vae, latents: Tensor, device) -> Tensor:
-    """(B, 3, F, H, W) in [0, 1] from (B, C, F, h, w) latents of a VAE with per-channel ``latents_mean``
-    and ``latents_std`` (Wan's, Qwen-Image's), as their pipelines decode."""
-    z = latents.to(device, vae.dtype)
-    shape = (1, vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
-    # the pipelines divide by 1/std rather than multiply by std; the same rounding here
-    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
-    video = vae.decode(z / inv_std + mean, return_dict=False)[0]
-    return (video.float() / 2 + 0.5).clamp(0, 1)
-
-
-def shifted_sigmas(pipeline, num_steps: int, image_seq_len: int, grid, device) -> Tensor:
-    """The sigmas of the pipelines with a resolution-dependent shift (FLUX.1, Qwen-Image, Z-Image):
-    their default ``grid`` (None: the scheduler's own) through a fresh copy of their scheduler, with
-    ``mu`` interpolated from the number of image tokens as they do; the scheduler applies it when its
-    config has ``use_dynamic_shifting``."""
-    # diffusers' own mu (FLUX.1's copy; Qwen-Image's and Z-Image's are the same), imported here: a
-    # pipeline module is seconds to import, and most runs never call this
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-    scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config)
-    config = scheduler.config
-    mu = calculate_shift(
-        image_seq_len,
-        config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-        config.get("base_shift", 0.5), config.get("max_shift", 1.15),
-    )
-    scheduler.set_timesteps(num_steps, device="cpu", sigmas=grid, mu=mu)
-    return scheduler.sigmas.float().to(device)
-
-
-def pad_text(rows: list[Tensor], length: int) -> tuple[Tensor, Tensor]:
-    """Text embeddings of one length per prompt, (L_i, D) each, as a (B, length, D) tensor padded with
-    zeros and the (B, length) bool mask of the real tokens.
-
-    Pipelines whose prompts keep their own lengths (Qwen-Image, Z-Image) pad a batch to its longest
-    prompt; padded to one fixed length instead, any two batches' conditioning stack (the prompt cache,
-    ``cat_cond``), and ``trim_text`` gives the transformer the pipeline's batch again.
-    """
-    longest = max(len(r) for r in rows)
-    if longest > length:
-        raise ValueError(f"a prompt of {longest} text tokens does not fit the padded length {length}")
-    embeds = rows[0].new_zeros(len(rows), length, rows[0].shape[-1])
-    mask = torch.zeros(len(rows), length, dtype=torch.bool, device=rows[0].device)
-    for i, row in enumerate(rows):
-        embeds[i, :len(row)], mask[i, :len(row)] = row, True
-    return embeds, mask
-
-
-def trim_text(embeds: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """``pad_text``'s padding cut back to the longest prompt in the batch."""
-    longest = int(mask.sum(1).max())
-    return embeds[:, :longest], mask[:, :longest]
-
-
-@dataclass
-class ConditionMedia:
-    """A batch's condition files as the model sees them (resized as its pipeline resizes them), in [0, 1]:
-    what the rewards get as ``condition_images`` / ``condition_videos`` and what the sample grids show."""
-
-    images: list[Tensor] | None = None  # per sample, (k, 3, H, W), or a list of (3, H, W) when their sizes differ
-    videos: list[Tensor] | None = None  # per sample, (k, F, 3, H, W)
-    # per sample, the condition images as read (RGB PIL): for a model that resizes them once more for another
-    # encoder (Qwen-Image-Edit-Plus's vision-language text encoder), from the originals as its pipeline does
-    originals: list[list] | None = None
-
-    def take(self, rows: list[int]) -> "ConditionMedia":
-        """The media of samples ``rows``, in that order."""
-        return ConditionMedia(*(None if v is None else [v[i] for i in rows]
-                                for v in (self.images, self.videos, self.originals)))
-
-    @classmethod
-    def concat(cls, parts: list["ConditionMedia"]) -> "ConditionMedia":
-        """The samples of ``parts`` one after another."""
-        def join(name):
-            values = [getattr(p, name) for p in parts]
-            return None if values[0] is None else [x for v in values for x in v]
-        return cls(join("images"), join("videos"), join("originals"))
-
-    def per_sample(self) -> list[list[Tensor]]:
-        """Each sample's condition images (3, H, W) and videos (F, 3, H, W), one list per sample (sample grids)."""
-        n = len(self.images if self.images is not None else self.videos or [])
-        return [[*(self.images[i] if self.images is not None else []),
-                 *(self.videos[i] if self.videos is not None else [])] for i in range(n)]
-
-
-def resized_images(processor, images: list[list], height: int, width: int) -> ConditionMedia:
-    """Each sample's condition images (RGB PIL) at (height, width) in [0, 1], as a pipeline's ``VaeImageProcessor``
-    resizes and converts them (its preprocess minus the final 2x - 1)."""
-    return ConditionMedia(images=[processor.numpy_to_pt(processor.pil_to_numpy(
-        [processor.resize(image, height, width) for image in sample])) for sample in images])
-
-
-def as_pil(images: Tensor) -> list:
-    """(k, 3, H, W) in [0, 1] that came from 8-bit images, back to those RGB PIL images (exactly)."""
-    from PIL import Image
-
-    pixels = (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-    return [Image.fromarray(p) for p in pixels]
-
-
-def index_cond(cond: Conditioning, idx) -> Conditioning:
-    return {k: v[idx] for k, v in cond.items()}
-
-
-def cat_cond(conds: list[Conditioning]) -> Conditioning:
-    """The samples of ``conds`` one after another; an entry whose lengths differ between them (a ragged condition,
-    such as Qwen-Image-Edit-Plus's image tokens) is padded with zeros to the longest, each dim after the first."""
-    return {k: pad_cat([c[k] for c in conds]) for k in conds[0]}
-
-
-def pad_cat(tensors: list[Tensor], stack: bool = False) -> Tensor:
-    """``torch.cat`` (``stack``: ``torch.stack``) of tensors of one rank, zero-padded at the end of each dim (after
-    the batch dim) to the largest: a model whose entries differ in length keeps their real lengths beside them."""
-    parts = [t[None] for t in tensors] if stack else tensors
-    size = [max(t.shape[d] for t in parts) for d in range(1, parts[0].ndim)]
-    if all(list(t.shape[1:]) == size for t in parts):
-        return torch.cat(parts)
-    padded = []
-    for t in parts:
-        grown = t.new_zeros(t.shape[0], *size)
-        grown[(slice(None), *(slice(0, n) for n in t.shape[1:]))] = t
-        padded.append(grown)
-    return torch.cat(padded)
 
 
 class ExpertCalls:

@@ -16,8 +16,10 @@ from diffusers import FluxPipeline
 from torch import Tensor
 
 from ..config.families import MODEL_FAMILIES
-from .base import (JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image, encode_image,
-                   packed_2x2_pixel_factor, shifted_sigmas)
+from .base import JOINT_ATTENTION_LORA_TARGETS, FlowAdapter
+from .conditioning import Conditioning
+from .schedule import shifted_sigmas
+from .vae import decode_image, encode_image, packed_2x2_pixel_factor
 
 
 class FluxAdapter(FlowAdapter):

@@ -35,7 +35,9 @@ from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from torch import Tensor
 
 from ..config.families import MODEL_FAMILIES
-from .base import ConditionMedia, Conditioning, FlowAdapter, pad_text
+from .base import FlowAdapter
+from .conditioning import ConditionMedia, Conditioning
+from .text import pad_text
 
 # Flow-Factory's FLUX.2 targets: the double-stream blocks' attention and both feed-forwards, the
 # single-stream blocks' fused projection. (Its list also names "attn.to_out.0", which in a single-

@@ -20,7 +20,8 @@ from diffusers import FluxKontextPipeline
 from torch import Tensor
 
 from ..config.families import MODEL_FAMILIES
-from .base import JOINT_ATTENTION_LORA_TARGETS, ConditionMedia, Conditioning, resized_images
+from .base import JOINT_ATTENTION_LORA_TARGETS
+from .conditioning import ConditionMedia, Conditioning, resized_images
 from .flux import FluxAdapter
 
 

@@ -28,7 +28,10 @@ from diffusers.guiders.guider_utils import rescale_noise_cfg
 from torch import Tensor
 
 from ..config.families import MODEL_FAMILIES
-from .base import JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image, pad_text, trim_text
+from .base import JOINT_ATTENTION_LORA_TARGETS, FlowAdapter
+from .conditioning import Conditioning
+from .text import pad_text, trim_text
+from .vae import decode_image
 
 TEXT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
 

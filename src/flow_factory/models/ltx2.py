@@ -31,7 +31,9 @@ from torch import Tensor
 
 from ..config.families import MODEL_FAMILIES
 from ..dynamics import Dynamics, PartlyStochastic
-from .base import Conditioning, FlowAdapter, shifted_sigmas
+from .base import FlowAdapter
+from .conditioning import Conditioning
+from .schedule import shifted_sigmas
 
 # Flow-Factory's targets: the video and audio self- and text cross-attention, the cross-modal
 # attention both ways, and both feed-forwards, in every block

@@ -35,7 +35,7 @@ from PIL import Image
 from torch import Tensor
 
 from ..config.families import MODEL_FAMILIES
-from .base import ConditionMedia, Conditioning, resized_images
+from .conditioning import ConditionMedia, Conditioning, resized_images
 from .ltx2 import Geometry, LTX2Adapter
 
 

@@ -21,8 +21,11 @@ from diffusers import QwenImagePipeline
 from torch import Tensor
 
 from ..config.families import MODEL_FAMILIES
-from .base import (JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_normalized, pad_text, shifted_sigmas,
-                   trim_text)
+from .base import JOINT_ATTENTION_LORA_TARGETS, FlowAdapter
+from .conditioning import Conditioning
+from .schedule import shifted_sigmas
+from .text import pad_text, trim_text
+from .vae import decode_normalized
 
 
 class QwenImageAdapter(FlowAdapter):

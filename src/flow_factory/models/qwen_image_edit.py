@@ -32,7 +32,9 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_p
 from torch import Tensor
 
 from ..config.families import MODEL_FAMILIES
-from .base import JOINT_ATTENTION_LORA_TARGETS, ConditionMedia, Conditioning, pad_text
+from .base import JOINT_ATTENTION_LORA_TARGETS
+from .conditioning import ConditionMedia, Conditioning
+from .text import pad_text
 from .qwen_image import QwenImageAdapter
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,9 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from torch import Tensor
 
 from ..config.families import MODEL_FAMILIES
-from .base import JOINT_ATTENTION_LORA_TARGETS, Conditioning, FlowAdapter, decode_image, encode_image
+from .base import JOINT_ATTENTION_LORA_TARGETS, FlowAdapter
+from .conditioning import Conditioning
+from .vae import decode_image, encode_image
 
 
 class SD3Adapter(FlowAdapter):

@@ -23,7 +23,9 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from torch import Tensor
 
 from ..config.families import MODEL_FAMILIES
-from .base import Conditioning, FlowAdapter, decode_normalized, index_cond
+from .base import FlowAdapter
+from .conditioning import Conditioning, index_cond
+from .vae import decode_normalized
 
 
 class WanT2VAdapter(FlowAdapter):

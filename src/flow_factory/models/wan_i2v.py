@@ -32,7 +32,7 @@ from diffusers import WanImageToVideoPipeline
 from torch import Tensor
 
 from ..config.families import MODEL_FAMILIES
-from .base import ConditionMedia, Conditioning, as_pil, resized_images
+from .conditioning import ConditionMedia, Conditioning, as_pil, resized_images
 from .wan import WanT2VAdapter
 
 

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..config.families import MODEL_FAMILIES
 from ..config.sections import DEFAULT_STRENGTH, strength_steps
-from .base import ConditionMedia, Conditioning, as_pil, resized_images
+from .conditioning import ConditionMedia, Conditioning, as_pil, resized_images
 from .wan import WanT2VAdapter
 
 

@@ -17,7 +17,11 @@ from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sig
 from torch import Tensor
 
 from ..config.families import MODEL_FAMILIES
-from .base import Conditioning, FlowAdapter, decode_image, pad_text, packed_2x2_pixel_factor, shifted_sigmas
+from .base import FlowAdapter
+from .conditioning import Conditioning
+from .schedule import shifted_sigmas
+from .text import pad_text
+from .vae import decode_image, packed_2x2_pixel_factor
 
 
 class ZImageAdapter(FlowAdapter):

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models.base import Conditioning, FlowAdapter
+from ..models.base import FlowAdapter
+from ..models.conditioning import Conditioning
 
 PADDED_TEXT = ("qwen-image", "qwen-image-edit-plus", "z-image", "hunyuanvideo15")
 

@@ -20,7 +20,7 @@ from PIL import Image
 
 from ..data import process_share
 from ..data.offline import OfflineRecord
-from ..models.base import cat_cond
+from ..models.conditioning import cat_cond
 from ..sampling import Rollouts, SamplingSettings, encode_batch
 from ..seeding import generator
 

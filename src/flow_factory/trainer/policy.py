@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..models.base import Conditioning, FlowAdapter
+from ..models.base import FlowAdapter
+from ..models.conditioning import Conditioning
 from ..models.lora import lora_disabled
 
 
