@@ -8,7 +8,7 @@ advantage_aggregation: sum) with ``train.reward_optimization_overlap`` false and
 (``shuffle_samples: false``) and shuffled. The reward sleeps ``--latency`` seconds a call (2 samples a call, in
 ``--workers`` threads; a remote or VLM reward that waits on its server), then scores each image's brightness. Prints
 seconds per epoch (the first epoch of each run is a warm-up), the reward phase (with overlap: time the optimise loop
-waited for a group's scores) and the training phase, and checks that both runs end with the same LoRA.
+waited for a group's scores, taken out of training) and the training phase, and checks that both runs end with the same LoRA.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from flow_factory.algorithms import make_algorithm  # noqa: E402
 from flow_factory.algorithms.base import TrainBatch  # noqa: E402
 from flow_factory.config.train import TrainConfig  # noqa: E402
 from flow_factory.models.lora import apply_lora  # noqa: E402
-from flow_factory.rollout import TrajectoryOptions, sample_trajectory  # noqa: E402
+from flow_factory.trajectory import TrajectoryOptions, sample_trajectory  # noqa: E402
 from flow_factory.sampling import on_device  # noqa: E402
 from flow_factory.trainer.policy import AdapterPolicy  # noqa: E402
 

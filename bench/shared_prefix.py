@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from flow_factory.dynamics import make_dynamics  # noqa: E402
 from flow_factory.models import load_adapter  # noqa: E402
-from flow_factory.rollout import TrajectoryOptions, sample_trajectory  # noqa: E402
+from flow_factory.trajectory import TrajectoryOptions, sample_trajectory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ from flow_factory.dynamics import make_dynamics
 from flow_factory.guards import NonFiniteGuard
 from flow_factory.models.base import ExpertCalls, FlowAdapter
 from flow_factory.models.conditioning import Conditioning
-from flow_factory.rollout import TrajectoryOptions, sample_trajectory
+from flow_factory.trajectory import TrajectoryOptions, sample_trajectory
 from flow_factory.sampling import Rollouts
 from flow_factory.trainer.ema import WeightCopy
 from flow_factory.trainer.optimize import OptimizeSettings, Stepper, optimize_epoch

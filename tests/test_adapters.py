@@ -11,7 +11,7 @@ from flow_factory.dynamics.ode import ODE
 from flow_factory.models import (Flux2Adapter, Flux2KleinAdapter, FluxAdapter, HunyuanVideo15Adapter, LTX2Adapter,
                                  QwenImageAdapter, SD3Adapter, WanT2VAdapter, ZImageAdapter, cat_cond,
                                  get_adapter_class, index_cond, load_adapter)
-from flow_factory.rollout import TrajectoryOptions, sample_trajectory
+from flow_factory.trajectory import TrajectoryOptions, sample_trajectory
 
 PROMPTS = ["a red cube on a table", "two cats"]
 NEGATIVES = ["blurry", ""]

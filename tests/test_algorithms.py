@@ -21,7 +21,7 @@ from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import CPS, ODE, DanceSDE, FlowSDE
 from flow_factory.dynamics.base import Dynamics, step_inputs
 from flow_factory.dynamics.dpm_solver import DPMSolver2M
-from flow_factory.rollout import TrajectoryOptions, sample_trajectory
+from flow_factory.trajectory import TrajectoryOptions, sample_trajectory
 from flow_factory.sampling import Rollouts
 
 

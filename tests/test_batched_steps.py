@@ -18,7 +18,7 @@ from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import make_dynamics
 from flow_factory.models import load_adapter
 from flow_factory.models.lora import apply_lora
-from flow_factory.rollout import TrajectoryOptions, sample_trajectory
+from flow_factory.trajectory import TrajectoryOptions, sample_trajectory
 from flow_factory.sampling import Rollouts
 from flow_factory.trainer.ema import WeightCopy
 from flow_factory.trainer.policy import AdapterPolicy, PolicyWeights

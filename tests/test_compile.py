@@ -19,7 +19,7 @@ from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import make_dynamics
 from flow_factory.models import load_adapter
 from flow_factory.models.lora import apply_lora
-from flow_factory.rollout import sample_trajectory
+from flow_factory.trajectory import sample_trajectory
 from flow_factory.trainer import Trainer
 from flow_factory.trainer.policy import AdapterPolicy
 from helpers_algorithms import assert_on_policy, perturb_lora

@@ -28,7 +28,7 @@ from flow_factory.models import (ADAPTERS, FluxKontextAdapter, WanI2VAdapter, Wa
 from flow_factory.models.conditioning import as_pil
 from flow_factory.rewards import RewardSet
 from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput, to_uint8_hwc
-from flow_factory.rollout import sample_trajectory
+from flow_factory.trajectory import sample_trajectory
 from flow_factory.sampling import SamplingServices, SamplingSettings, collect_rollouts
 from flow_factory.train import main as ff_train
 from flow_factory.trainer.policy import AdapterPolicy

@@ -72,7 +72,7 @@ def test_on_policy_the_ratio_is_one_and_nothing_is_masked(tiny_sd3_path, dynamic
     even a threshold of 0 drops nothing."""
     from flow_factory.models import load_adapter
     from flow_factory.models.lora import apply_lora
-    from flow_factory.rollout import TrajectoryOptions, sample_trajectory
+    from flow_factory.trajectory import TrajectoryOptions, sample_trajectory
     from flow_factory.trainer.policy import AdapterPolicy
 
     adapter = load_adapter("sd3-5", tiny_sd3_path)

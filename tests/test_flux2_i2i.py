@@ -23,7 +23,7 @@ from flow_factory.data import load_prompts, read_image
 from flow_factory.dynamics import make_dynamics
 from flow_factory.dynamics.ode import ODE
 from flow_factory.models import apply_lora, get_adapter_class, load_adapter
-from flow_factory.rollout import sample_trajectory
+from flow_factory.trajectory import sample_trajectory
 from flow_factory.trainer.policy import AdapterPolicy
 
 STEPS, SIZE = 3, 64

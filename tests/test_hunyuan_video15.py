@@ -16,7 +16,7 @@ from flow_factory.dynamics.ode import ODE
 from flow_factory.models import apply_lora, load_adapter, save_lora
 from flow_factory.models.hunyuan_video15 import HunyuanVideo15Adapter
 from flow_factory.models.preflight import check_pipeline_class
-from flow_factory.rollout import sample_trajectory
+from flow_factory.trajectory import sample_trajectory
 
 SIZE = dict(height=32, width=32, num_frames=5)
 

@@ -19,7 +19,7 @@ from flow_factory.models import apply_lora, load_adapter
 from flow_factory.models.preflight import check_reward_inputs
 from flow_factory.rewards import RewardSet
 from flow_factory.rewards.base import PointwiseRewardModel, RewardInputs, RewardModelOutput
-from flow_factory.rollout import TrajectoryOptions, sample_trajectory
+from flow_factory.trajectory import TrajectoryOptions, sample_trajectory
 from flow_factory.sampling import SamplingServices, SamplingSettings, collect_rollouts
 from flow_factory.trainer.policy import AdapterPolicy
 

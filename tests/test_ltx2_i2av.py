@@ -22,7 +22,7 @@ from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import make_dynamics
 from flow_factory.dynamics.ode import ODE
 from flow_factory.models import apply_lora, load_adapter
-from flow_factory.rollout import sample_trajectory
+from flow_factory.trajectory import sample_trajectory
 from flow_factory.trainer.policy import AdapterPolicy
 
 SIZE, FRAMES, STEPS, GUIDANCE = 32, 9, 3, 4.0

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from flow_factory.dynamics import make_dynamics
 from flow_factory.models import load_adapter
 from flow_factory.precision import Precision, run_mixed_precision
-from flow_factory.rollout import TrajectoryOptions, sample_trajectory
+from flow_factory.trajectory import TrajectoryOptions, sample_trajectory
 from flow_factory.train import main
 
 

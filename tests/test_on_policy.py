@@ -10,7 +10,7 @@ from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import make_dynamics
 from flow_factory.models import load_adapter
 from flow_factory.models.lora import apply_lora
-from flow_factory.rollout import TrajectoryOptions, sample_trajectory
+from flow_factory.trajectory import TrajectoryOptions, sample_trajectory
 from flow_factory.trainer.policy import AdapterPolicy
 
 ADAPTERS = [("sd3-5", "tiny_sd3_path", 64, None, 3.0), ("flux1", "tiny_flux_path", 64, None, 3.5),

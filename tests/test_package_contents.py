@@ -57,6 +57,6 @@ def test_every_module_of_the_package_is_reached_from_what_a_user_runs_or_imports
 
 
 def test_the_check_sees_a_module_only_a_test_would_import():
-    graph = {"flow_factory": set(), "flow_factory.train": {"flow_factory.rollout"}, "flow_factory.rollout": set(),
-             "flow_factory.testing": set(), "flow_factory.testing.toy": {"flow_factory.rollout"}}
+    graph = {"flow_factory": set(), "flow_factory.train": {"flow_factory.trajectory"}, "flow_factory.trajectory": set(),
+             "flow_factory.testing": set(), "flow_factory.testing.toy": {"flow_factory.trajectory"}}
     assert set(graph) - reached(graph, {"flow_factory.train", "flow_factory.testing"}) == {"flow_factory.testing.toy"}

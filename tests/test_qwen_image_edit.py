@@ -25,7 +25,7 @@ from flow_factory.dynamics.ode import ODE
 from flow_factory.models import QwenImageEditPlusAdapter, apply_lora, load_adapter, save_lora
 from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput
 from flow_factory.models.qwen_image_edit import load_pipeline
-from flow_factory.rollout import sample_trajectory
+from flow_factory.trajectory import sample_trajectory
 from flow_factory.sampling import SamplingServices, SamplingSettings, collect_rollouts
 from flow_factory.trainer.policy import AdapterPolicy
 

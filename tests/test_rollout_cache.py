@@ -10,7 +10,7 @@ from flow_factory.algorithms import NFT
 from flow_factory.config import ConfigError, parse_config
 from flow_factory.dynamics import ODE
 from flow_factory.models import load_adapter
-from flow_factory.rollout import sample_trajectory
+from flow_factory.trajectory import sample_trajectory
 from flow_factory.rollout_cache import RolloutCache, cache_hooks
 from flow_factory.train import main
 

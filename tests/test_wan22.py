@@ -21,7 +21,7 @@ from flow_factory.dynamics.ode import ODE
 from flow_factory.models import index_cond, load_adapter
 from flow_factory.models.lora import apply_lora, lora_weight_name, save_lora
 from flow_factory.models.preflight import check_before_loading, check_experts
-from flow_factory.rollout import sample_trajectory
+from flow_factory.trajectory import sample_trajectory
 from flow_factory.train import main
 from flow_factory.trainer import Trainer
 from flow_factory.trainer.policy import AdapterPolicy

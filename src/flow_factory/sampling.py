@@ -26,7 +26,7 @@ from .dynamics.ode import ODE
 from .models.conditioning import ConditionMedia, Conditioning, cat_cond, index_cond
 from .models.preflight import checkpoint_conditions
 from .prompt_cache import condition_media, encode_condition_rows
-from .rollout import KeptStates, Trajectory, TrajectoryOptions, sample_trajectory
+from .trajectory import KeptStates, Trajectory, TrajectoryOptions, sample_trajectory
 from .seeding import generator, per_sample_noise
 from .timer import PhaseTimer
 

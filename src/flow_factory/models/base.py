@@ -2,7 +2,7 @@
 
 An adapter knows one model family: how to load it, encode prompts, shape and
 draw noise, call the transformer once (with CFG or a guidance embedding), and
-decode. It never runs a denoising loop (that is ``rollout.py``) and never
+decode. It never runs a denoising loop (that is ``trajectory.py``) and never
 computes a loss. Latents are always in the VAE's natural layout,
 (B, C, H/8, W/8) for images and (B, C, F', H/8, W/8) for video; an adapter that
 packs tokens (FLUX) packs inside ``velocity``.
