@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.distributed._tools import MemTracker
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils import flop_counter
