@@ -53,7 +53,7 @@ class StreamedAdvantages:
             return True
         # every member of their groups, in batch order: the order the whole batch's sums take
         members = torch.isin(self.group_ids, self.group_ids[waiting]).nonzero().flatten()
-        with self.timer.phase("reward"):
+        with self.timer.phase_within("reward", "training"):  # the wait is the reward's time
             rewards = self.job.scores_for(members)
         scored = {k: v[self.scored[k][members]] for k, v in rewards.items()}
         self.problem = nonfinite_rewards(scored)
