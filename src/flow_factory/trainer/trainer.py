@@ -75,8 +75,9 @@ class Trainer:
         self.offline = None  # an offline run's epochs (OfflineEpochs), once the model has loaded
         self.run_folder = RunFolder(self.run_dir)
         self._say(f"run folder {self.run_dir}")
-        from_main(self.accelerator, lambda: self.run_folder.claim(self.start.resume_from, self.start.resumed["epoch"],
-                                                      cfg.log.overwrite))
+        claim = lambda: self.run_folder.claim(self.start.resume_from, self.start.resumed["epoch"],  # noqa: E731
+                                              cfg.log.overwrite)
+        from_main(self.accelerator, claim)
         try:
             self._build()
         except BaseException:
