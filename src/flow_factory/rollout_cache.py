@@ -66,15 +66,15 @@ class RolloutCache:
         self._calls = 0
 
     @classmethod
-    def of(cls, train, adapter_cls=None) -> "RolloutCache | None":
+    def of(cls, train, adapter_cls) -> "RolloutCache | None":
         """The cache the ``train`` section asks for, or None; checked against the policies ``adapter_cls``'s
         transformer takes (before the model loads)."""
         if train.rollout_cache == "none":
             return None
-        policies = adapter_cls.cache_policies if adapter_cls is not None else POLICIES
-        if train.rollout_cache not in policies:
+        if train.rollout_cache not in adapter_cls.cache_policies:
             raise ConfigError(f"train.rollout_cache: {train.rollout_cache} does not work with "
-                              f"{adapter_cls.model_type}'s transformer; its policies: {', '.join(policies)}")
+                              f"{adapter_cls.model_type}'s transformer; its policies: "
+                              f"{', '.join(adapter_cls.cache_policies)}")
         return cls(train.rollout_cache, train.rollout_cache_params)
 
     @contextmanager
