@@ -24,6 +24,7 @@ import reads (``HF_HOME``, ``HF_HUB_OFFLINE``) is a real launch.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -31,6 +32,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 SUITE_ENVIRON = dict(os.environ)
@@ -72,17 +74,27 @@ def ff_train_forked(argv: list, env: dict, timeout: float = 300) -> tuple[tuple[
         user.start()
         user.join(timeout)
         if user.exitcode is None:  # the whole launch: the user's process leads a process group of its own
-            os.killpg(user.pid, signal.SIGKILL)
+            _signal_group(user.pid, signal.SIGUSR1)  # every process of it prints where each of its threads is
+            time.sleep(2)
+            _signal_group(user.pid, signal.SIGKILL)
             user.join()
-            raise TimeoutError(f"ff-train {' '.join(map(str, argv))} ran past {timeout} s\n"
-                               f"{err.read_text()[-4000:]}")
+            raise TimeoutError(f"ff-train {' '.join(map(str, argv))} ran past {timeout} s; its stderr, with each "
+                               f"process's threads at the timeout:\n{err.read_text()[-12000:]}")
         return (out.read_text(), err.read_text()), user.exitcode
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:  # the group has ended (or not yet begun: the user's process forms it first thing)
+        pass
 
 
 def _user_process(argv, env, cwd, out, err):
     os.setpgrp()
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # ff_train_forked's timeout asks where it hangs
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -151,6 +163,7 @@ def _fork_processes(args):
 
 def _launched_process(variables: dict, argv: list):
     os.environ.update(variables)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from flow_factory.train import main
 
     sys.exit(main(argv))
