@@ -32,6 +32,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from ..config.sections import component_targets
+
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # the file name diffusers writes and reads
 ADAPTER_NAME = "default"
 
@@ -222,3 +224,28 @@ def lora_disabled(transformer: nn.Module):
         transformer.enable_adapters()
         for p, flag in zip(lora_params, flags):
             p.requires_grad_(flag)
+
+
+def make_trainable(adapter, cfg, master_dtype: torch.dtype) -> dict[str, nn.Module]:
+    """LoRA on, or every weight of, the networks ``model.trained_components`` names, by component; the others (a
+    multi-expert model's frozen expert) get no adapter and no gradient. Trained weights keep ``master_dtype``
+    (fp32 by default) under mixed precision."""
+    model = cfg.model
+    trained = {name: adapter.transformers[name] for name in model.trained_components}
+    for name, transformer in trained.items():
+        if model.finetune_type == "lora":
+            apply_lora(transformer, model.lora_rank, model.lora_alpha,
+                       component_targets(model.target_modules, name, model.target_components),
+                       adapter.default_lora_targets)
+        else:
+            transformer.requires_grad_(True)
+        if cfg.train.enable_gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+    for p in trainable_params(trained):
+        p.data = p.data.to(master_dtype)
+    return trained
+
+
+def trainable_params(trained: dict[str, nn.Module]) -> list[nn.Parameter]:
+    """What the optimizer steps: after FSDP2, each parameter is this process's shard (a DTensor)."""
+    return [p for module in trained.values() for p in module.parameters() if p.requires_grad]

@@ -69,29 +69,15 @@ def largest_block(module: nn.Module) -> int:
 
 
 def make_trainable(adapter, cfg, master: torch.dtype) -> dict[str, int]:
-    """What ``Trainer._make_trainable`` does, on the meta networks; trained parameters per network."""
+    """The trainer's ``models.lora.make_trainable``, its LoRA weights made on the meta device; trained parameters
+    per network."""
     from accelerate import init_empty_weights
 
-    from ..config.sections import component_targets
-    from ..models.lora import apply_lora
+    from ..models.lora import make_trainable as make_trainable_like_the_trainer
 
-    model, trained = cfg.model, {}
-    for name in model.trained_components:
-        transformer = adapter.transformers[name]
-        if model.finetune_type == "lora":
-            with init_empty_weights():
-                apply_lora(transformer, model.lora_rank, model.lora_alpha,
-                           component_targets(model.target_modules, name, model.target_components),
-                           adapter.default_lora_targets)
-        else:
-            transformer.requires_grad_(True)
-        if cfg.train.enable_gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
-        params = [p for p in transformer.parameters() if p.requires_grad]
-        for p in params:
-            p.data = p.data.to(master)
-        trained[name] = sum(p.numel() for p in params)
-    return trained
+    with init_empty_weights():
+        trained = make_trainable_like_the_trainer(adapter, cfg, master)
+    return {name: sum(p.numel() for p in module.parameters() if p.requires_grad) for name, module in trained.items()}
 
 
 def trajectory_bytes(cfg, adapter, latent_numel: int, storage: torch.dtype, cond_bytes: int) -> tuple[int, int]:

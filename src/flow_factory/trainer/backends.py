@@ -40,7 +40,7 @@ from ..sharding import (DEEPSPEED_DIR, DEEPSPEED_TAG, accelerator_kwargs, all_fi
                         fill_deepspeed_config, full_optimizer_state, full_state_dict, load_engine_state,
                         load_frozen_models_whole, local, optimized_model, prepare_sharded, release_gathered,
                         reshard_all, save_engine_state)
-from .model import trainable_params
+from ..models.lora import trainable_params
 from .weights import ModelSetup, WeightCopies
 
 logger = logging.getLogger(__name__)

@@ -1,20 +1,17 @@
-"""The model a run trains: the pipeline loaded and set as the config asks (``load_model``), LoRA on (or every weight
-of) the networks ``model.trained_components`` names (``make_trainable``), and the check that the steps a coupled
-algorithm trains are denoised by a trained expert (``check_trained_steps``)."""
+"""The model a run trains: the pipeline loaded and set as the config asks (``load_model``), and the check that the
+steps a coupled algorithm trains are denoised by a trained expert (``check_trained_steps``). What trains in it is
+``models.lora.make_trainable``'s, which ``ff-train --plan`` calls too."""
 
 from __future__ import annotations
 
 import logging
 
 import torch
-from torch import nn
 
 from ..config import ConfigError
-from ..config.sections import component_targets
 from ..config.train import COUPLED_TRAINER_TYPES
 from ..guards import check_pipeline_finite
 from ..models import load_adapter
-from ..models.lora import apply_lora
 from ..models.preflight import check_experts
 
 logger = logging.getLogger(__name__)
@@ -38,26 +35,6 @@ def load_model(cfg, device: torch.device, dtype: torch.dtype):
     return adapter
 
 
-def make_trainable(adapter, cfg, master_dtype: torch.dtype) -> dict[str, nn.Module]:
-    """LoRA on, or every weight of, the networks ``model.trained_components`` names, by component; the others (a
-    multi-expert model's frozen expert) get no adapter and no gradient. Trained weights keep ``master_dtype``
-    (fp32 by default) under mixed precision."""
-    model = cfg.model
-    trained = {name: adapter.transformers[name] for name in model.trained_components}
-    for name, transformer in trained.items():
-        if model.finetune_type == "lora":
-            apply_lora(transformer, model.lora_rank, model.lora_alpha,
-                       component_targets(model.target_modules, name, model.target_components),
-                       adapter.default_lora_targets)
-        else:
-            transformer.requires_grad_(True)
-        if cfg.train.enable_gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
-    for p in trainable_params(trained):
-        p.data = p.data.to(master_dtype)
-    return trained
-
-
 def check_trained_steps(cfg, adapter, train_size: tuple[int, int]) -> None:
     """A step of the grpo family trains the expert that denoises it: a step of an expert that the run leaves frozen
     (``model.target_components``, ``target_modules``) trains nothing (Wan2.2 A14B)."""
@@ -75,8 +52,3 @@ def check_trained_steps(cfg, adapter, train_size: tuple[int, int]) -> None:
         raise ConfigError(f"{message}; no step of the window trains anything: choose steps of {trained} "
                           f"(sigmas {[round(float(x), 3) for x in sigmas[:-1]]})")
     logger.warning("%s; those steps train nothing", message)
-
-
-def trainable_params(trained: dict[str, nn.Module]) -> list[nn.Parameter]:
-    """What the optimizer steps: after FSDP2, each parameter is this process's shard (a DTensor)."""
-    return [p for module in trained.values() for p in module.parameters() if p.requires_grad]

@@ -44,7 +44,8 @@ from .overlap import StreamedAdvantages
 from .run_data import load_run_data
 from .run_folder import RunFolder, from_main
 from .tracking import check_backend, flat_hparams, log_media
-from .model import check_trained_steps, load_model, make_trainable
+from ..models.lora import make_trainable
+from .model import check_trained_steps, load_model
 from .weights import SCALER_FILE, ModelSetup, RunStart
 
 logger = logging.getLogger(__name__)
