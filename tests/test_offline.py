@@ -1,7 +1,9 @@
 """Offline training (``sft``, ``offline-dpo``) from Flow-Factory's schema_version 2 records: the losses by
 hand, every bad row an error naming its file and line before the model loads, and ``ff-train`` end to end on
 tiny SD3 (SFT lowers the flow-matching error on its images; exact resume), offline DPO, and SFT of an
-editing model (FLUX.1 Kontext) whose records name condition images."""
+editing model (FLUX.1 Kontext) whose records name condition images; a video model (Wan2.1) trains both from
+mp4 files, each row's input encoded once; every family encodes its outputs to its own latents but LTX-2,
+refused naming why."""
 
 import json
 
@@ -9,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from helpers_runs import straight_and_resumed, tiny_run_config, write_condition_image, write_config
+from helpers_runs import (TINY_MODELS, straight_and_resumed, tiny_run_config, write_condition_image,
+                          write_condition_video, write_config)
 from safetensors.torch import load_file
 
 from flow_factory.algorithms import best_and_worst, flow_matching_loss
@@ -29,17 +32,26 @@ def _image(name):
     return {"media": [{"type": "image", "path": f"images/{name}.png"}]}
 
 
-def write_offline_dataset(folder, kind, conditioned=False, size=(64, 64)):
-    """train.jsonl (3 records) and test.jsonl (1) of ``kind``, their images under images/."""
+def _video(name):
+    return {"media": [{"type": "video", "path": f"videos/{name}.mp4", "fps": 16.0}]}
+
+
+def write_offline_dataset(folder, kind, conditioned=False, size=(64, 64), frames=None):
+    """train.jsonl (3 records) and test.jsonl (1) of ``kind``, their images under images/ (``frames``: their
+    videos of that many frames under videos/, mp4)."""
     for i, (name, colour) in enumerate(COLOURS.items()):
-        write_condition_image(folder / "images" / f"{name}.png", size, colour, seed=i)
+        if frames:
+            write_condition_video(folder / "videos" / f"{name}.mp4", size, colour, seed=i, frames=frames)
+        else:
+            write_condition_image(folder / "images" / f"{name}.png", size, colour, seed=i)
     inputs = [{"type": "image", "path": "images/grey.png"}] if conditioned else []
+    output = _video if frames else _image
     rows = []
     for name in ("red", "green", "blue"):
         if kind == "demonstration":
-            supervision = {"type": "demonstration", "target": _image(name)}
+            supervision = {"type": "demonstration", "target": output(name)}
         else:
-            supervision = {"type": "preference", "chosen": _image(name), "rejected": _image("grey")}
+            supervision = {"type": "preference", "chosen": output(name), "rejected": output("grey")}
         rows.append(_record(f"a {name} square", supervision, inputs))
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "test.jsonl").write_text(json.dumps(rows[0]) + "\n")
@@ -65,7 +77,7 @@ def test_a_preference_record_is_its_own_pair():
     (lambda r: r.update(supervision={"type": "preference", "chosen": _image("red"), "rejected": _image("grey")}),
      r"train.jsonl:2: supervision type 'preference'; this run trains on demonstration records only"),
     (lambda r: r["supervision"]["target"]["media"][0].update(type="video", path="clip.mp4"),
-     r"train.jsonl:2: supervision.target: \['video'\]: an output here is one image"),
+     r"train.jsonl:2: supervision.target: \['video'\]: an output here is one image: this model makes images"),
     (lambda r: r.update(extra=1), r"train.jsonl:2: extra: Extra inputs are not permitted"),
 ])
 def test_a_bad_row_is_named_by_file_and_line(tmp_path, change, message):
@@ -85,10 +97,61 @@ def test_a_pair_of_two_sizes_is_refused(tmp_path):
         load_offline(folder, "train", "preference")
 
 
+# a video model's outputs: mp4 files one frame longer than tiny Wan's 5 (its first 5 train), at its 32x32
+VIDEO_FRAMES, VIDEO_SIZE = 6, (32, 32)  # tiny LTX-2's: 10 frames
+
+
+def _video_rows(tmp_path, kind):
+    folder = write_offline_dataset(tmp_path, kind, size=VIDEO_SIZE, frames=VIDEO_FRAMES)
+    return folder, [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
+
+
+def _media(path, type="video"):
+    return {"media": [{"type": type, "path": path}]}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r["supervision"].update(target=_media("images/red.png", "image")),
+     r"train.jsonl:2: supervision.target: \['image'\]: an output here is one video: this model makes videos"),
+    (lambda r: r["supervision"].update(target=_media("images/red.png")),
+     r"train.jsonl:2: supervision.target 'images/red.png' \(.*red.png\) is a single image, not a video"),
+    (lambda r: r["supervision"].update(target=_media("videos/none.mp4")),
+     r"train.jsonl:2: supervision.target 'videos/none.mp4' \(.*none.mp4\) not found"),
+    (lambda r: r["supervision"].update(target=_media("videos/short.mp4")),
+     r"train.jsonl:2: supervision.target 'videos/short.mp4' \(.*short.mp4\) has 3 frames; train.num_frames is 5"),
+])
+def test_a_bad_video_row_is_named_by_file_and_line(tmp_path, change, message):
+    """A video model's records: an image as the output, a still named as a video, a missing file, a video shorter
+    than train.num_frames."""
+    folder, rows = _video_rows(tmp_path, "demonstration")
+    write_condition_image(folder / "images" / "red.png", VIDEO_SIZE, COLOURS["red"])
+    write_condition_video(folder / "videos" / "short.mp4", VIDEO_SIZE, COLOURS["red"], frames=3)
+    change(rows[1])
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(PromptFileError, match=message):
+        load_offline(folder, "train", "demonstration", frames=5)
+
+
+@pytest.mark.parametrize("size, frames, message", [
+    ((48, 32), VIDEO_FRAMES, r"train.jsonl:1: chosen is 32x32 and rejected 48x32: a pair's two videos must be one "
+                             r"size"),
+    (VIDEO_SIZE, 9, r"train.jsonl:1: chosen \(red.mp4\) has 6 frames and rejected \(grey.mp4\) 9: a pair's two "
+                    r"videos must have as many frames"),
+])
+def test_a_video_pair_of_two_sizes_or_lengths_is_refused(tmp_path, size, frames, message):
+    folder, _ = _video_rows(tmp_path, "preference")
+    write_condition_video(folder / "videos" / "grey.mp4", size, COLOURS["grey"], frames=frames)
+    with pytest.raises(PromptFileError, match=message):
+        load_offline(folder, "train", "preference", frames=5)
+
+
 def _offline_config(tmp_path, model_type, path, trainer_type, kind, conditioned=False, **train):
     config = tiny_run_config(tmp_path, model_type, path, trainer_type=trainer_type, per_device_batch_size=1,
                              group_size=1, **{"learning_rate": 1e-3, "max_epochs": 2, **train})
-    config["data"]["dataset_dir"] = str(write_offline_dataset(tmp_path / "offline", kind, conditioned))
+    frames = TINY_MODELS.get(model_type, (None, None, None))[2]  # a video model's: one more in each file
+    frames = frames and frames + 1
+    config["data"]["dataset_dir"] = str(write_offline_dataset(tmp_path / "offline", kind, conditioned,
+                                                              size=VIDEO_SIZE if frames else (64, 64), frames=frames))
     config["scheduler"] = {"dynamics_type": "ODE", "noise_level": 0.0}
     config.pop("rewards")
     config["eval"]["eval_freq"] = 0
@@ -120,7 +183,7 @@ def test_ff_train_sft_fits_its_images_and_resumes_exactly(tmp_path, tiny_sd3_pat
         adapter = load_for_sampling("sd3-5", tiny_sd3_path, checkpoint, device="cpu")
         images = torch.stack([torch.from_numpy(np.asarray(Image.open(folder / "images" / f"{n}.png").convert("RGB"))
                                                .copy()).permute(2, 0, 1).float() / 255 for n in ("red", "green", "blue")])
-        x0 = adapter.encode_images(images)
+        x0 = adapter.encode_media(images)
         g = torch.Generator().manual_seed(0)
         noise, sigma = torch.randn(x0.shape, generator=g), torch.tensor([0.3, 0.5, 0.7])
         x_t = (1 - sigma.view(-1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1) * noise
@@ -146,11 +209,60 @@ def test_ff_train_offline_runs_two_epochs(request, tmp_path, model_type, fixture
     assert max(float(v.abs().max()) for k, v in lora.items() if "lora_B" in k) > 0, "the LoRA did not move"
 
 
-def test_a_model_that_cannot_encode_images_is_refused_before_loading(tmp_path, tiny_wan_path, capsys):
-    config = _offline_config(tmp_path, "wan2_t2v", tiny_wan_path, "sft", "demonstration")
+@pytest.mark.parametrize("trainer_type, kind", [("sft", "demonstration"), ("offline-dpo", "preference")])
+def test_a_video_model_trains_offline_from_video_files(tmp_path, tiny_wan_path, trainer_type, kind):
+    """Tiny Wan2.1 text-to-video, a step from records whose outputs are mp4 files: each output's first 5 frames
+    encoded to the model's latents, once; each row's prompt encoded once an epoch though a pair has two outputs
+    (no prompt cache here, data.enable_preprocess false); the LoRA moves."""
+    from flow_factory.config import parse_config
+    from flow_factory.trainer import Trainer
+
+    config = _offline_config(tmp_path, "wan2_t2v", tiny_wan_path, trainer_type, kind, max_epochs=1)
+    config["data"]["enable_preprocess"] = False
+    trainer = Trainer(parse_config(config))
+    encoded, encode = [], trainer.adapter.encode
+    trainer.adapter.encode = lambda prompts, *args, **kwargs: encoded.extend(prompts) or encode(prompts, *args, **kwargs)
+    trainer.train()
+    assert sorted(encoded) == sorted(f"a {n} square" for n in ("red", "green", "blue"))
+    outputs = 1 if kind == "demonstration" else 2
+    assert {tuple(z.shape) for z in trainer.offline._latents.values()} == {(outputs, 16, 2, 4, 4)}
+    run_dir = tmp_path / "saves" / "run"
+    metric = "train/implicit_accuracy" if trainer_type == "offline-dpo" else "train/flow_matching_loss"
+    assert metric in json.loads((run_dir / "history.json").read_text())["train"][0]
+    assert max(float(v.abs().max()) for k, v in _lora(run_dir, 1).items() if "lora_B" in k) > 0, "no LoRA moved"
+
+
+@pytest.mark.parametrize("model_type", ["wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15"])
+def test_every_family_encodes_its_outputs_to_its_latents(request, model_type):
+    """encode_media gives a sample's latent shape from images or (B, F, 3, H, W) videos; FLUX.2's equals its
+    pipeline's own encoding of a reference image (the mode, patchified, batch-norm normalised)."""
+    from flow_factory.models import load_adapter
+
+    fixture, size, frames, _ = TINY_MODELS[model_type]
+    adapter = load_adapter(model_type, request.getfixturevalue(fixture))
+    assert adapter.offline_refusal() is None
+    media = torch.rand(2, *((frames, 3) if frames else (3,)), size, size, generator=torch.Generator().manual_seed(0))
+    latents = adapter.encode_media(media)
+    assert latents.shape == (2, *adapter.latent_shape(size, size, frames)) and latents.dtype == torch.float32
+    if model_type.startswith("flux2"):
+        torch.testing.assert_close(latents, adapter.pipeline._encode_vae_image(media * 2 - 1, None).float())
+
+
+def test_ltx2_is_refused_before_loading_naming_why(tmp_path, tiny_ltx2_path, capsys):
+    config = _offline_config(tmp_path, "ltx2_t2av", tiny_ltx2_path, "sft", "demonstration")
     assert main([str(write_config(tmp_path, config))]) == 2
-    assert "train.trainer_type: sft trains from images, which wan2_t2v does not encode in this version" in \
-        capsys.readouterr().err
+    assert ("train.trainer_type: sft trains from a dataset's images or videos; ltx2_t2av generates its video with "
+            "sound, one latent for both") in capsys.readouterr().err
+
+
+def test_an_image_where_a_video_model_needs_a_video_stops_ff_train_before_loading(tmp_path, tiny_wan_path, capsys):
+    config = _offline_config(tmp_path, "wan2_t2v", tiny_wan_path, "sft", "demonstration")
+    folder = tmp_path / "offline"
+    write_condition_image(folder / "images" / "red.png", VIDEO_SIZE, COLOURS["red"])
+    rows = (folder / "train.jsonl").read_text().replace("videos/red.mp4", "images/red.png").replace('"video"', '"image"', 1)
+    (folder / "train.jsonl").write_text(rows)
+    assert main([str(write_config(tmp_path, config))]) == 2
+    assert "train.jsonl:1: supervision.target: ['image']: an output here is one video" in capsys.readouterr().err
 
 
 def test_two_processes_train_an_uneven_dataset_in_step(tmp_path, tiny_sd3_path):

@@ -9,9 +9,13 @@ A row names the model's input and what it is supervised with, as Flow-Factory's 
 
 ``supervision.type: preference`` gives ``chosen`` and ``rejected`` instead of ``target``. Paths are relative
 to the dataset folder. ``sft`` trains on demonstrations, ``offline-dpo`` on preferences; every row of a file
-must be of the run's kind. Every file a row names is opened when the records load, before the model does:
-a missing or unreadable file, a video where the model makes images, a pair whose two images differ in size,
-or another schema version is an error naming the file and line.
+must be of the run's kind. An output is one image for an image model, one video file for a video model
+(``{"type": "video", "path": "clip.mp4"}``, of at least ``train.num_frames`` frames: its first ones train); a
+pair's two sides share the row's input (its prompt and condition images or video). Every file a row names is
+opened when the records load, before the model does: a missing or unreadable file, a file of the wrong kind
+(a video where the model makes images, an image where it makes videos), a video shorter than
+``train.num_frames``, a pair whose two sides differ in size or frame count, or another schema version is an
+error naming the file and line.
 """
 
 from __future__ import annotations
@@ -67,17 +71,18 @@ class _Record(_Strict):
 
 @dataclass(frozen=True)
 class OfflineRecord:
-    """One row: its prompt (with the input's condition images, a ``PromptItem``) and its output images,
-    ``(target,)`` for a demonstration or ``(chosen, rejected)`` for a preference."""
+    """One row: its prompt (with the input's condition images or videos, a ``PromptItem``) and its outputs
+    (images or videos), ``(target,)`` for a demonstration or ``(chosen, rejected)`` for a preference."""
 
     item: PromptItem
     outputs: tuple[MediaFile, ...]
 
 
 def load_offline(dataset_dir: str | Path, split: str, kind: str, max_size: int | None = None,
-                 dataset: str | None = None) -> list[OfflineRecord]:
+                 dataset: str | None = None, frames: int | None = None) -> list[OfflineRecord]:
     """The records of ``split``.jsonl in ``dataset_dir`` of supervision ``kind`` (demonstration or preference),
-    every file they name checked (PromptFileError naming file and line)."""
+    every file they name checked (PromptFileError naming file and line). ``frames``: None for a model of images;
+    a video model's ``train.num_frames``, the fewest frames an output video may have."""
     folder = Path(dataset_dir).expanduser()
     path = folder / f"{split}.jsonl"
     if not path.is_file():
@@ -104,15 +109,7 @@ def load_offline(dataset_dir: str | Path, split: str, kind: str, max_size: int |
                                   f"{kind} records only")
         if max_size is not None and len(records) >= max_size:
             continue
-        wanted = ("target",) if kind == "demonstration" else ("chosen", "rejected")
-        missing = [name for name in wanted if getattr(row.supervision, name) is None]
-        if missing:
-            raise PromptFileError(f"{where}: supervision.{missing[0]} is missing: a {kind} names {' and '.join(wanted)}")
-        outputs = tuple(_image(getattr(row.supervision, name).media, f"{where}: supervision.{name}", folder)
-                        for name in wanted)
-        if kind == "preference" and outputs[0].size != outputs[1].size:
-            raise PromptFileError(f"{where}: chosen is {outputs[0].size[0]}x{outputs[0].size[1]} and rejected "
-                                  f"{outputs[1].size[0]}x{outputs[1].size[1]}: a pair's two images must be one size")
+        outputs = _outputs(row.supervision, kind, where, folder, frames)
         if any(m.type == "audio" for m in row.input.media):
             raise PromptFileError(f"{where}: input.media: audio inputs are not in this version")
         images = tuple(_check(m, f"{where}: input.media", folder) for m in row.input.media if m.type == "image")
@@ -125,13 +122,38 @@ def load_offline(dataset_dir: str | Path, split: str, kind: str, max_size: int |
     return records
 
 
-def _image(media: list[_Media], where: str, folder: Path) -> MediaFile:
-    """The one image an output candidate names (images only in this version)."""
-    if len(media) != 1 or media[0].type != "image":
+def _outputs(supervision: _Supervision, kind: str, where: str, folder: Path,
+             frames: int | None) -> tuple[MediaFile, ...]:
+    """A row's outputs, checked: ``(target,)`` or ``(chosen, rejected)``, the two of one size and length."""
+    wanted = ("target",) if kind == "demonstration" else ("chosen", "rejected")
+    missing = [name for name in wanted if getattr(supervision, name) is None]
+    if missing:
+        raise PromptFileError(f"{where}: supervision.{missing[0]} is missing: a {kind} names {' and '.join(wanted)}")
+    outputs = tuple(_output(getattr(supervision, name).media, f"{where}: supervision.{name}", folder, frames)
+                    for name in wanted)
+    if kind == "preference":
+        (a, b), noun = outputs, "videos" if frames else "images"
+        if a.size != b.size:
+            raise PromptFileError(f"{where}: chosen is {a.size[0]}x{a.size[1]} and rejected {b.size[0]}x{b.size[1]}: "
+                                  f"a pair's two {noun} must be one size")
+        if a.frames != b.frames:
+            raise PromptFileError(f"{where}: chosen ({a.path.name}) has {a.frames} frames and rejected "
+                                  f"({b.path.name}) {b.frames}: a pair's two videos must have as many frames")
+    return outputs
+
+
+def _output(media: list[_Media], where: str, folder: Path, frames: int | None) -> MediaFile:
+    """The one image (``frames`` None) or video (of at least ``frames`` frames) an output candidate names."""
+    want = "video" if frames else "image"
+    if len(media) != 1 or media[0].type != want:
         kinds = [m.type for m in media]
-        raise PromptFileError(f"{where}: {kinds}: an output here is one image (video and audio outputs are not "
-                              "in this version)")
-    return _check(media[0], where, folder)
+        made = "videos" if frames else "images (video and audio outputs are for video models)"
+        raise PromptFileError(f"{where}: {kinds}: an output here is one {want}: this model makes {made}")
+    file = _check(media[0], where, folder)
+    if frames and file.frames < frames:
+        raise PromptFileError(f"{where} {media[0].path!r} ({file.path}) has {file.frames} frames; train.num_frames "
+                              f"is {frames} (a video's first num_frames frames train)")
+    return file
 
 
 def _check(media: _Media, where: str, folder: Path) -> MediaFile:
@@ -143,9 +165,15 @@ def _check(media: _Media, where: str, folder: Path) -> MediaFile:
         raise PromptFileError(f"{where} {media.path!r} ({file}) {e}") from None
 
 
-def load_offline_sources(sources, split: str, kind: str) -> list[OfflineRecord]:
-    """The records of ``split`` of every dataset (``data.sources``), each item's ``dataset`` its name."""
+def load_offline_sources(sources, split: str, kind: str, frames: int | None = None) -> list[OfflineRecord]:
+    """The records of ``split`` of every dataset (``data.sources``), each item's ``dataset`` its name (``frames``:
+    as ``load_offline``)."""
     return [record for source in sources
             for record in load_offline(source.dataset_dir, split, kind,
                                        source.eval_max_dataset_size if split == "test" and source.eval_max_dataset_size
-                                       else source.max_dataset_size, dataset=source.name)]
+                                       else source.max_dataset_size, dataset=source.name, frames=frames)]
+
+
+def offline_frames(cfg) -> int | None:
+    """``load_offline``'s ``frames`` for a run: its ``train.num_frames`` for a video model, else None."""
+    return cfg.train.num_frames if cfg.model.is_video else None

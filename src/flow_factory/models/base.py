@@ -284,15 +284,23 @@ class FlowAdapter:
     # the train.rollout_cache policies that work on this model's transformer (rollout_cache.py)
     cache_policies: tuple[str, ...] = ("first_block", "faster", "pyramid", "taylorseer", "magcache")
 
-    def encode_images(self, images: Tensor) -> Tensor:
-        """The latents (the sampler's final state) of (B, 3, H, W) images in [0, 1]: what offline training
-        (sft, offline-dpo) trains toward. A model without it cannot train offline."""
-        raise NotImplementedError(f"{self.model_type} does not train from images (sft, offline-dpo) in this "
-                                  "version")
+    def encode_media(self, media: Tensor) -> Tensor:
+        """``decode``'s inverse: the latents (the sampler's final state) of (B, 3, H, W) images or, for a video
+        model, (B, F, 3, H, W) videos in [0, 1], the VAE's mode as the pipelines encode an input image or video:
+        what offline training (sft, offline-dpo) trains toward. A model without it cannot train offline."""
+        raise NotImplementedError(f"{self.model_type} {self.offline_refusal()}")
+
+    # why a model that has encode_media still cannot train offline (LTX-2: its sound); None: it can
+    offline_problem: ClassVar[str | None] = None
 
     @classmethod
-    def trains_offline(cls) -> bool:
-        return cls.encode_images is not FlowAdapter.encode_images
+    def offline_refusal(cls) -> str | None:
+        """Why this model cannot train from a dataset's images or videos (sft, offline-dpo), or None."""
+        if cls.offline_problem:
+            return cls.offline_problem
+        if cls.encode_media is FlowAdapter.encode_media:
+            return "does not encode images or videos into its latents (its adapter has no encode_media)"
+        return None
 
     def decode_audio(self, latents: Tensor) -> tuple[Tensor, int]:
         """Waveforms (B, channels, T), float32 in [-1, 1], and their sample rate: a model with ``has_audio``."""

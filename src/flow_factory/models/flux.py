@@ -88,5 +88,5 @@ class FluxAdapter(FlowAdapter):
     def decode(self, latents: Tensor) -> Tensor:
         return decode_image(self.pipeline.vae, latents, self.device)
 
-    def encode_images(self, images: Tensor) -> Tensor:
-        return encode_image(self.pipeline.vae, images, self.device)
+    def encode_media(self, media: Tensor) -> Tensor:
+        return encode_image(self.pipeline.vae, media, self.device)

@@ -185,6 +185,16 @@ class Flux2FamilyAdapter(FlowAdapter):
         image = vae.decode(z, return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
 
+    @torch.no_grad()
+    def encode_media(self, media: Tensor) -> Tensor:
+        # decode's inverse, as the pipelines encode a reference image: the VAE's mode, patchified, normalised
+        vae = self.pipeline.vae
+        z = vae.encode((media * 2 - 1).to(self.device, vae.dtype)).latent_dist.mode()
+        z = type(self.pipeline)._patchify_latents(z)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
+        return ((z - mean) / std).float()
+
 
 class Flux2Adapter(Flux2FamilyAdapter):
     model_type = "flux2"

@@ -31,7 +31,7 @@ from ..config.families import MODEL_FAMILIES
 from .base import JOINT_ATTENTION_LORA_TARGETS, FlowAdapter
 from .conditioning import Conditioning
 from .text import pad_text, trim_text
-from .vae import decode_image
+from .vae import decode_image, encode_image
 
 TEXT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
 
@@ -138,3 +138,7 @@ class HunyuanVideo15Adapter(FlowAdapter):
         # vae.enable_slicing() does the same)
         videos = torch.cat([decode_image(self.pipeline.vae, z[None], self.device) for z in latents])
         return videos.permute(0, 2, 1, 3, 4)
+
+    def encode_media(self, media: Tensor) -> Tensor:
+        # one video at a time, as decode
+        return torch.cat([encode_image(self.pipeline.vae, v[None], self.device) for v in media.permute(0, 2, 1, 3, 4)])

@@ -75,6 +75,9 @@ class LTX2Adapter(FlowAdapter):
     # the connectors turn Gemma's stacked layers into the transformer's video and audio text
     text_encoder_names = ("text_encoder", "connectors")
     frame_rate = 24.0  # the pipeline's default; sets the audio's length and the video's time positions
+    # its latent holds a video and its sound together; offline records would need the sound encoded too
+    offline_problem = ("generates its video with sound, one latent for both, and offline training here encodes no "
+                       "sound from a record's files (LTX-2's audio VAE); train it with rollouts (grpo, nft, ...)")
 
     def __init__(self, pipeline, device="cpu", dtype: torch.dtype = torch.float32):
         super().__init__(pipeline, device, dtype)

@@ -25,7 +25,7 @@ from .base import JOINT_ATTENTION_LORA_TARGETS, FlowAdapter
 from .conditioning import Conditioning
 from .schedule import shifted_sigmas
 from .text import pad_text, trim_text
-from .vae import decode_normalized
+from .vae import decode_normalized, encode_normalized
 
 
 class QwenImageAdapter(FlowAdapter):
@@ -104,3 +104,6 @@ class QwenImageAdapter(FlowAdapter):
     def decode(self, latents: Tensor) -> Tensor:
         # the VAE is Wan's kind: 5-D, here with one frame
         return decode_normalized(self.pipeline.vae, latents.unsqueeze(2), self.device)[:, :, 0]
+
+    def encode_media(self, media: Tensor) -> Tensor:
+        return encode_normalized(self.pipeline.vae, media.unsqueeze(2), self.device)[:, :, 0]

@@ -29,8 +29,8 @@ def decode_image(vae, latents: Tensor, device) -> Tensor:
 
 @torch.no_grad()
 def encode_image(vae, images: Tensor, device) -> Tensor:
-    """``decode_image``'s inverse: the latents of (B, 3, H, W) images in [0, 1], the VAE's mode (as the
-    image-to-image pipelines encode), float32."""
+    """``decode_image``'s inverse: the latents of (B, 3, H, W) images in [0, 1] (or (B, 3, F, H, W) videos for a
+    video VAE), the VAE's mode (as the image-to-image pipelines encode), float32."""
     z = vae.encode((images * 2 - 1).to(device, vae.dtype)).latent_dist.mode()
     return (z.float() - (vae.config.get("shift_factor") or 0.0)) * vae.config.scaling_factor
 
@@ -46,3 +46,15 @@ def decode_normalized(vae, latents: Tensor, device) -> Tensor:
     inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
     video = vae.decode(z / inv_std + mean, return_dict=False)[0]
     return (video.float() / 2 + 0.5).clamp(0, 1)
+
+
+@torch.no_grad()
+def encode_normalized(vae, videos: Tensor, device) -> Tensor:
+    """``decode_normalized``'s inverse: the (B, C, F', h, w) latents of (B, 3, F, H, W) videos in [0, 1], each
+    encoded alone (the VAE is causal in time), its mode normalised per channel, as the Wan pipelines encode
+    their input image or video; float32."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    latents = torch.cat([vae.encode((v[None] * 2 - 1).to(device, vae.dtype)).latent_dist.mode() for v in videos])
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents)
+    return ((latents - mean) * inv_std).float()

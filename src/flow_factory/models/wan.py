@@ -25,7 +25,7 @@ from torch import Tensor
 from ..config.families import MODEL_FAMILIES
 from .base import FlowAdapter
 from .conditioning import Conditioning, index_cond
-from .vae import decode_normalized
+from .vae import decode_normalized, encode_normalized
 
 
 class WanT2VAdapter(FlowAdapter):
@@ -166,3 +166,6 @@ class WanT2VAdapter(FlowAdapter):
 
     def decode(self, latents: Tensor) -> Tensor:
         return decode_normalized(self.pipeline.vae, latents, self.device).permute(0, 2, 1, 3, 4)
+
+    def encode_media(self, media: Tensor) -> Tensor:
+        return encode_normalized(self.pipeline.vae, media.permute(0, 2, 1, 3, 4), self.device)

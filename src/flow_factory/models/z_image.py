@@ -21,7 +21,7 @@ from .base import FlowAdapter
 from .conditioning import Conditioning
 from .schedule import shifted_sigmas
 from .text import pad_text
-from .vae import decode_image, packed_2x2_pixel_factor
+from .vae import decode_image, encode_image, packed_2x2_pixel_factor
 
 
 class ZImageAdapter(FlowAdapter):
@@ -85,3 +85,6 @@ class ZImageAdapter(FlowAdapter):
 
     def decode(self, latents: Tensor) -> Tensor:
         return decode_image(self.pipeline.vae, latents, self.device)
+
+    def encode_media(self, media: Tensor) -> Tensor:
+        return encode_image(self.pipeline.vae, media, self.device)

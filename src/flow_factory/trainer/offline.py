@@ -1,13 +1,16 @@
-"""An epoch of an offline run (``sft``, ``offline-dpo``): a dataset's images in place of rollouts.
+"""An epoch of an offline run (``sft``, ``offline-dpo``): a dataset's images or videos in place of rollouts.
 
 Each epoch visits every record once, in an order drawn from ``(seed, epoch)`` (so a resumed run visits them
 as the uninterrupted one), each process its contiguous share; on N processes the last ``records % N`` of an
-epoch's order wait for another epoch, so that every process trains as many micro-batches. A record's output images are resized to the
-training size and encoded by the VAE once, on first use, and kept on the CPU: they never change. What an
-epoch hands the shared optimisation loop is what a rollout would: ``Rollouts`` whose final latents are
-the images' (the decoupled algorithms train on the forward process from them), the prompts' conditioning,
-and the advantages: 1 for a demonstration; +1 for the chosen and -1 for the rejected image of a preference
-pair, a record making a group of two, so that DPO's best-and-worst pair is the record's own.
+epoch's order wait for another epoch, so that every process trains as many micro-batches. A record's output
+images (a video model: the first ``num_frames`` frames of its videos) are resized to the training size and
+encoded by the model's VAE (``encode_media``) once, on first use, and kept on the CPU: they never change. A
+record's input (prompt, condition images or video) is encoded once per epoch (once per run with the prompt and
+condition caches) and shared by its outputs: a pair's two sides see the same conditioning. What an epoch hands
+the shared optimisation loop is what a rollout would: ``Rollouts`` whose final latents are the outputs' (the
+decoupled algorithms train on the forward process from them), the conditioning, and the advantages: 1 for a
+demonstration; +1 for the chosen and -1 for the rejected side of a preference pair, a record making a group of
+two, so that DPO's best-and-worst pair is the record's own.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import torch
 from PIL import Image
 
 from ..data import process_share
+from ..data.media import MediaFile, read_image, read_video
 from ..data.offline import OfflineRecord
-from ..models.conditioning import cat_cond
+from ..models.conditioning import cat_cond, index_cond
 from ..sampling import Rollouts, SamplingSettings, encode_batch
 from ..seeding import generator
 
@@ -42,31 +46,48 @@ class OfflineEpochs:
         order = order[:len(order) - len(order) % processes]
         mine = order[process_share(len(order), rank, processes)].tolist()
         s, outputs = self.settings, len(self.records[0].outputs)
-        items = [self.records[r].item for r in mine for _ in range(outputs)]
+        rows = [self.records[r].item for r in mine]
+        items = [item for item in rows for _ in range(outputs)]
         x0 = torch.cat([self.latents(r) for r in mine]) if mine else torch.empty(0)
-        conds = [encode_batch(self.adapter, items[i:i + s.batch_size], s, autocast, prompt_cache, condition_cache)[1]
-                 for i in range(0, len(items), s.batch_size)]
+        # each row's input encoded once, its outputs sharing it
+        conds = [encode_batch(self.adapter, rows[i:i + s.batch_size], s, autocast, prompt_cache, condition_cache)[1]
+                 for i in range(0, len(rows), s.batch_size)]
         sigmas = self.adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float()
         final = len(sigmas) - 1
         rollouts = Rollouts(prompts=[it.prompt for it in items],
                             group_ids=torch.tensor(mine, dtype=torch.long).repeat_interleave(outputs),
                             latents=x0.unsqueeze(1), log_probs=torch.zeros(len(items), final), sigmas=sigmas,
-                            sde_steps=[], cond=cat_cond(conds) if conds else {}, media=torch.empty(0),
+                            sde_steps=[], media=torch.empty(0),
+                            cond=index_cond(cat_cond(conds), [i for i in range(len(rows)) for _ in range(outputs)])
+                            if conds else {},
                             latent_steps=[final], rewards={})
         signs = torch.tensor([1.0] if outputs == 1 else [1.0, -1.0])  # chosen, rejected
         return rollouts, signs.repeat(len(mine)).to(self.adapter.device)
 
     def latents(self, record: int) -> torch.Tensor:
-        """(outputs, *latent): record ``record``'s images at the training size, encoded (once)."""
+        """(outputs, *latent): record ``record``'s images or videos at the training size, encoded (once)."""
         if record not in self._latents:
-            height, width = self.settings.height, self.settings.width
-            pixels = []
-            for file in self.records[record].outputs:
-                with Image.open(file.path) as im:
-                    rgb = im.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
-                pixels.append(torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).float() / 255)
-            self._latents[record] = self.adapter.encode_images(torch.stack(pixels)).float().cpu()
+            s = self.settings
+            latents = self.adapter.encode_media(torch.stack([self.pixels(f) for f in self.records[record].outputs]))
+            expected = self.adapter.latent_shape(s.height, s.width, s.num_frames)
+            if tuple(latents.shape[1:]) != tuple(expected):
+                raise RuntimeError(f"{type(self.adapter).__name__}.encode_media gave latents of shape "
+                                   f"{tuple(latents.shape[1:])}; its samples are {tuple(expected)}")
+            self._latents[record] = latents.float().cpu()
         return self._latents[record].to(self.adapter.device)
+
+    def pixels(self, file: MediaFile) -> torch.Tensor:
+        """An output at the training size, in [0, 1]: an image (3, H, W), or a video model's (F, 3, H, W), the
+        file's first ``num_frames`` frames (data/offline.py checked it has as many)."""
+        s = self.settings
+        if not self.adapter.is_video:
+            return _tensor(read_image(file), s.width, s.height)
+        return torch.stack([_tensor(frame, s.width, s.height) for frame in read_video(file)[:s.num_frames]])
+
+
+def _tensor(image: Image.Image, width: int, height: int) -> torch.Tensor:
+    rgb = image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
+    return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).float() / 255
 
 
 def offline_optimize_settings(settings, train, records: int, num_processes: int, num_timesteps: int):

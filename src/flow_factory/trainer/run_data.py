@@ -12,7 +12,7 @@ import torch
 from ..config import ConfigError
 from ..config.train import OFFLINE_TRAINER_TYPES
 from ..data import MissingPromptFile, epoch_sampler
-from ..data.offline import OFFLINE_KINDS, load_offline_sources
+from ..data.offline import OFFLINE_KINDS, load_offline_sources, offline_frames
 from ..data.sources import source_indices
 from ..sampling import load_split, split_size
 from ..start_checks import check_prompt_counts
@@ -38,10 +38,11 @@ def load_run_data(cfg, adapter_cls, num_processes: int, seed: int) -> RunData:
     train_type = cfg.train.trainer_type
     records = None
     if train_type in OFFLINE_TRAINER_TYPES:
-        if not adapter_cls.trains_offline():
-            raise ConfigError(f"train.trainer_type: {train_type} trains from images, which {cfg.model.model_type} "
-                              "does not encode in this version (sd3-5, flux1, flux1-kontext do)")
-        records = load_offline_sources(cfg.data.sources, "train", OFFLINE_KINDS[train_type])
+        refused = adapter_cls.offline_refusal()
+        if refused:
+            raise ConfigError(f"train.trainer_type: {train_type} trains from a dataset's images or videos; "
+                              f"{cfg.model.model_type} {refused}")
+        records = load_offline_sources(cfg.data.sources, "train", OFFLINE_KINDS[train_type], offline_frames(cfg))
         if len(records) < num_processes:
             raise ConfigError(f"num_processes: {num_processes} processes, and the dataset holds {len(records)} "
                               "records: each process needs one")
@@ -68,7 +69,8 @@ def _test_prompts(cfg, adapter_cls, offline: bool) -> list:
         if offline:  # its test split holds records too: their prompts
             kind = OFFLINE_KINDS[cfg.train.trainer_type]
             return load_split(cfg, "test", adapter_cls,
-                              [r.item for r in load_offline_sources(cfg.data.sources, "test", kind)])
+                              [r.item for r in load_offline_sources(cfg.data.sources, "test", kind,
+                                                                    offline_frames(cfg))])
         return load_split(cfg, "test", adapter_cls)
     except MissingPromptFile as missing:
         logger.warning("%s; evaluation is off for this run (eval.eval_freq: %d)", missing, cfg.eval.eval_freq)
