@@ -461,7 +461,10 @@ def test_two_processes_make_the_same_update_as_one(request, tmp_path):
     process); so does ZeRO-2 training the high-noise expert alone, where a micro-step on the frozen expert
     has no gradient on any process. The FSDP2 checkpoint holds each expert's LoRA whole, each process
     having held part of it; it loads with WanPipeline's own load_lora_weights; stopped after epoch 1 and
-    resumed, the run ends at the uninterrupted run's LoRAs."""
+    resumed, the run ends at the uninterrupted run's LoRAs. Flow-Factory's ``target_modules: transformer.default``
+    with both experts named trains the high-noise expert alone and shards the frozen one too under FSDP2: every
+    parameter of it a DTensor, each process holding a part, its values as loaded after training, and the update
+    DDP's with that expert whole."""
     import os
     import re
     from concurrent.futures import ThreadPoolExecutor
@@ -485,9 +488,11 @@ def test_two_processes_make_the_same_update_as_one(request, tmp_path):
         return {f"{c}/{k}": v for c in both if (checkpoint(folder, epoch) / lora_weight_name(c)).exists()
                 for k, v in load_file(checkpoint(folder, epoch) / lora_weight_name(c)).items()}
 
-    def train(folder, trainer_type, processes, config_file=None, resume=None, components=both):
+    def train(folder, trainer_type, processes, config_file=None, resume=None, components=both, target_modules=None):
         config = _config(folder, path, trainer_type, components, max_epochs=epochs, group_size=4, ema_decay=0.5,
                          **LINEAR_STEP)
+        if target_modules:
+            config["model"]["target_modules"] = target_modules
         config["rewards"] = [{"name": "brightness", "reward_model": "helpers_rewards.MeanVideoBrightness"}]
         if config_file:
             config["config_file"] = config_file
@@ -516,7 +521,9 @@ def test_two_processes_make_the_same_update_as_one(request, tmp_path):
             "nft_fsdp": ("nft", 2, "fsdp2"), "nft_zero2": ("nft", 2, "zero2"),
             # the high-noise expert trained alone: micro-steps on the frozen one have no gradient anywhere
             "nft_ddp_one": ("nft", 2, None, None, ["transformer"]),
-            "nft_zero2_one": ("nft", 2, "zero2", None, ["transformer"])}
+            "nft_zero2_one": ("nft", 2, "zero2", None, ["transformer"]),
+            # Flow-Factory's trick: transformer_2 named, none of its modules: it trains nothing, sharded frozen
+            "nft_fsdp_frozen": ("nft", 2, "fsdp2", None, both, "transformer.default")}
     with ThreadPoolExecutor(2) as pool:  # two launches side by side, the one-process reference here meanwhile
         started = {name: pool.submit(train, tmp_path / name, *run) for name, run in runs.items() if run[1] > 1}
         held = {name: train(tmp_path / name, *run) for name, run in runs.items() if run[1] == 1}
@@ -526,6 +533,10 @@ def test_two_processes_make_the_same_update_as_one(request, tmp_path):
         assert_same_update(tmp_path / "p1", tmp_path / "ddp")
         # DeepSpeed steps inside the backward: a step's last micro-step without a gradient must still step
         assert_same_update(tmp_path / "nft_ddp_one", tmp_path / "nft_zero2_one", ["transformer"])
+        # a frozen expert sharded beside the trained one: the update of a run holding it whole on each process
+        # (its rollouts of epoch 2 went through the sharded expert, so its output shaped that epoch's update)
+        assert_same_update(tmp_path / "nft_ddp_one", tmp_path / "nft_fsdp_frozen", ["transformer"])
+        assert not (checkpoint(tmp_path / "nft_fsdp_frozen") / lora_weight_name("transformer_2")).exists()
         for sharded in (fsdp, zero2):
             moved = assert_same_update(tmp_path / "nft_ddp", sharded)
             # the EMA of both experts' shards, gathered, is the EMA of DDP's whole weights
@@ -546,8 +557,17 @@ def test_two_processes_make_the_same_update_as_one(request, tmp_path):
             assert sum(shares) == total and all(0 < n < total for n in shares), (expert, shares)
         assert (checkpoint(zero2) / "deepspeed").is_dir()
 
-        # WanPipeline's own loading takes both experts' LoRAs, every tensor as saved
+        # the frozen expert was sharded (each process held a part of it, every parameter a DTensor) and, after two
+        # epochs, its values summed over the shards still sum to the loaded ones'
         pipe = WanPipeline.from_pretrained(path)
+        frozen = held["nft_fsdp_frozen"]["frozen_sharded"]["transformer_2"]
+        total = sum(p.numel() for p in pipe.transformer_2.parameters())
+        assert frozen["all_dtensors"] and sum(frozen["values_per_process"]) == total
+        assert all(0 < n < total for n in frozen["values_per_process"]), frozen
+        loaded_sum = sum(float(p.detach().double().sum()) for p in pipe.transformer_2.parameters())
+        assert frozen["sum"] == pytest.approx(loaded_sum, rel=1e-12, abs=1e-9)
+        assert "frozen_sharded" not in held["nft_fsdp"] and "frozen_sharded" not in held["nft_ddp_one"]
+        # WanPipeline's own loading takes both experts' LoRAs, every tensor as saved
         pipe.load_lora_weights(checkpoint(fsdp), weight_name=lora_weight_name("transformer"), adapter_name="high")
         pipe.load_lora_weights(checkpoint(fsdp), weight_name=lora_weight_name("transformer_2"), adapter_name="low",
                                load_into_transformer_2=True)

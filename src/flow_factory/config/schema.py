@@ -224,7 +224,8 @@ class Config(Section):
             self._cleared.append(
                 f"model.target_components: {show(untrained)} trains nothing: model.target_modules "
                 f"{show(model.target_modules)} names none of its modules (Flow-Factory then still shards it under "
-                "FSDP with the trained networks to save memory; here it stays whole on each process)")
+                "FSDP with the trained networks to save memory; so does fsdp2 here, the network frozen; under DDP "
+                "and ZeRO it stays whole on each process)")
 
     @property
     def keys_without_effect(self) -> list[str]:

@@ -39,7 +39,7 @@ from ..precision import Precision, avoid_cudnn_attention, enable_cpu_fp16, run_m
 from ..sharding import (DEEPSPEED_DIR, DEEPSPEED_TAG, accelerator_kwargs, all_finite_everywhere, backend_of,
                         fill_deepspeed_config, full_optimizer_state, full_state_dict, load_engine_state,
                         load_frozen_models_whole, local, optimized_model, prepare_sharded, release_gathered,
-                        reshard_all, save_engine_state)
+                        reshard_all, save_engine_state, shard_on_cpu)
 from ..models.lora import trainable_params
 from .weights import ModelSetup, WeightCopies
 
@@ -173,6 +173,7 @@ class Backend:
     def __init__(self, accelerator, cfg):
         self.accelerator, self.cfg = accelerator, cfg
         self.lockstep: LockstepExperts | None = None
+        self.record: dict = {}  # what the checkpoint's sharding record adds (set by checkpoint_contents)
 
     @staticmethod
     def of(accelerator, cfg) -> "Backend":
@@ -217,13 +218,15 @@ class Backend:
         self.lockstep.idle_passes = 0
         return int(self.accelerator.gather(idle).sum())
 
-    def _use_prepared(self, setup: ModelSetup, prepared: dict) -> None:
-        """The prepared networks are what the model's forward calls; several experts run in lockstep."""
+    def _use_prepared(self, setup: ModelSetup, prepared: dict, collective: tuple[str, ...] = ()) -> None:
+        """The prepared networks are what the model's forward calls; several experts run in lockstep: the trained
+        ones and the ``collective`` others (frozen experts sharded too, whose forward all-gathers)."""
         adapter = setup.adapter
         adapter.callers = {name: module for name, module in prepared.items()
                            if module is not adapter.transformers[name]}
         if len(adapter.transformers) > 1:
-            self.lockstep = adapter.expert_calls = LockstepExperts(frozenset(prepared), self.accelerator.device)
+            self.lockstep = adapter.expert_calls = LockstepExperts(frozenset(prepared) | frozenset(collective),
+                                                                   self.accelerator.device)
 
 
 class DataParallel(Backend):
@@ -256,14 +259,21 @@ class DataParallel(Backend):
 
 
 class FSDP2(Backend):
-    """Each trained network (each expert) its own FSDP2 root, one optimizer over their shards."""
+    """Each trained network (each expert) its own FSDP2 root, one optimizer over their shards. A network of
+    ``model.target_components`` that trains nothing (Flow-Factory's ``target_modules: transformer.default`` with
+    both Wan2.2 experts named) is sharded too, frozen, so that each process holds a part of it (``shard_frozen``)."""
 
     name = "fsdp"
+
+    def __init__(self, accelerator, cfg):
+        super().__init__(accelerator, cfg)
+        self.frozen: dict[str, torch.nn.Module] = {}  # the frozen networks sharded, by component
 
     def build(self, setup: ModelSetup) -> Built:
         setup.compile()
         prepared, optimizer, _ = prepare_sharded(self.accelerator, self.name, setup.trained, setup.make_optimizer)
-        self._use_prepared(setup, prepared)
+        self.frozen = self.shard_frozen(setup)
+        self._use_prepared(setup, prepared, tuple(self.frozen))
         params = trainable_params(setup.trained)  # FSDP2 replaced every parameter with its shard
         # a swap into the shards frees the gathered weights, so that the next forward gathers the swapped ones
         copies = setup.weight_copies(params, lambda: reshard_all(setup.trained.values()), sharded=True)
@@ -271,7 +281,36 @@ class FSDP2(Backend):
         setup.start.load_copies(copies)
         return Built(params, optimizer, copies)
 
+    def shard_frozen(self, setup: ModelSetup) -> dict[str, torch.nn.Module]:
+        """Each network ``model.target_components`` names that trains nothing, sharded as the trained ones are
+        (every block a unit, then the root, over all processes; its parameters keep ``requires_grad`` False and
+        join no optimizer). Its forward is then a collective: it runs in the experts' lockstep. Upstream's memory
+        trick: a process holds 1/N of the frozen Wan2.2 expert instead of all of it."""
+        named = set(self.cfg.model.target_components) - set(setup.trained)
+        frozen = {name: module for name, module in setup.adapter.transformers.items() if name in named}
+        for name, module in frozen.items():
+            assert not any(p.requires_grad for p in module.parameters()), f"{name} is frozen, yet has a trained weight"
+            shard_on_cpu(module)  # torch's fully_shard on the default mesh: the GPUs' too
+            setup.say(f"fsdp2: {name} trains nothing and is sharded frozen beside the trained networks")
+        return frozen
+
+    def frozen_record(self) -> dict:
+        """What each process holds of each frozen sharded network, and the sum of all its values (that it stayed
+        as loaded), for the checkpoint's sharding record; a collective."""
+        from torch.distributed.tensor import DTensor
+
+        acc, record = self.accelerator, {}
+        for name, module in self.frozen.items():
+            params = list(module.parameters())
+            held = acc.gather(torch.tensor([sum(local(p).numel() for p in params)], device=acc.device))
+            total = acc.reduce(torch.stack([local(p).detach().double().sum() for p in params]).sum().to(acc.device),
+                               "sum")
+            record[name] = {"values_per_process": held.tolist(), "sum": float(total),
+                            "all_dtensors": all(isinstance(p, DTensor) for p in params)}
+        return {"frozen_sharded": record} if record else {}
+
     def checkpoint_contents(self, trained, optimizer, copies, run_dir, epoch) -> CheckpointContents:
+        self.record = self.frozen_record()
         # every trained expert in turn, each a collective
         weights = {name: full_state_dict(module, self.accelerator, self.name) for name, module in trained.items()}
         state = None

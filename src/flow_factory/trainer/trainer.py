@@ -382,7 +382,7 @@ class Trainer:
                      "history": self.history, "eval_history": self.eval_history,
                      "sharding": {"backend": self.backend.name, "processes": acc.num_processes,
                                   "trained_values_per_process": self.held_per_process,
-                                  "by_component": self.held_per_component}}
+                                  "by_component": self.held_per_component, **self.backend.record}}
             if acc.scaler is not None and contents.optimizer is not None:  # fp16: the loss scale resumes too
                 contents.extra[SCALER_FILE] = acc.scaler.state_dict()
             save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, state, contents,
