@@ -1,7 +1,7 @@
 """Offline training (``sft``, ``offline-dpo``) from Flow-Factory's schema_version 2 records: the losses by
 hand, every bad row an error naming its file and line before the model loads, and ``ff-train`` end to end on
-tiny SD3 (SFT lowers the flow-matching error on its images; exact resume), offline DPO, and SFT of an
-editing model (FLUX.1 Kontext) whose records name condition images; a video model (Wan2.1) trains both from
+tiny SD3 (SFT lowers the flow-matching error on its images; exact resume), offline DPO, offline DPO of an
+editing model (FLUX.1 Kontext) whose pairs share a condition image, SFT of Wan image-to-video; a video model (Wan2.1) trains both from
 mp4 files, each row's input encoded once; every family encodes its outputs to its own latents but LTX-2,
 refused naming why."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from helpers_runs import (TINY_MODELS, straight_and_resumed, tiny_run_config, write_condition_image,
+from helpers_runs import (CONDITIONED_MODELS, TINY_MODELS, straight_and_resumed, tiny_run_config, write_condition_image,
                           write_condition_video, write_config)
 from safetensors.torch import load_file
 
@@ -42,7 +42,7 @@ def write_offline_dataset(folder, kind, conditioned=False, size=(64, 64), frames
     for i, (name, colour) in enumerate(COLOURS.items()):
         if frames:
             write_condition_video(folder / "videos" / f"{name}.mp4", size, colour, seed=i, frames=frames)
-        else:
+        if not frames or (conditioned and name == "grey"):
             write_condition_image(folder / "images" / f"{name}.png", size, colour, seed=i)
     inputs = [{"type": "image", "path": "images/grey.png"}] if conditioned else []
     output = _video if frames else _image
@@ -148,7 +148,7 @@ def test_a_video_pair_of_two_sizes_or_lengths_is_refused(tmp_path, size, frames,
 def _offline_config(tmp_path, model_type, path, trainer_type, kind, conditioned=False, **train):
     config = tiny_run_config(tmp_path, model_type, path, trainer_type=trainer_type, per_device_batch_size=1,
                              group_size=1, **{"learning_rate": 1e-3, "max_epochs": 2, **train})
-    frames = TINY_MODELS.get(model_type, (None, None, None))[2]  # a video model's: one more in each file
+    frames = {**TINY_MODELS, **CONDITIONED_MODELS}[model_type][2]  # a video model's: one more in each file
     frames = frames and frames + 1
     config["data"]["dataset_dir"] = str(write_offline_dataset(tmp_path / "offline", kind, conditioned,
                                                               size=VIDEO_SIZE if frames else (64, 64), frames=frames))
@@ -195,7 +195,8 @@ def test_ff_train_sft_fits_its_images_and_resumes_exactly(tmp_path, tiny_sd3_pat
 
 @pytest.mark.parametrize("model_type,fixture,trainer_type,kind,conditioned", [
     ("sd3-5", "tiny_sd3_path", "offline-dpo", "preference", False),
-    ("flux1-kontext", "tiny_flux_kontext_path", "sft", "demonstration", True),
+    ("flux1-kontext", "tiny_flux_kontext_path", "offline-dpo", "preference", True),  # pairs sharing a source image
+    ("wan2_i2v", "tiny_wan_i2v_path", "sft", "demonstration", True),  # Wan2.1 I2V: videos from a first frame
 ])
 def test_ff_train_offline_runs_two_epochs(request, tmp_path, model_type, fixture, trainer_type, kind, conditioned):
     path = request.getfixturevalue(fixture)
