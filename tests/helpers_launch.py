@@ -40,7 +40,11 @@ SUITE_ENVIRON = dict(os.environ)
 PRELOAD = ["torch", "torch.distributed.run", "accelerate", "accelerate.commands.launch", "transformers",
            "diffusers", "peft", "flow_factory.train", "flow_factory.trainer", "flow_factory.launcher",
            "flow_factory.models.sd3", "flow_factory.models.wan", "diffusers.pipelines.stable_diffusion_3", "diffusers.pipelines.wan",
-           "helpers_rewards"]
+           "helpers_rewards",
+           # every run draws its reward curves; DeepSpeed's engine imports its Muon module, which calls
+           # torch.compile at import (torch._inductor: 3 to 7 s a process here). One not installed is skipped.
+           "matplotlib.figure", "matplotlib.backends.backend_agg", "deepspeed",
+           "deepspeed.runtime.zero.muon.muon_optimizer"]
 
 _server = None
 
