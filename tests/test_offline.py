@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from flow_factory.algorithms import best_and_worst, flow_matching_loss
 from flow_factory.data import PromptFileError
-from flow_factory.data.offline import load_offline
+from flow_factory.data.offline import VideoOutputs, load_offline
 from flow_factory.train import main
 
 COLOURS = {"red": (200, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 200), "grey": (128, 128, 128)}
@@ -129,7 +129,7 @@ def test_a_bad_video_row_is_named_by_file_and_line(tmp_path, change, message):
     change(rows[1])
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(PromptFileError, match=message):
-        load_offline(folder, "train", "demonstration", frames=5)
+        load_offline(folder, "train", "demonstration", video=VideoOutputs(5))
 
 
 @pytest.mark.parametrize("size, frames, message", [
@@ -142,7 +142,48 @@ def test_a_video_pair_of_two_sizes_or_lengths_is_refused(tmp_path, size, frames,
     folder, _ = _video_rows(tmp_path, "preference")
     write_condition_video(folder / "videos" / "grey.mp4", size, COLOURS["grey"], frames=frames)
     with pytest.raises(PromptFileError, match=message):
-        load_offline(folder, "train", "preference", frames=5)
+        load_offline(folder, "train", "preference", video=VideoOutputs(5))
+
+
+def test_train_frame_rate_reads_a_video_on_its_clock(tmp_path):
+    """Flow-Factory's train.frame_rate for offline video: frame k is the source's frame shown at k / frame_rate
+    (the source's rate: the record's fps, else the file's), the epoch reads those frames; a source too short for
+    the last one is refused naming it. Kept by the config for sft of a video model (no 'changes nothing' note)."""
+    from types import SimpleNamespace
+
+    from flow_factory.data.media import read_video
+    from flow_factory.trainer.offline import OfflineEpochs
+
+    folder, rows = _video_rows(tmp_path, "demonstration")
+    write_condition_video(folder / "videos" / "long.mp4", VIDEO_SIZE, COLOURS["red"], frames=12)  # 16 fps
+    rows[0]["supervision"]["target"]["media"][0].update(path="videos/long.mp4")
+    (folder / "train.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    (record,) = load_offline(folder, "train", "demonstration", video=VideoOutputs(5, frame_rate=8.0))
+    assert record.frames == ((0, 2, 4, 6, 8),)
+    epochs = OfflineEpochs([record], SimpleNamespace(is_video=True), SimpleNamespace(width=32, height=32), 0)
+    frames = read_video(record.outputs[0])
+    expected = [torch.from_numpy(np.asarray(frames[i].resize((32, 32), Image.Resampling.BICUBIC)).copy()) for i in
+                (0, 2, 4, 6, 8)]
+    torch.testing.assert_close(epochs.pixels(record.outputs[0], record.frames[0]),
+                               torch.stack(expected).permute(0, 3, 1, 2).float() / 255)
+    rows[0]["supervision"]["target"]["media"][0].update(fps=32.0)  # the record's rate wins over the file's
+    (folder / "train.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(PromptFileError, match=r"train.jsonl:1: supervision.target 'videos/long.mp4' \(.*\) has 12 "
+                                              r"frames at 32 fps \(0.375 s\); train.num_frames 5 at train.frame_rate "
+                                              r"8 reads its frame at 0.5 s"):
+        load_offline(folder, "train", "demonstration", video=VideoOutputs(5, frame_rate=8.0))
+
+
+def test_the_config_keeps_frame_rate_for_offline_video(tmp_path):
+    from flow_factory.config import parse_config
+
+    config = tiny_run_config(tmp_path, "wan2_t2v", tmp_path, trainer_type="sft", frame_rate=10.0, group_size=1)
+    config.pop("rewards")
+    cfg = parse_config(config)
+    assert cfg.train.frame_rate == 10.0 and not [n for n in cfg.notes() if "frame_rate" in n]
+    config["train"]["trainer_type"], config["rewards"] = "grpo", [{"reward_model": "jpeg_compressibility"}]
+    config["train"]["group_size"] = 2
+    assert parse_config(config).train.frame_rate is None  # generating, Wan writes at its own rate: a note
 
 
 def _offline_config(tmp_path, model_type, path, trainer_type, kind, conditioned=False, **train):

@@ -86,9 +86,9 @@ def check_prompt_counts(cfg, items: list | None = None) -> None:
 
     if cfg.train.trainer_type in OFFLINE_TRAINER_TYPES:  # an epoch is a pass over the records: read them (checked)
         if items is None:
-            from .data.offline import OFFLINE_KINDS, load_offline_sources, offline_frames
+            from .data.offline import OFFLINE_KINDS, load_offline_sources, offline_video
 
-            load_offline_sources(cfg.data.sources, "train", OFFLINE_KINDS[cfg.train.trainer_type], offline_frames(cfg))
+            load_offline_sources(cfg.data.sources, "train", OFFLINE_KINDS[cfg.train.trainer_type], offline_video(cfg))
         return
     if items is None:
         items = load_sources(cfg.data.sources, "train")

@@ -137,6 +137,9 @@ class Algorithm:
     # an epoch's samples out by global micro-batch (``data.process_share``), and the shuffle and the
     # training draws are the same on every process
     lockstep: ClassVar[bool] = False
+    # what one optimizer step trains, in turn: (role, passes over its chunks) each (``trainer/roles.py``; DMD2:
+    # the fake score's ttur_fake_updates steps, then the generator's one); None: the one trained network
+    phases: ClassVar[tuple] = ((None, 1),)
 
     def __init__(self, train_cfg, dynamics: Dynamics):
         self.cfg = train_cfg

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import DTYPE_NAMES, problem, show
+from .train import DISTILLATION_TRAINER_TYPES
 
 # Flow-Factory's spellings (its guides' and its earlier layouts') -> ours, with the same meaning
 # (step indices count from 0 in both)
@@ -112,8 +113,12 @@ def read_flow_factory_spellings(data: dict) -> dict:
     if found and resume_state is True:
         _put(data, "model.resume_type", "state", "model.resume_training_state: true")
     found, optimizers = _pop(data, "optimizers")
-    if found:
-        optimizer = _only_entry(optimizers, "optimizers", "one optimizer trains the transformer here")
+    trainer_type = (data.get("train") or {}).get("trainer_type") if isinstance(data.get("train"), dict) else None
+    if found and trainer_type in DISTILLATION_TRAINER_TYPES:  # one entry per role, by name (checked with the trainer)
+        _put(data, "train.role_optimizers", optimizers, "optimizers")
+    elif found:
+        optimizer = _only_entry(optimizers, "optimizers", "one optimizer trains the transformer here; several, "
+                                f"one per role by name, for {', '.join(DISTILLATION_TRAINER_TYPES)}")
         optimizer.pop("name", None)
         unknown = sorted(set(optimizer) - set(OPTIMIZER_KEYS))
         if unknown:

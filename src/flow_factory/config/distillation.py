@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 ROLES = ("generator", "fake", "surrogate")  # trainable; "reference" is the frozen teacher
+GENERATOR = "generator"  # the role the rollouts sample with and the checkpoint saves for diffusers
 QUERY_INTERVALS = ("trajectory", "reverse")
 QUERY_DISTRIBUTIONS = ("actual_uniform", "conditional_logit_normal", "source_uniform")
 
@@ -170,4 +171,128 @@ def distillation_problems(name: str, values: dict) -> list[str]:
         out += _tdm_problems(v)
     if name == "tdm-r1":
         out += _tdm_r1_problems(v)
+    return out
+
+
+# ------------------------------------------------------------------ per-role optimisers
+# an ``optimizers:`` entry's keys (Flow-Factory's: name, learning_rate, weight_decay, betas, eps, max_grad_norm;
+# ``optimizer`` and the muon_* keys are ours, as the train section spells them) -> the role's setting
+ROLE_OPTIMIZER_KEYS = ("name", "optimizer", "learning_rate", "weight_decay", "betas", "eps", "max_grad_norm",
+                       "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr")
+OPTIMIZER_KINDS = ("adamw", "muon")
+
+
+@dataclass(frozen=True)
+class RoleOptimizerSettings:
+    """One role's optimiser, resolved: the entry's keys over upstream's default for the role (learning rate,
+    betas) over the train section's (the rest)."""
+
+    role: str
+    optimizer: str = "adamw"
+    learning_rate: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 1e-4
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_adjust_lr: str = "match_rms_adamw"
+
+
+def _entry_problems(where: str, entry) -> list[str]:
+    """The values of one entry's keys (its name and keys are checked by ``role_optimizer_problems``)."""
+    out = []
+    if entry.get("optimizer", "adamw") not in OPTIMIZER_KINDS:
+        out.append(f"{where}.optimizer: one of {list(OPTIMIZER_KINDS)}, got {entry['optimizer']!r}")
+    for key, strict in (("learning_rate", True), ("weight_decay", False), ("eps", True), ("max_grad_norm", True)):
+        if key in entry and not _finite(entry[key], 0.0, strict=strict):
+            out.append(f"{where}.{key}: a finite number {'>' if strict else '>='} 0, got {entry[key]!r}")
+    betas = entry.get("betas", (0.9, 0.999))
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_finite(b, 0.0) and b < 1 for b in betas)):
+        out.append(f"{where}.betas: [beta1, beta2], each in [0, 1), got {betas!r}")
+    if "muon_momentum" in entry and not (_finite(entry["muon_momentum"], 0.0) and entry["muon_momentum"] < 1):
+        out.append(f"{where}.muon_momentum: in [0, 1), got {entry['muon_momentum']!r}")
+    steps = entry.get("muon_ns_steps", 5)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        out.append(f"{where}.muon_ns_steps: an integer >= 1, got {steps!r}")
+    if entry.get("muon_adjust_lr", "match_rms_adamw") not in ("match_rms_adamw", "original"):
+        out.append(f"{where}.muon_adjust_lr: 'match_rms_adamw' or 'original', got {entry['muon_adjust_lr']!r}")
+    return out
+
+
+def role_optimizer_problems(name: str, entries) -> list[str]:
+    """What is wrong with the ``optimizers:`` entries of trainer ``name``: each a mapping naming one of its
+    trainable roles once, with known keys and valid values."""
+    roles = DISTILLATION_SPECS[name].roles
+    if not isinstance(entries, list):
+        return [f"optimizers: a list of {{name: <role>, ...}} entries, got {entries!r}"]
+    out, seen = [], set()
+    for i, entry in enumerate(entries):
+        where = f"optimizers[{i}]"
+        if not isinstance(entry, dict):
+            out.append(f"{where}: a mapping {{name: <role>, learning_rate: ...}}, got {entry!r}")
+            continue
+        role = entry.get("name")
+        if role not in roles:
+            out.append(f"{where}.name: {role!r} is not a trainable role of {name}; valid: {list(roles)}")
+        elif role in seen:
+            out.append(f"{where}.name: {role!r} is named twice; one entry per role")
+        seen.add(role)
+        unknown = sorted(set(entry) - set(ROLE_OPTIMIZER_KEYS))
+        if unknown:
+            out.append(f"{where}: unknown keys {unknown}; valid: {', '.join(ROLE_OPTIMIZER_KEYS)}")
+        out += _entry_problems(where, entry)
+    return out
+
+
+def role_optimizers(name: str, entries: list[dict], train) -> dict[str, RoleOptimizerSettings]:
+    """Each trainable role's optimiser (checked entries, ``role_optimizer_problems``): its entry, else upstream's
+    default for the role (learning rate, betas), the train section's ``adam_*``, ``muon_*``, ``max_grad_norm``
+    and ``optimizer`` for what neither gives."""
+    spec, given = DISTILLATION_SPECS[name], {e["name"]: e for e in entries}
+    out = {}
+    for role in spec.roles:
+        entry, default = given.get(role, {}), spec.optimizers[role]
+        out[role] = RoleOptimizerSettings(
+            role, entry.get("optimizer", train.optimizer), float(entry.get("learning_rate", default.learning_rate)),
+            tuple(float(b) for b in entry.get("betas", default.betas)),
+            float(entry.get("weight_decay", train.adam_weight_decay)), float(entry.get("eps", train.adam_epsilon)),
+            float(entry.get("max_grad_norm", train.max_grad_norm)),
+            float(entry.get("muon_momentum", train.muon_momentum)), bool(entry.get("muon_nesterov", train.muon_nesterov)),
+            int(entry.get("muon_ns_steps", train.muon_ns_steps)), entry.get("muon_adjust_lr", train.muon_adjust_lr))
+    return out
+
+
+def distillation_contradictions(cfg) -> list[str]:
+    """What a run of a distillation trainer (or its ``optimizers:`` entries under another trainer) cannot be,
+    checked before anything loads: upstream's rule checks, the entries, and what the roles do not do yet."""
+    train, model, name = cfg.train, cfg.model, cfg.train.trainer_type
+    if name not in DISTILLATION_SPECS:
+        return [] if not train.role_optimizers else [
+            f"optimizers: {len(train.role_optimizers)} entries by role name are read for the distillation trainers "
+            f"({', '.join(DISTILLATION_SPECS)}); {name} trains one optimizer: give one entry, or the train keys"]
+    spec = DISTILLATION_SPECS[name]
+    values = {k: getattr(train, k) for k in spec.keys if hasattr(train, k)}
+    values.update(num_inner_epochs=train.num_inner_epochs, num_inference_steps=train.num_inference_steps,
+                  dynamics_type=cfg.scheduler.dynamics_type)
+    out = distillation_problems(name, values) + role_optimizer_problems(name, train.role_optimizers)
+    # what the roles (trainer/roles.py) do not do yet, refused rather than done wrong
+    if cfg.num_processes > 1:
+        out.append(f"num_processes: {name}'s roles (LoRA adapters beside the generator's) are neither synced by "
+                   "DDP's wrapper nor sharded by fsdp2 / DeepSpeed yet; run it on one process")
+    if model.finetune_type != "lora":
+        out.append(f"model.finetune_type: {name}'s roles are LoRA adapters on one frozen base (the teacher); full "
+                   "copies of the transformer per role are not built yet: use lora")
+    if list(model.trained_components) != ["transformer"]:
+        out.append(f"model.target_components: {name} trains roles on one transformer; got "
+                   f"{list(model.trained_components)}")
+    if cfg.mixed_precision == "fp16":
+        out.append(f"mixed_precision: fp16's one gradient scaler would serve {name}'s several optimizers, which is "
+                   "not built; use bf16 or no")
+    if train.reward_optimization_overlap:
+        out.append(f"train.reward_optimization_overlap: {name} trains on no reward; use false")
+    if train.rollout_cache != "none":
+        out.append(f"train.rollout_cache: {name} trains the generator on its own rollout's states, which a lossy "
+                   "cache would change; use none")
     return out

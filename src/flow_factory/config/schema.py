@@ -199,7 +199,8 @@ class Config(Section):
 
     def _read_frame_rates(self) -> list[str]:
         """Flow-Factory's ``frame_rate``: LTX-2 samples at 24 fps only; another model writes videos at its own
-        rate, so the key is cleared with a note."""
+        rate, so the key is cleared with a note, but for offline training of a video model, whose records' videos
+        are read on that clock (``data/offline.py``)."""
         out = []
         for part, section in (("train", self.train), ("eval", self.eval)):
             rate = section.frame_rate
@@ -209,6 +210,8 @@ class Config(Section):
             if ltx2 and rate != 24:
                 out.append(f"{part}.frame_rate: {show(rate)}; only 24 here: LTX-2's videos play at the pipeline's "
                            "default 24 fps here (LTX2Adapter.frame_rate)")
+            elif part == "train" and self.train.trainer_type in OFFLINE_TRAINER_TYPES and self.model.is_video:
+                continue
             elif not ltx2:
                 self._cleared.append(f"{part}.frame_rate: {show(rate)} changes nothing: {self.model.model_type} "
                                      "writes its videos at its own frame rate here")

@@ -162,8 +162,9 @@ class TrainConfig(Section):
 
     frame_rate: float | None = setting(
         None, "Flow-Factory compatibility, its videos' frame rate: LTX-2 takes only 24 (the pipeline's, which sets "
-        "its audio's length and its frames' time positions); other models write videos at their own rate (Wan: "
-        "16), so there it changes nothing", gt=0)
+        "its audio's length and its frames' time positions); sft and offline-dpo of another video model read each "
+        "record's video at this rate from its source fps (null: consecutive frames); elsewhere other models write "
+        "videos at their own rate (Wan: 16), so there it changes nothing", gt=0)
     per_device_batch_size: PositiveInt = setting(8, "samples per process in one sampling / training micro-batch")
     group_size: PositiveInt = setting(16, "samples per prompt; advantages are normalised within a group")
     unique_sample_num_per_epoch: PositiveInt = setting(48, "distinct prompts per epoch (all processes together)")

@@ -30,6 +30,7 @@ class MediaFile:
     size: tuple[int, int]  # (width, height), as Pillow gives it
     frames: int
     container: bool = False  # a video PyAV reads (mp4, webm, ...), not an animation Pillow does
+    fps: float | None = None  # a video's frame rate as the file gives it (None: unknown, or an image)
 
     @property
     def aspect_ratio(self) -> float:
@@ -80,7 +81,8 @@ def check_video(path: Path) -> MediaFile:
                 frames = getattr(im, "n_frames", 1)
                 if frames < 2:
                     raise MediaError("is a single image, not a video; list it under 'image'")
-                return MediaFile(path, im.size, frames)
+                duration = im.info.get("duration")  # of the first frame, in milliseconds
+                return MediaFile(path, im.size, frames, fps=1000 / duration if duration else None)
     from ..media.video import VideoReadError, first_frame, probe  # PyAV loads only for such a file
 
     try:
@@ -90,7 +92,7 @@ def check_video(path: Path) -> MediaFile:
         first_frame(path)
     except VideoReadError as e:
         raise MediaError(str(e)) from None
-    return MediaFile(path, info.size, info.frames, container=True)
+    return MediaFile(path, info.size, info.frames, container=True, fps=info.fps or None)
 
 
 def read_image(file: MediaFile) -> Image.Image:

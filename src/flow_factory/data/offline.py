@@ -10,17 +10,20 @@ A row names the model's input and what it is supervised with, as Flow-Factory's 
 ``supervision.type: preference`` gives ``chosen`` and ``rejected`` instead of ``target``. Paths are relative
 to the dataset folder. ``sft`` trains on demonstrations, ``offline-dpo`` on preferences; every row of a file
 must be of the run's kind. An output is one image for an image model, one video file for a video model
-(``{"type": "video", "path": "clip.mp4"}``, of at least ``train.num_frames`` frames: its first ones train); a
-pair's two sides share the row's input (its prompt and condition images or video). Every file a row names is
+(``{"type": "video", "path": "clip.mp4", "fps": 24.0}``): ``train.num_frames`` frames of it train, its first
+ones, or with ``train.frame_rate`` the frames shown at times 0, 1/frame_rate, 2/frame_rate, ... of the source
+(whose rate is the record's ``fps``, else the file's own), as Flow-Factory projects source timestamps onto the
+model's clock; a video too short for them is refused. A pair's two sides share the row's input (its prompt and condition images or video). Every file a row names is
 opened when the records load, before the model does: a missing or unreadable file, a file of the wrong kind
 (a video where the model makes images, an image where it makes videos), a video shorter than
-``train.num_frames``, a pair whose two sides differ in size or frame count, or another schema version is an
+``train.num_frames`` (at ``train.frame_rate``), a pair whose two sides differ in size or frame count, or another schema version is an
 error naming the file and line.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -76,13 +79,29 @@ class OfflineRecord:
 
     item: PromptItem
     outputs: tuple[MediaFile, ...]
+    frames: tuple[tuple[int, ...] | None, ...] = ()  # per output video, the frames that train (None: an image)
+
+
+@dataclass(frozen=True)
+class VideoOutputs:
+    """What trains of a video model's output video: ``num_frames`` frames, consecutive, or at ``frame_rate`` fps
+    of the source's clock (``train.frame_rate``)."""
+
+    num_frames: int
+    frame_rate: float | None = None
+
+    def indices(self, fps: float | None) -> tuple[int, ...]:
+        """The source frames that train, from a video at ``fps``: the frame shown at each time k / frame_rate."""
+        if self.frame_rate is None:
+            return tuple(range(self.num_frames))
+        return tuple(math.floor(k * fps / self.frame_rate + 1e-9) for k in range(self.num_frames))
 
 
 def load_offline(dataset_dir: str | Path, split: str, kind: str, max_size: int | None = None,
-                 dataset: str | None = None, frames: int | None = None) -> list[OfflineRecord]:
+                 dataset: str | None = None, video: VideoOutputs | None = None) -> list[OfflineRecord]:
     """The records of ``split``.jsonl in ``dataset_dir`` of supervision ``kind`` (demonstration or preference),
-    every file they name checked (PromptFileError naming file and line). ``frames``: None for a model of images;
-    a video model's ``train.num_frames``, the fewest frames an output video may have."""
+    every file they name checked (PromptFileError naming file and line). ``video``: None for a model of images;
+    for a video model, the frames that train of each output video (``offline_video``)."""
     folder = Path(dataset_dir).expanduser()
     path = folder / f"{split}.jsonl"
     if not path.is_file():
@@ -109,51 +128,68 @@ def load_offline(dataset_dir: str | Path, split: str, kind: str, max_size: int |
                                   f"{kind} records only")
         if max_size is not None and len(records) >= max_size:
             continue
-        outputs = _outputs(row.supervision, kind, where, folder, frames)
+        outputs, frames = _outputs(row.supervision, kind, where, folder, video)
         if any(m.type == "audio" for m in row.input.media):
             raise PromptFileError(f"{where}: input.media: audio inputs are not in this version")
         images = tuple(_check(m, f"{where}: input.media", folder) for m in row.input.media if m.type == "image")
         videos = tuple(_check(m, f"{where}: input.media", folder) for m in row.input.media if m.type == "video")
         item = PromptItem(row.input.prompt.strip(), row.input.negative_prompt, images, videos, dict(row.metadata),
                           where, dataset=dataset)
-        records.append(OfflineRecord(item, outputs))
+        records.append(OfflineRecord(item, outputs, frames))
     if not records:
         raise PromptFileError(f"{path}: no records in the file")
     return records
 
 
 def _outputs(supervision: _Supervision, kind: str, where: str, folder: Path,
-             frames: int | None) -> tuple[MediaFile, ...]:
-    """A row's outputs, checked: ``(target,)`` or ``(chosen, rejected)``, the two of one size and length."""
+             video: VideoOutputs | None) -> tuple[tuple[MediaFile, ...], tuple]:
+    """A row's outputs, checked: ``(target,)`` or ``(chosen, rejected)``, the two of one size and length; and
+    the frames of each that train."""
     wanted = ("target",) if kind == "demonstration" else ("chosen", "rejected")
     missing = [name for name in wanted if getattr(supervision, name) is None]
     if missing:
         raise PromptFileError(f"{where}: supervision.{missing[0]} is missing: a {kind} names {' and '.join(wanted)}")
-    outputs = tuple(_output(getattr(supervision, name).media, f"{where}: supervision.{name}", folder, frames)
-                    for name in wanted)
+    checked = [_output(getattr(supervision, name).media, f"{where}: supervision.{name}", folder, video)
+               for name in wanted]
+    outputs, frames = tuple(c[0] for c in checked), tuple(c[1] for c in checked)
     if kind == "preference":
-        (a, b), noun = outputs, "videos" if frames else "images"
+        (a, b), noun = outputs, "videos" if video else "images"
         if a.size != b.size:
             raise PromptFileError(f"{where}: chosen is {a.size[0]}x{a.size[1]} and rejected {b.size[0]}x{b.size[1]}: "
                                   f"a pair's two {noun} must be one size")
         if a.frames != b.frames:
             raise PromptFileError(f"{where}: chosen ({a.path.name}) has {a.frames} frames and rejected "
                                   f"({b.path.name}) {b.frames}: a pair's two videos must have as many frames")
-    return outputs
+    return outputs, frames
 
 
-def _output(media: list[_Media], where: str, folder: Path, frames: int | None) -> MediaFile:
-    """The one image (``frames`` None) or video (of at least ``frames`` frames) an output candidate names."""
-    want = "video" if frames else "image"
+def _output(media: list[_Media], where: str, folder: Path,
+            video: VideoOutputs | None) -> tuple[MediaFile, tuple[int, ...] | None]:
+    """The one image (``video`` None) or video an output candidate names, and the frames of it that train."""
+    want = "video" if video else "image"
     if len(media) != 1 or media[0].type != want:
         kinds = [m.type for m in media]
-        made = "videos" if frames else "images (video and audio outputs are for video models)"
+        made = "videos" if video else "images (video and audio outputs are for video models)"
         raise PromptFileError(f"{where}: {kinds}: an output here is one {want}: this model makes {made}")
     file = _check(media[0], where, folder)
-    if frames and file.frames < frames:
-        raise PromptFileError(f"{where} {media[0].path!r} ({file.path}) has {file.frames} frames; train.num_frames "
-                              f"is {frames} (a video's first num_frames frames train)")
-    return file
+    if video is None:
+        return file, None
+    named, n = f"{where} {media[0].path!r} ({file.path})", video.num_frames
+    fps = media[0].fps or file.fps
+    if video.frame_rate is None:
+        if file.frames < n:
+            raise PromptFileError(f"{named} has {file.frames} frames; train.num_frames is {n} (a video's first "
+                                  "num_frames frames train)")
+        return file, video.indices(fps)
+    if not fps:
+        raise PromptFileError(f"{named}: its frame rate is unknown; give it as the media's fps (train.frame_rate "
+                              f"{video.frame_rate:g} reads the video on its clock)")
+    indices = video.indices(fps)
+    if indices[-1] >= file.frames:
+        raise PromptFileError(f"{named} has {file.frames} frames at {fps:g} fps ({file.frames / fps:.3g} s); "
+                              f"train.num_frames {n} at train.frame_rate {video.frame_rate:g} reads its frame at "
+                              f"{(n - 1) / video.frame_rate:.3g} s")
+    return file, indices
 
 
 def _check(media: _Media, where: str, folder: Path) -> MediaFile:
@@ -165,15 +201,15 @@ def _check(media: _Media, where: str, folder: Path) -> MediaFile:
         raise PromptFileError(f"{where} {media.path!r} ({file}) {e}") from None
 
 
-def load_offline_sources(sources, split: str, kind: str, frames: int | None = None) -> list[OfflineRecord]:
-    """The records of ``split`` of every dataset (``data.sources``), each item's ``dataset`` its name (``frames``:
+def load_offline_sources(sources, split: str, kind: str, video: VideoOutputs | None = None) -> list[OfflineRecord]:
+    """The records of ``split`` of every dataset (``data.sources``), each item's ``dataset`` its name (``video``:
     as ``load_offline``)."""
     return [record for source in sources
             for record in load_offline(source.dataset_dir, split, kind,
                                        source.eval_max_dataset_size if split == "test" and source.eval_max_dataset_size
-                                       else source.max_dataset_size, dataset=source.name, frames=frames)]
+                                       else source.max_dataset_size, dataset=source.name, video=video)]
 
 
-def offline_frames(cfg) -> int | None:
-    """``load_offline``'s ``frames`` for a run: its ``train.num_frames`` for a video model, else None."""
-    return cfg.train.num_frames if cfg.model.is_video else None
+def offline_video(cfg) -> VideoOutputs | None:
+    """``load_offline``'s ``video`` for a run: a video model's ``train.num_frames`` and ``frame_rate``, else None."""
+    return VideoOutputs(cfg.train.num_frames, cfg.train.frame_rate) if cfg.model.is_video else None

@@ -68,7 +68,9 @@ class OfflineEpochs:
         """(outputs, *latent): record ``record``'s images or videos at the training size, encoded (once)."""
         if record not in self._latents:
             s = self.settings
-            latents = self.adapter.encode_media(torch.stack([self.pixels(f) for f in self.records[record].outputs]))
+            r = self.records[record]
+            latents = self.adapter.encode_media(torch.stack([self.pixels(f, frames) for f, frames
+                                                             in zip(r.outputs, r.frames or [None] * len(r.outputs))]))
             expected = self.adapter.latent_shape(s.height, s.width, s.num_frames)
             if tuple(latents.shape[1:]) != tuple(expected):
                 raise RuntimeError(f"{type(self.adapter).__name__}.encode_media gave latents of shape "
@@ -76,13 +78,14 @@ class OfflineEpochs:
             self._latents[record] = latents.float().cpu()
         return self._latents[record].to(self.adapter.device)
 
-    def pixels(self, file: MediaFile) -> torch.Tensor:
+    def pixels(self, file: MediaFile, frames: tuple[int, ...] | None) -> torch.Tensor:
         """An output at the training size, in [0, 1]: an image (3, H, W), or a video model's (F, 3, H, W), the
-        file's first ``num_frames`` frames (data/offline.py checked it has as many)."""
+        file's ``frames`` (data/offline.py chose them and checked that the file has them)."""
         s = self.settings
         if not self.adapter.is_video:
             return _tensor(read_image(file), s.width, s.height)
-        return torch.stack([_tensor(frame, s.width, s.height) for frame in read_video(file)[:s.num_frames]])
+        video = read_video(file)
+        return torch.stack([_tensor(video[i], s.width, s.height) for i in frames])
 
 
 def _tensor(image: Image.Image, width: int, height: int) -> torch.Tensor:

@@ -26,6 +26,11 @@ the other backends' (``engine.was_step_applied()``).
 A lockstep algorithm (DGPO) shuffles and draws alike on every process, so the processes train
 the parts of one global micro-batch together.
 
+An algorithm with roles (``Algorithm.phases``: DMD2's fake score, then its generator) trains them in this same
+loop: the chunks of one optimizer step are run once per pass of each phase in turn, with that role active
+(``trainer/roles.Roles.active``: its adapter runs and alone has gradients), each role with its own optimizer,
+accumulation count and ``max_grad_norm`` (one ``_EpochSteps`` per role); the generator's steps are the run's.
+
 ``Stepper.step_snapshots`` (name -> (``WeightCopy``, ``decay(k)``)) move after every optimizer step k of
 the run (``steps_before`` + the steps of this epoch so far), as ``w <- d w + (1 - d) theta``.
 """
@@ -34,13 +39,14 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
 
 from ..algorithms.base import merge_batches
+from ..config.distillation import GENERATOR
 from ..guards import NonFiniteGuard
 from ..sampling import on_device
 from ..seeding import generator
@@ -81,6 +87,7 @@ class Stepper:
     guard: NonFiniteGuard
     syncing_module: Any = None
     step_snapshots: dict = field(default_factory=dict)
+    roles: Any = None  # trainer.roles.Roles (distillation): each phase's role trains with its own optimizer
 
 
 def optimize_epoch(algorithm, policy, rollouts, advantages, settings: OptimizeSettings,
@@ -93,28 +100,65 @@ def optimize_epoch(algorithm, policy, rollouts, advantages, settings: OptimizeSe
     Metrics that are NaN or inf are left out of the means; ``skipped_updates`` counts the
     optimizer steps skipped for a non-finite gradient."""
     acc = stepper.accelerator
-    run = _EpochSteps(stepper, settings, epoch, steps_before)
+    runs = _role_runs(stepper, settings, epoch, steps_before)
     # train.reward_optimization_overlap: a StreamedAdvantages, whose values are final group by group (overlap.py)
     streamed = None if isinstance(advantages, torch.Tensor) else advantages
     advantages = advantages if streamed is None else streamed.values
     units = algorithm.training_units(rollouts.group_ids, advantages)
     batch_size = algorithm.units_per_chunk(settings.batch_size)
     rank = 0 if algorithm.lockstep else acc.process_index  # which process's draws this one makes
+    phases = getattr(algorithm, "phases", ((None, 1),))  # (role, passes) each; one phase without roles
     for inner in range(settings.num_inner_epochs):
         order = (torch.randperm(len(units), generator=generator("shuffle", settings.seed, epoch, inner, rank))
                  if settings.shuffle else torch.arange(len(units)))
-        for b, start in enumerate(range(0, len(units), batch_size)):
-            chosen = units[order[start:start + batch_size]]
-            if streamed is not None and not streamed.ready(chosen):  # waits for their groups' rewards
-                run.abandon(f"epoch {epoch}: {streamed.problem}; the rest of the epoch's update is skipped")
-                return run.results()
-            # training noise / timesteps of the decoupled algorithms: seeded per micro-batch, so a
-            # resumed run draws the same ones
-            draws = generator("train", settings.seed, epoch, inner, rank, b)
-            for batch in _merged(algorithm.micro_batches(rollouts, advantages, chosen, draws), settings.steps_per_call,
-                                 run.room):
-                run.train_on(algorithm, policy, on_device(batch, acc.device))
-    return run.results()
+        chunks = [units[order[start:start + batch_size]] for start in range(0, len(units), batch_size)]
+        # several phases take turns over the chunks of one optimizer step; a single phase runs over them all
+        span = settings.accumulation if len(phases) > 1 else len(chunks)
+        for first in range(0, len(chunks), span):
+            for p, (role, passes) in enumerate(phases):
+                run = runs[role]
+                with stepper.roles.active(role) if role is not None else nullcontext():
+                    for again in range(passes):
+                        for b in range(first, min(first + span, len(chunks))):
+                            if streamed is not None and not streamed.ready(chunks[b]):  # waits for their rewards
+                                run.abandon(f"epoch {epoch}: {streamed.problem}; the rest of the epoch's update is "
+                                            "skipped")
+                                return _results(runs)
+                            # training noise / timesteps: seeded per micro-batch (with roles, per phase and pass),
+                            # so a resumed run draws the same ones
+                            draws = generator("train", settings.seed, epoch, inner, rank, b,
+                                              *(() if role is None else (p, again)))
+                            run.train_chunk(algorithm, policy, algorithm.micro_batches(
+                                rollouts, advantages, chunks[b], draws, **({} if role is None else {"role": role})))
+    return _results(runs)
+
+
+def _role_runs(stepper: Stepper, settings: OptimizeSettings, epoch: int, steps_before: int) -> dict:
+    """Each phase's role -> its ``_EpochSteps``: None -> the one of an algorithm without roles; with roles, the
+    generator's steps the stepper's optimizer (and its step snapshots), each other role its own optimizer, and
+    each role clips at its own ``max_grad_norm``."""
+    roles = stepper.roles
+    if roles is None:
+        return {None: _EpochSteps(stepper, settings, epoch, steps_before)}
+    runs = {}
+    for role in roles.names:
+        own = settings if role not in roles.settings else replace(settings,
+                                                                  max_grad_norm=roles.settings[role].max_grad_norm)
+        mine = stepper if role == GENERATOR else replace(stepper, optimizer=roles.optimizers[role],
+                                                          params=roles.params[role], step_snapshots={})
+        runs[role] = _EpochSteps(mine, own, epoch, steps_before)
+    return runs
+
+
+def _results(runs: dict) -> tuple[dict[str, float], int]:
+    """The generator's (or the one run's) metrics and optimizer steps, beside each other role's metrics under
+    ``train/<role>/``."""
+    main = GENERATOR if GENERATOR in runs else None
+    metrics, steps = runs[main].results()
+    for role, run in runs.items():
+        if role != main:
+            metrics.update({k.replace("train/", f"train/{role}/", 1): v for k, v in run.results()[0].items()})
+    return metrics, steps
 
 
 class _EpochSteps:
@@ -149,6 +193,12 @@ class _EpochSteps:
         """The micro-steps left before the next optimizer step."""
         accumulation = self.settings.accumulation
         return accumulation - self.micro % accumulation
+
+    def train_chunk(self, algorithm, policy, batches) -> None:
+        """The micro-batches of one chunk, merged ``steps_per_call`` at a time (never across an optimizer step)."""
+        device = self.stepper.accelerator.device
+        for batch in _merged(batches, self.settings.steps_per_call, self.room):
+            self.train_on(algorithm, policy, on_device(batch, device))
 
     def train_on(self, algorithm, policy, batch) -> None:
         """One micro-step (a merged batch: ``batch.parts`` of them); the optimizer step if it ends an accumulation."""

@@ -63,11 +63,21 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 def make_optimizer(params: list, train) -> torch.optim.Optimizer:
     """The optimizer of ``train`` (the config's ``train`` section) over ``params``."""
-    betas = (train.adam_beta1, train.adam_beta2)
-    if train.optimizer == "muon":
-        return MuonWithAdamW(params, lr=train.learning_rate, betas=betas, eps=train.adam_epsilon,
-                             weight_decay=train.adam_weight_decay, momentum=train.muon_momentum,
-                             nesterov=train.muon_nesterov, ns_steps=train.muon_ns_steps,
-                             adjust_lr_fn=train.muon_adjust_lr)
-    return torch.optim.AdamW(params, lr=train.learning_rate, betas=betas, weight_decay=train.adam_weight_decay,
-                             eps=train.adam_epsilon)
+    return _optimizer(params, train.optimizer, train.learning_rate, (train.adam_beta1, train.adam_beta2),
+                      train.adam_epsilon, train.adam_weight_decay,
+                      dict(momentum=train.muon_momentum, nesterov=train.muon_nesterov, ns_steps=train.muon_ns_steps,
+                           adjust_lr_fn=train.muon_adjust_lr))
+
+
+def make_role_optimizer(params: list, role) -> torch.optim.Optimizer:
+    """The optimizer of one trainable role (``config.distillation.RoleOptimizerSettings``) over ``params``."""
+    return _optimizer(params, role.optimizer, role.learning_rate, role.betas, role.eps, role.weight_decay,
+                      dict(momentum=role.muon_momentum, nesterov=role.muon_nesterov, ns_steps=role.muon_ns_steps,
+                           adjust_lr_fn=role.muon_adjust_lr))
+
+
+def _optimizer(params: list, kind: str, lr: float, betas, eps: float, weight_decay: float,
+               muon_options: dict) -> torch.optim.Optimizer:
+    if kind == "muon":
+        return MuonWithAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **muon_options)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)

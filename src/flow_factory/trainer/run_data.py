@@ -12,7 +12,7 @@ import torch
 from ..config import ConfigError
 from ..config.train import OFFLINE_TRAINER_TYPES
 from ..data import MissingPromptFile, epoch_sampler
-from ..data.offline import OFFLINE_KINDS, load_offline_sources, offline_frames
+from ..data.offline import OFFLINE_KINDS, load_offline_sources, offline_video
 from ..data.sources import source_indices
 from ..sampling import load_split, split_size
 from ..start_checks import check_prompt_counts
@@ -42,7 +42,7 @@ def load_run_data(cfg, adapter_cls, num_processes: int, seed: int) -> RunData:
         if refused:
             raise ConfigError(f"train.trainer_type: {train_type} trains from a dataset's images or videos; "
                               f"{cfg.model.model_type} {refused}")
-        records = load_offline_sources(cfg.data.sources, "train", OFFLINE_KINDS[train_type], offline_frames(cfg))
+        records = load_offline_sources(cfg.data.sources, "train", OFFLINE_KINDS[train_type], offline_video(cfg))
         if len(records) < num_processes:
             raise ConfigError(f"num_processes: {num_processes} processes, and the dataset holds {len(records)} "
                               "records: each process needs one")
@@ -70,7 +70,7 @@ def _test_prompts(cfg, adapter_cls, offline: bool) -> list:
             kind = OFFLINE_KINDS[cfg.train.trainer_type]
             return load_split(cfg, "test", adapter_cls,
                               [r.item for r in load_offline_sources(cfg.data.sources, "test", kind,
-                                                                    offline_frames(cfg))])
+                                                                    offline_video(cfg))])
         return load_split(cfg, "test", adapter_cls)
     except MissingPromptFile as missing:
         logger.warning("%s; evaluation is off for this run (eval.eval_freq: %d)", missing, cfg.eval.eval_freq)

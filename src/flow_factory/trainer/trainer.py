@@ -42,6 +42,7 @@ from .offline import OfflineEpochs, offline_optimize_settings
 from .optimize import OptimizeSettings, Stepper, optimize_epoch
 from .overlap import StreamedAdvantages
 from .run_data import load_run_data
+from .roles import Roles
 from .run_folder import RunFolder, from_main
 from .tracking import check_backend, flat_hparams, log_media
 from ..models.lora import make_trainable
@@ -101,11 +102,14 @@ class Trainer:
                                                                      cfg.scheduler.noise_level))
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
         self.trained = make_trainable(self.adapter, cfg, self.precision.master)
+        self.roles = Roles.of(cfg, self.trained, self.precision.master)  # distillation: adapters beside the generator
         check_trained_steps(cfg, self.adapter, self.data.train_size)
-        built = self.backend.build(ModelSetup(cfg, self.adapter, self.algorithm, self.trained, self.start, self._say))
+        built = self.backend.build(ModelSetup(cfg, self.adapter, self.algorithm, self.trained, self.start, self._say,
+                                              self.roles))
         self.params, self.optimizer, copies = built.params, built.optimizer, built.copies
         self.ema, self.snapshots, self.step_snapshot_decays = copies.ema, copies.snapshots, copies.step_snapshot_decays
         self.copies, self.policy = copies, copies.policy(self.adapter, cfg, self.algorithm)
+        self.policy = Roles.started(self.roles, self.policy, self.backend.name, self.start.resume_from)
         resumed = self.start.resumed if self.start.resume_from is not None else {}
         self.epoch, self.global_step = resumed.get("epoch", 0), resumed.get("global_step", 0)
         self.history: list[dict] = resumed.get("history", [])  # one record of training metrics per epoch
@@ -187,8 +191,9 @@ class Trainer:
         """Over the global batch (all ranks), then this rank's share; None (and a counted skip)
         when a reward or an advantage is NaN or inf. An offline run's are its records' (``_offline_epoch``); with
         rewards still being scored (``train.reward_optimization_overlap``, one process), group by group as they come."""
-        if self.data.offline_records is not None:
-            return self.offline_advantages
+        offline = self.data.offline_records is not None
+        if offline or not self.rewards.names:  # an offline run's are its records'; a distillation run trains on none
+            return self.offline_advantages if offline else torch.zeros(len(rollouts.group_ids))
         datasets = self._gathered_datasets()
         if rollouts.pending_rewards is not None:
             n = len(rollouts.group_ids)
@@ -216,7 +221,7 @@ class Trainer:
         stepper = Stepper(self.accelerator, self.optimizer, self.params, self.guard,
                           syncing_module=self.backend.syncing_module(self.adapter),
                           step_snapshots={name: (self.snapshots[name], decay)
-                                          for name, decay in self.step_snapshot_decays.items()})
+                                          for name, decay in self.step_snapshot_decays.items()}, roles=self.roles)
         metrics, steps = optimize_epoch(self.algorithm, self.policy, rollouts, advantages, self._optimize_settings(),
                                         stepper, epoch=epoch, steps_before=self.global_step)
         self.global_step += steps
@@ -383,6 +388,7 @@ class Trainer:
                      "sharding": {"backend": self.backend.name, "processes": acc.num_processes,
                                   "trained_values_per_process": self.held_per_process,
                                   "by_component": self.held_per_component, **self.backend.record}}
+            contents.extra.update(self.roles.state_files(contents.optimizer is not None) if self.roles else {})
             if acc.scaler is not None and contents.optimizer is not None:  # fp16: the loss scale resumes too
                 contents.extra[SCALER_FILE] = acc.scaler.state_dict()
             save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, state, contents,

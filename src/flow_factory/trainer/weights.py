@@ -166,8 +166,11 @@ class ModelSetup:
     trained: dict[str, nn.Module]
     start: RunStart
     say: Callable[[str], None]
+    roles: object = None  # trainer.roles.Roles of a distillation run: the generator's optimizer is its entry's
 
     def make_optimizer(self, params: list) -> torch.optim.Optimizer:
+        if self.roles is not None:
+            return self.roles.generator_optimizer(params)
         return make_optimizer(params, self.cfg.train)
 
     def compile(self) -> None:

@@ -1,0 +1,95 @@
+"""The distillation trainers over the shared loop (``train.trainer_type: dmd2``): what their rollouts keep, the
+micro-batches of each role's phase, and each role's loss. The maths is in this package's other files; the roles
+(LoRA adapters beside the generator's, each with its optimizer) are ``trainer/roles.py``'s.
+
+DMD2 (arXiv:2405.14867), as Flow-Factory's ``trainers/distillation/dmd2.py`` (the PeterWangyi/Flow-Factory fork
+at 091df9df) trains it. Each epoch the generator samples its few-step ODE rollouts (``num_inference_steps``,
+every state kept), then each optimizer step runs two phases over the same chunks:
+
+- ``fake``, ``ttur_fake_updates`` passes: the fake score learns the generator's samples by flow matching at a
+  fresh noising ``x_t = (1 - s) x0 + s eps``, ``s ~ U(perturbation_timestep_range)`` (``fake_score_loss``),
+  queried without guidance;
+- ``generator``, one pass: at a step ``i`` drawn uniformly in ``[0, K)`` its live clean prediction
+  ``x0_i = x_i - sigma_i v_theta(x_i, sigma_i)`` from the rollout's own state ``x_i``, re-noised as above, moves
+  towards the teacher's clean prediction (the base model, adapters off, with CFG at ``real_guidance_scale``) and
+  away from the fake score's (``dmd2_generator_loss``).
+
+The rollout's states are the generator's own under the weights of this epoch, which the fake phases do not
+change, so ``x0_i`` is what the rollout computed there (upstream replays the step and checks it against
+``replay_rtol`` / ``replay_atol``; here nothing is replayed, so those keys are read and checked only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from ...config.distillation import GENERATOR
+from ...models.conditioning import Conditioning, index_cond
+from ..base import Algorithm, RolloutsLike
+from .dmd2 import dmd2_generator_loss, sample_boundary_index
+from .fake_score import fake_score_loss, sample_perturbation_sigma
+from .flow import add_noise, clean_from_velocity
+
+
+@dataclass
+class RoleBatch:
+    """One role's micro-batch: the state the generator is trained at (``x`` at ``sigma``; the final sample for the
+    fake score), the rollout's final sample ``x0``, and the fresh noise and noise level of the scores' queries."""
+
+    role: str
+    x: Tensor  # (B, *latent)
+    sigma: Tensor  # (B,)
+    x0: Tensor  # (B, *latent) float32
+    noise: Tensor  # (B, *latent)
+    noise_sigma: Tensor  # (B,)
+    advantages: Tensor  # (B,) unused: distillation trains on no reward
+    cond: Conditioning
+    parts: int = 1  # per-step batches this one joins (``base.merge_batches``)
+
+
+class DMD2(Algorithm):
+    name = "dmd2"
+    coupled = False
+    always_uses_reference = True  # the teacher's score
+
+    @property
+    def phases(self) -> tuple:
+        return (("fake", self.cfg.ttur_fake_updates), (GENERATOR, 1))
+
+    def kept_states(self, num_steps: int, sde_steps: list[int] | None) -> list[int]:
+        return list(range(num_steps + 1))  # the generator trains at any of its own steps; the fake score on the last
+
+    def micro_batches(self, rollouts: RolloutsLike, advantages: Tensor, units: Tensor,
+                      generator: torch.Generator, role: str = GENERATOR) -> Iterator[RoleBatch]:
+        idx = units[:, 0]
+        n, steps = len(idx), len(rollouts.sigmas) - 1
+        x0 = rollouts.latents_at(idx, steps).float()
+        step = steps if role != GENERATOR else sample_boundary_index(steps, generator)
+        noise_sigma = sample_perturbation_sigma(n, tuple(self.cfg.perturbation_timestep_range), generator=generator)
+        noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32)
+        yield RoleBatch(role=role, x=x0 if step == steps else rollouts.latents_at(idx, step),
+                        sigma=rollouts.sigmas[step].expand(n).to(x0.device), x0=x0, noise=noise.to(x0.device),
+                        noise_sigma=noise_sigma.to(x0.device), advantages=advantages[idx],
+                        cond=index_cond(rollouts.cond, idx))
+
+    def loss(self, policy, batch: RoleBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        if batch.role == "fake":
+            x_t = add_noise(batch.x0, batch.noise, batch.noise_sigma)
+            v_fake = policy.velocity(x_t, batch.noise_sigma, batch.cond, guidance_scale=1.0)
+            loss = fake_score_loss(v_fake, batch.x0, batch.noise)
+            return loss, {"fake_score_loss": loss.detach()}
+        v = policy.velocity(batch.x, batch.sigma, batch.cond)  # at the rollout's own guidance
+        x0_gen = clean_from_velocity(batch.x, v, batch.sigma)
+        x_t = add_noise(x0_gen.detach(), batch.noise, batch.noise_sigma)
+        real_scale = self.cfg.real_guidance_scale or self.cfg.guidance_scale
+        x0_real = clean_from_velocity(x_t, policy.reference_velocity(x_t, batch.noise_sigma, batch.cond,
+                                                                     guidance_scale=real_scale), batch.noise_sigma)
+        x0_fake = clean_from_velocity(x_t, policy.role_velocity("fake", x_t, batch.noise_sigma, batch.cond),
+                                      batch.noise_sigma)
+        loss = dmd2_generator_loss(x0_gen, x0_real, x0_fake)
+        gap = (x0_fake - x0_real).float().pow(2).mean()
+        return loss, {"dmd_loss": loss.detach(), "fake_real_gap": gap.detach()}

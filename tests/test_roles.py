@@ -1,0 +1,128 @@
+"""Roles (issue 39 point 1, issue 38 point 6): several trainable LoRA adapters on one transformer, one active at a
+time and alone with gradients, the frozen teacher the base with every adapter off; each role's optimizer from the
+config's ``optimizers:`` entry by role name, or upstream's default for the role; bad entries are config errors
+naming what is valid."""
+
+import pytest
+import torch
+
+from flow_factory.config import ConfigError, parse_config
+from flow_factory.config.distillation import role_optimizers
+from flow_factory.models import load_adapter
+from flow_factory.models.lora import lora_disabled, make_trainable
+from flow_factory.trainer.optimizers import MuonWithAdamW
+from flow_factory.trainer.roles import Roles, RolePolicy
+
+from helpers_runs import tiny_run_config
+
+
+def dmd2_config(tmp, model_path, optimizers=None, **train) -> dict:
+    config = tiny_run_config(tmp, "sd3-5", model_path, trainer_type="dmd2", num_inference_steps=2, group_size=1,
+                             guidance_scale=1.0, **train)
+    config["scheduler"] = {"dynamics_type": "ODE"}
+    del config["rewards"]
+    if optimizers is not None:
+        config["optimizers"] = optimizers
+    return config
+
+
+@pytest.fixture
+def roles(tmp_path, tiny_sd3_path):
+    cfg = parse_config(dmd2_config(tmp_path, tiny_sd3_path, [{"name": "generator", "optimizer": "muon",
+                                                              "learning_rate": 1e-3}]))
+    adapter = load_adapter("sd3-5", tiny_sd3_path)
+    roles = Roles.of(cfg, make_trainable(adapter, cfg, torch.float32), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # each adapter its own visible weights (lora_B starts at 0)
+        for params in roles.params.values():
+            for p in params:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return adapter, roles
+
+
+def _velocity(adapter, grad=False):
+    x = adapter.initial_noise(1, 64, 64, torch.Generator().manual_seed(1))
+    cond = adapter.encode(["a red circle"], None, 1.0)
+    with torch.set_grad_enabled(grad):
+        return adapter.velocity(x, torch.tensor(0.6), cond, 1.0)
+
+
+def test_each_role_runs_and_trains_alone_and_the_teacher_is_the_base(roles):
+    adapter, roles = roles
+    with lora_disabled(adapter.transformer):
+        teacher = _velocity(adapter)
+    generator = _velocity(adapter)  # outside a phase the generator runs
+    assert all(p.requires_grad for p in roles.params["generator"])
+    assert not any(p.requires_grad for p in roles.params["fake"])
+    with roles.active("fake"):
+        fake = _velocity(adapter, grad=True)
+        fake.pow(2).mean().backward()
+        assert all(p.grad is not None for p in roles.params["fake"])
+        assert all(p.grad is None for p in roles.params["generator"])
+        with roles.switched("generator"):  # a query of another role: no change of who has gradients
+            torch.testing.assert_close(_velocity(adapter), generator, rtol=0, atol=0)
+            assert not any(p.requires_grad for p in roles.params["generator"])
+        with lora_disabled(adapter.transformer):
+            torch.testing.assert_close(_velocity(adapter), teacher, rtol=0, atol=0)
+        assert all(p.requires_grad for p in roles.params["fake"])  # restored after the teacher's call
+    torch.testing.assert_close(_velocity(adapter), generator, rtol=0, atol=0)
+    for a, b in ((generator, teacher), (fake, teacher), (fake, generator)):
+        assert (a.detach() - b).abs().max() > 1e-3
+    # the teacher is the base alone: with every adapter's weights zeroed the model gives the teacher's velocity
+    with torch.no_grad():
+        for params in roles.params.values():
+            for p in params:
+                p.zero_()
+    torch.testing.assert_close(_velocity(adapter), teacher, rtol=0, atol=0)
+
+
+def test_each_role_has_its_entry_or_upstreams_default(roles):
+    adapter, roles = roles
+    generator = roles.generator_optimizer(roles.params["generator"])
+    assert isinstance(generator, MuonWithAdamW) and generator.param_groups[0]["lr"] == 1e-3
+    policy = Roles.started(roles, object(), "ddp", None)
+    assert isinstance(policy, RolePolicy)
+    fake = roles.optimizers["fake"]  # no entry: upstream's DMD2 default for the fake score
+    assert type(fake) is torch.optim.AdamW
+    assert fake.param_groups[0]["lr"] == 1e-5 and fake.param_groups[0]["betas"] == (0.9, 0.999)
+    assert {id(p) for p in fake.param_groups[0]["params"]} == {id(p) for p in roles.params["fake"]}
+    with pytest.raises(ConfigError, match="fsdp"):
+        roles.start("fsdp", None)
+
+
+def test_tdm_r1s_per_role_defaults_are_upstreams(tmp_path, tiny_sd3_path):
+    train = parse_config(dmd2_config(tmp_path, tiny_sd3_path)).train
+    chosen = role_optimizers("tdm-r1", [{"name": "fake", "learning_rate": 1e-4, "max_grad_norm": 0.5}], train)
+    assert (chosen["generator"].learning_rate, chosen["generator"].betas) == (7.5e-5, (0.0, 0.999))
+    assert (chosen["fake"].learning_rate, chosen["fake"].betas, chosen["fake"].max_grad_norm) == (1e-4, (0.0, 0.999),
+                                                                                                   0.5)
+    assert (chosen["surrogate"].learning_rate, chosen["surrogate"].betas) == (3e-4, (0.9, 0.999))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"optimizers": [{"name": "critic"}]}, r"optimizers\[0\].name: 'critic' is not a trainable role of dmd2; "
+                                           r"valid: \['generator', 'fake'\]"),
+    ({"optimizers": [{"name": "fake", "lr": 1e-4}]}, r"optimizers\[0\]: unknown keys \['lr'\]; valid: name, optimizer"),
+    ({"optimizers": [{"name": "fake"}, {"name": "fake"}]}, "'fake' is named twice"),
+    ({"optimizers": [{"name": "fake", "optimizer": "sgd"}]}, r"optimizers\[0\].optimizer: one of \['adamw', 'muon'\]"),
+    ({"optimizers": [{"name": "fake", "betas": [0.9]}]}, r"optimizers\[0\].betas"),
+    ({"num_processes": 2}, "num_processes: dmd2's roles"),
+    ({"mixed_precision": "fp16"}, "mixed_precision: fp16"),
+    ({"model.finetune_type": "full"}, "model.finetune_type: dmd2's roles are LoRA adapters"),
+    ({"train.ttur_fake_updates": 0}, "ttur_fake_updates"),
+    ({"scheduler.dynamics_type": "Flow-SDE"}, "scheduler.dynamics_type: dmd2 replays deterministic ODE"),
+])
+def test_what_the_roles_cannot_take_is_a_config_error(tmp_path, tiny_sd3_path, change, message):
+    config = dmd2_config(tmp_path, tiny_sd3_path)
+    for key, value in change.items():
+        section, _, name = key.rpartition(".")
+        (config.setdefault(section, {}) if section else config)[name] = value
+    with pytest.raises(ConfigError, match=message):
+        parse_config(config)
+
+
+def test_several_entries_are_for_the_trainers_with_roles(tmp_path, tiny_sd3_path):
+    config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path)
+    config["optimizers"] = [{"name": "generator"}, {"name": "fake"}]
+    with pytest.raises(ConfigError, match="several, one per role by name, for dmd2"):
+        parse_config(config)
