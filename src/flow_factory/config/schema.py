@@ -35,8 +35,9 @@ from .families import model_family
 from .overlap import overlap_notes, overlap_problems
 from .rewards import RewardConfig, as_entry_list, duplicate_names
 from .sections import DEFAULT_STRENGTH, DataConfig, EvalConfig, LogConfig, ModelConfig, SchedulerConfig, strength_steps
-from .train import (ALGORITHM_SPECS, COUPLED_TRAINER_TYPES, OFFLINE_TRAINER_TYPES, TrainConfig, fill_trainer_defaults,
-                    resolve_num_train_timesteps, trainer_problems)
+from .distillation import distillation_contradictions
+from .train import (ALGORITHM_SPECS, COUPLED_TRAINER_TYPES, DISTILLATION_TRAINER_TYPES, OFFLINE_TRAINER_TYPES,
+                    TrainConfig, fill_trainer_defaults, resolve_num_train_timesteps, trainer_problems)
 
 STOCHASTIC = ("Flow-SDE", "Dance-SDE", "CPS")
 DEFAULT_LEARNING_RATE = {"lora": 1e-4, "full": 1e-5}
@@ -239,7 +240,9 @@ class Config(Section):
     def _contradictions(self) -> list[str]:
         train, model = self.train, self.model
         out = self._launch_problems() + trainer_problems(train)
-        if not self.rewards and train.trainer_type not in OFFLINE_TRAINER_TYPES:
+        free = OFFLINE_TRAINER_TYPES + DISTILLATION_TRAINER_TYPES  # train without rewards
+        out += distillation_contradictions(self)
+        if not self.rewards and train.trainer_type not in free:
             out.append("rewards: at least one reward is needed, e.g. [{reward_model: PickScore}] (sft and "
                        "offline-dpo train from a dataset without)")
         out += self._algorithm_contradictions()
@@ -249,7 +252,7 @@ class Config(Section):
         if train.off_policy and train.ema_decay == 0:
             out.append("train.off_policy: true samples with the EMA weights, but train.ema_decay is 0 (no EMA); "
                        "set ema_decay > 0 (e.g. 0.9)")
-        if train.group_size < 2 and train.trainer_type not in OFFLINE_TRAINER_TYPES:
+        if train.group_size < 2 and train.trainer_type not in free:
             out.append(f"train.group_size: {train.trainer_type} compares samples of the same prompt, so a group "
                        f"needs at least 2, got {train.group_size}")
         if model.resume_type in ("lora", "full") and model.resume_type != model.finetune_type:

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import NonNegativeInt, PositiveInt, field_validator, model_validator
 
+from .distillation import DISTILLATION_SPECS
 from .base import DTYPE_NAMES, Section, as_list, canonical_choice, check_resolution, problem, resolution_pair, setting, show
 
 @dataclass(frozen=True)
@@ -19,7 +20,8 @@ class AlgorithmSpec:
     algorithm: its file in ``algorithms/`` and a line here (docs/guides/adding-an-algorithm.md)."""
 
     name: str
-    family: Literal["coupled", "decoupled", "offline"]  # the sampler's SDE steps / the forward process / a dataset
+    # the sampler's SDE steps / the forward process / a dataset / a few-step generator's roles (config/distillation.py)
+    family: Literal["coupled", "decoupled", "offline", "distillation"]
     algorithm: str  # "module:Class" in flow_factory.algorithms, imported by name (algorithms.ALGORITHMS)
     keys: tuple[str, ...] = ()  # train keys only it reads: set under another trainer, an error
     defaults: dict = field(default_factory=dict)  # Flow-Factory's for keys a config leaves out
@@ -50,12 +52,16 @@ ALGORITHM_SPECS = {spec.name: spec for spec in (
                         "old_model_decay", "sampling_model_decay", "reward_adaptive_kl", "kl_cfg")),
     AlgorithmSpec("sft", "offline", "sft:SFT", defaults=_LOGIT_NORMAL_ONE_STEP, time_shift=1.0),
     AlgorithmSpec("offline-dpo", "offline", "dpo:OfflineDPO", defaults=_LOGIT_NORMAL_ONE_STEP, time_shift=1.0),
+    AlgorithmSpec("dmd2", "distillation", "flow_factory.algorithms.distillation.trainers:DMD2",
+                  keys=DISTILLATION_SPECS["dmd2"].keys, defaults={"num_train_timesteps": 1, "group_size": 1}),
 )}
 TRAINER_TYPES = tuple(ALGORITHM_SPECS)
 COUPLED_TRAINER_TYPES = tuple(n for n, a in ALGORITHM_SPECS.items() if a.family == "coupled")
 # train on the forward process at their own timesteps (of rollouts, or of a dataset's images)
 DECOUPLED_TRAINER_TYPES = tuple(n for n, a in ALGORITHM_SPECS.items() if a.family != "coupled")
 OFFLINE_TRAINER_TYPES = tuple(n for n, a in ALGORITHM_SPECS.items() if a.family == "offline")  # no rollout, reward
+# train roles (a generator, a fake score, ...) over a frozen teacher, each with its own optimizer (trainer/roles.py)
+DISTILLATION_TRAINER_TYPES = tuple(n for n, a in ALGORITHM_SPECS.items() if a.family == "distillation")
 TIME_SAMPLING_STRATEGIES = ("uniform", "logit_normal", "discrete", "discrete_with_init", "discrete_wo_init")
 
 
@@ -93,7 +99,8 @@ def trainer_problems(train) -> list[str]:
     for owner, keys in ((n, a.keys) for n, a in ALGORITHM_SPECS.items() if a.keys):
         if owner == train.trainer_type:
             continue
-        given = [k for k in keys if k not in named and getattr(train, k) != TrainConfig.model_fields[k].default]
+        given = [k for k in keys if k not in named
+                 and getattr(train, k) != TrainConfig.model_fields[k].get_default(call_default_factory=True)]
         named.update(keys)
         if given:
             out.append(f"train: {', '.join(given)} are {owner}'s; {train.trainer_type} does not use them")
@@ -134,7 +141,8 @@ def parse_decay(schedule: str | int) -> tuple[int, float, float, float]:
 class TrainConfig(Section):
     trainer_type: Literal[TRAINER_TYPES] = setting(
         "grpo", "algorithm: grpo, grpo-guard, dppo (coupled, SDE rollouts), nft, awm, dpo, dgpo, crd (decoupled, "
-        "any dynamics), or sft, offline-dpo (from a dataset's images: schema_version 2 records, no rewards)")
+        "any dynamics), sft, offline-dpo (from a dataset's images: schema_version 2 records, no rewards), or dmd2 "
+        "(a few-step generator distilled from the frozen model, with an online fake score; ODE rollouts)")
     resolution: int | list[int] = setting(512, "image size, an int or [height, width]",
                                           expects="an integer or [height, width]")
     num_frames: PositiveInt | None = setting(None, "frames per video (video models only; Wan needs 4k + 1); "
@@ -195,6 +203,22 @@ class TrainConfig(Section):
         "match_rms_adamw", "muon: scale each update to AdamW's RMS (match_rms_adamw: an AdamW learning_rate carries "
         "over) or by sqrt(max(1, rows / columns)) (original, Keller Jordan's)")
     max_grad_norm: float = setting(1.0, "clip the gradient's global norm to this", gt=0)
+    role_optimizers: list[dict] = setting(
+        default_factory=list, description="dmd2: one optimizer per trainable role (generator, fake), Flow-Factory's "
+        "top-level optimizers: list read here: [{name: <role>, optimizer, learning_rate, betas, weight_decay, eps, "
+        "max_grad_norm, muon_*}]; a role without an entry takes Flow-Factory's default for it (learning_rate, "
+        "betas) and this section's other optimizer keys")
+    ttur_fake_updates: PositiveInt = setting(
+        5, "dmd2: fake-score optimizer steps before each generator step (the two time-scale update rule)")
+    perturbation_timestep_range: list[float] = setting(
+        default_factory=lambda: [0.02, 0.98], description="dmd2: the sigma range, in [0, 1], the generator's "
+        "samples are re-noised in for the fake score's loss and the scores' queries", expects="[lower, upper]")
+    real_guidance_scale: float | None = setting(
+        None, "dmd2: the CFG scale of the frozen teacher's score; null = guidance_scale", ge=1)
+    replay_rtol: float = setting(1e-4, "dmd2: Flow-Factory's tolerance of its rollout replay; read and checked, "
+                                 "but nothing is replayed here (the generator's step is recomputed from the "
+                                 "rollout's own state)", ge=0)
+    replay_atol: float = setting(1e-4, "dmd2: as replay_rtol, the absolute tolerance", ge=0)
     max_nonfinite_in_a_row: NonNegativeInt = setting(
         3, "a NaN / inf reward, advantage or gradient norm skips its update; this many skips in a row "
         "stop the run (0 = stop at the first)")
@@ -435,6 +459,8 @@ class TrainConfig(Section):
             scales.append(self.kl_cfg)
         if self.trainer_type == "dppo" and self.kl_beta > 0 and self.kl_guidance_scale is not None:
             scales.append(self.kl_guidance_scale)
+        if self.trainer_type in DISTILLATION_SPECS and self.real_guidance_scale is not None:
+            scales.append(self.real_guidance_scale)  # the teacher's guided score
         return max(scales)
 
     @property
