@@ -274,13 +274,15 @@ def test_a_video_model_trains_offline_from_video_files(tmp_path, tiny_wan_path, 
     assert max(float(v.abs().max()) for k, v in _lora(run_dir, 1).items() if "lora_B" in k) > 0, "no LoRA moved"
 
 
-@pytest.mark.parametrize("model_type", ["wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15"])
-def test_every_family_encodes_its_outputs_to_its_latents(request, model_type):
+@pytest.mark.parametrize("model_type, fixture", [(m, TINY_MODELS[m][0]) for m in (
+    "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15")] + [
+    ("wan2_t2v", "tiny_wan22_ti2v_path")])  # Wan2.2 TI2V-5B: its 48-channel x16 VAE
+def test_every_family_encodes_its_outputs_to_its_latents(request, model_type, fixture):
     """encode_media gives a sample's latent shape from images or (B, F, 3, H, W) videos; FLUX.2's equals its
     pipeline's own encoding of a reference image (the mode, patchified, batch-norm normalised)."""
     from flow_factory.models import load_adapter
 
-    fixture, size, frames, _ = TINY_MODELS[model_type]
+    _, size, frames, _ = TINY_MODELS[model_type]
     adapter = load_adapter(model_type, request.getfixturevalue(fixture))
     assert adapter.offline_refusal() is None
     media = torch.rand(2, *((frames, 3) if frames else (3,)), size, size, generator=torch.Generator().manual_seed(0))
