@@ -272,6 +272,12 @@ def test_a_video_model_trains_offline_from_video_files(tmp_path, tiny_wan_path, 
     metric = "train/implicit_accuracy" if trainer_type == "offline-dpo" else "train/flow_matching_loss"
     assert metric in json.loads((run_dir / "history.json").read_text())["train"][0]
     assert max(float(v.abs().max()) for k, v in _lora(run_dir, 1).items() if "lora_B" in k) > 0, "no LoRA moved"
+    # an output of another size is resized as WanPipeline's video processor resizes an input video
+    from flow_factory.data.media import check_video, read_video
+
+    other = check_video(write_condition_video(tmp_path / "other.mp4", (48, 40), COLOURS["blue"], frames=6))
+    expected = trainer.adapter.pipeline.video_processor.preprocess_video(read_video(other)[:5], height=32, width=32)
+    torch.testing.assert_close(trainer.offline.pixels(other, (0, 1, 2, 3, 4)), expected[0].transpose(0, 1) / 2 + 0.5)
 
 
 @pytest.mark.parametrize("model_type, fixture", [(m, TINY_MODELS[m][0]) for m in (

@@ -24,7 +24,7 @@ from PIL import Image
 from ..data import process_share
 from ..data.media import MediaFile, read_image, read_video
 from ..data.offline import OfflineRecord
-from ..models.conditioning import cat_cond, index_cond
+from ..models.conditioning import cat_cond, index_cond, resized_images
 from ..sampling import Rollouts, SamplingSettings, encode_batch
 from ..seeding import generator
 
@@ -81,16 +81,20 @@ class OfflineEpochs:
     def pixels(self, file: MediaFile, frames: tuple[int, ...] | None) -> torch.Tensor:
         """An output at the training size, in [0, 1]: an image (3, H, W), or a video model's (F, 3, H, W), the
         file's ``frames`` (data/offline.py chose them and checked that the file has them)."""
-        s = self.settings
         if not self.adapter.is_video:
-            return _tensor(read_image(file), s.width, s.height)
+            return self._resized([read_image(file)])[0]
         video = read_video(file)
-        return torch.stack([_tensor(video[i], s.width, s.height) for i in frames])
+        return self._resized([video[i] for i in frames])
 
-
-def _tensor(image: Image.Image, width: int, height: int) -> torch.Tensor:
-    rgb = image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
-    return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).float() / 255
+    def _resized(self, stills: list[Image.Image]) -> torch.Tensor:
+        """(k, 3, H, W) in [0, 1] at the training size, resized as the pipeline resizes an input image or video (its
+        image or video processor, as Flow-Factory encodes a target); Pillow's bicubic for a pipeline without one."""
+        s, pipeline = self.settings, getattr(self.adapter, "pipeline", None)
+        processor = getattr(pipeline, "video_processor", None) or getattr(pipeline, "image_processor", None)
+        if processor is not None:
+            return resized_images(processor, [[im.convert("RGB") for im in stills]], s.height, s.width).images[0]
+        return torch.stack([torch.from_numpy(np.asarray(im.convert("RGB").resize(
+            (s.width, s.height), Image.Resampling.BICUBIC)).copy()).permute(2, 0, 1).float() / 255 for im in stills])
 
 
 def offline_optimize_settings(settings, train, records: int, num_processes: int, num_timesteps: int):
