@@ -87,6 +87,31 @@ def ff_train_forked(argv: list, env: dict, timeout: float = 300) -> tuple[tuple[
         return (out.read_text(), err.read_text()), user.exitcode
 
 
+def call_forked(target, *args, env: dict | None = None, timeout: float = 300) -> tuple[int, str]:
+    """``target(*args)`` in a process of its own, forked from the preloaded server (what a fresh ``python``
+    would run, without its imports), in ``env`` (default: this process's environment): its exit status
+    (negative for a signal's, as ``subprocess``'s) and what it printed."""
+    with tempfile.TemporaryDirectory(prefix="ff-forked-") as folder:
+        output = Path(folder, "output")
+        process = preloaded_forkserver().Process(target=_in_environment,
+                                                 args=(dict(env or os.environ), str(output), target, args))
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise TimeoutError(f"{target.__name__}{args} ran past {timeout} s:\n{output.read_text()[-4000:]}")
+        return process.exitcode, output.read_text()
+
+
+def _in_environment(env, output, target, args):
+    for fd in (1, 2):
+        os.dup2(os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
+    os.environ.clear()
+    os.environ.update(env)
+    target(*args)
+
+
 def _signal_group(pid: int, signum: int) -> None:
     try:
         os.killpg(pid, signum)

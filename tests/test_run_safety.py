@@ -6,14 +6,13 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from helpers_algorithms import nan_on_first_call
+from helpers_launch import call_forked
 from helpers_rewards import Brightness, reset
 from helpers_runs import tiny_run_config, write_config
 from safetensors.torch import load_file
@@ -148,10 +147,11 @@ def test_a_base_model_with_non_finite_weights_is_refused_before_training(tmp_pat
 
 
 # ------------------------------------------------------------------ atomic checkpoints
-KILLER = textwrap.dedent("""
-    import os, signal, sys
+def _killed_during_a_save(point: str, epoch: int, argv: list) -> None:
+    """``ff-train ARGV`` in a process of its own, SIGKILLed at ``point`` of epoch ``epoch``'s save: just
+    after its LoRA (weights) or its optimizer state (torch.save) is written, or before the finished
+    folder is renamed into place (rename)."""
     import flow_factory.checkpoint as ckpt
-    point, epoch = sys.argv[1], int(sys.argv[2])
 
     def kill_at(name, fn):
         def wrapped(*args, **kwargs):
@@ -165,14 +165,13 @@ KILLER = textwrap.dedent("""
     ckpt.save_lora = kill_at("weights", ckpt.save_lora)  # (pipeline_class, transformer, out_dir, weight_name)
     ckpt.torch.save = kill_at("torch.save", ckpt.torch.save)  # (obj, path): the optimizer state
     publish = ckpt._publish
+
     def before_rename(tmp, out):
         if point == "rename" and out.name == f"epoch_{epoch}":
             os.kill(os.getpid(), signal.SIGKILL)
         publish(tmp, out)
     ckpt._publish = before_rename
-    from flow_factory.train import main
-    sys.exit(main(sys.argv[3:]))
-""")
+    sys.exit(main(argv))
 
 
 @pytest.mark.parametrize("point,resume", [("weights", "run folder"), ("torch.save", "checkpoint"),
@@ -182,10 +181,8 @@ def test_kill_during_a_save_resumes_to_the_uninterrupted_weights(tmp_path, tiny_
     config = _config(tmp_path, tiny_sd3_path, max_epochs=3)
     config["rewards"] = BRIGHTNESS
     path = write_config(tmp_path, config)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
-    killed = subprocess.run([sys.executable, "-c", KILLER, point, "2", str(path)], env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    code, output = call_forked(_killed_during_a_save, point, 2, [str(path)])
+    assert code == -signal.SIGKILL, output[-2000:]
     run_dir = tmp_path / "saves" / "run"
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] and not (run_dir / "checkpoints" / "epoch_2").exists()
     partial = run_dir / "checkpoints" / ".epoch_2.partial"
