@@ -1,35 +1,43 @@
-"""``trainer_type: dmd2`` through ``ff-train`` on tiny SD3 (issue 39 point 2, issue 38 point 6): two epochs of a
-few-step generator and its online fake score, each role with its own optimizer (the generator's Muon, the fake
-score's AdamW), inside the one optimisation loop; a run stopped after one epoch and resumed ends exactly where the
-straight run does, both roles' weights and optimizer states; the generator's LoRA loads in plain diffusers.
-One pair of launches serves every assertion."""
+"""``trainer_type: dmd2`` and ``tdm`` through ``ff-train`` on tiny SD3 (issue 39 points 2-3, issue 38 point 6):
+two epochs of a few-step generator and its online fake score, each role with its own optimizer (the generator's
+Muon, the fake score's AdamW), inside the one optimisation loop; a run resumed from the first epoch's checkpoint
+ends exactly where the straight run does, both roles' weights and optimizer states; the generator's LoRA loads in
+plain diffusers. One pair of launches per trainer serves every assertion. And, on a toy policy, each trainer's
+generator loss pulls towards the teacher and away from the fake score (its wiring of the roles)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers_runs import straight_and_resumed
+from flow_factory.algorithms import make_algorithm
+from flow_factory.config import parse_config
+from flow_factory.dynamics import ODE
+from flow_factory.train import main
+
+from helpers_runs import write_config
 from test_roles import dmd2_config
 
 TTUR = 2
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_pipeline):
-    model = tiny_pipeline("sd3-5")
-
-    def make(folder, epochs):
-        config = dmd2_config(folder, model, [{"name": "generator", "optimizer": "muon", "learning_rate": 1e-3},
-                                             {"name": "fake", "learning_rate": 2e-3, "betas": [0.0, 0.999]}],
-                             max_epochs=epochs, ttur_fake_updates=TTUR, unique_sample_num_per_epoch=2,
-                             real_guidance_scale=2.0, ema_decay=0)
-        config["log"] |= {"logging_backend": "none", "save_freq": 1}
-        return config
-
-    straight, resumed = straight_and_resumed(tmp_path_factory.mktemp("dmd2"), make, epochs=2, stop_after=1)
-    return model, straight / "checkpoints" / "epoch_2", resumed / "checkpoints" / "epoch_2"
+@pytest.fixture(scope="module", params=["dmd2", "tdm"])
+def runs(request, tmp_path_factory, tiny_pipeline):
+    """A straight run of 2 epochs (saving each), and one resumed from its first epoch's checkpoint."""
+    model, tmp = tiny_pipeline("sd3-5"), tmp_path_factory.mktemp(request.param)
+    config = dmd2_config(tmp, model, [{"name": "generator", "optimizer": "muon", "learning_rate": 1e-3},
+                                      {"name": "fake", "learning_rate": 2e-3, "betas": [0.0, 0.999]}],
+                         trainer_type=request.param, max_epochs=2, ttur_fake_updates=TTUR,
+                         unique_sample_num_per_epoch=2, real_guidance_scale=2.0, ema_decay=0)
+    config["eval"]["eval_freq"] = 0
+    config["log"] |= {"logging_backend": "none", "save_freq": 1}
+    assert main([str(write_config(tmp, config))]) == 0
+    straight = tmp / "saves" / "run" / "checkpoints"
+    config["log"]["run_name"], config["model"]["resume_path"] = "resumed", str(straight / "epoch_1")
+    assert main([str(write_config(tmp, config, "resumed.yaml"))]) == 0
+    return model, straight / "epoch_2", tmp / "saves" / "resumed" / "checkpoints" / "epoch_2"
 
 
 def _same(a, b):
@@ -66,7 +74,7 @@ def test_each_role_trains_with_its_own_optimizer_in_its_phase(runs):
     assert state["global_step"] == 2  # the generator's steps are the run's
     for record in state["history"]:
         assert record["train/skipped_updates"] == record["train/fake/skipped_updates"] == 0
-        for key in ("train/dmd_loss", "train/fake/fake_score_loss", "train/grad_norm", "train/fake/grad_norm"):
+        for key in ("train/loss", "train/fake/fake_score_loss", "train/grad_norm", "train/fake/grad_norm"):
             assert 0 < record[key] < float("inf"), key
     # the generator's and the fake score's adapters trained apart
     generator_lora = load_file(straight / "pytorch_lora_weights.safetensors")
@@ -86,3 +94,48 @@ def test_the_generators_lora_loads_in_plain_diffusers(runs):
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=pipe.transformer.active_adapters()[0])
     saved = load_file(straight / "pytorch_lora_weights.safetensors")
     _same({k: v.float() for k, v in loaded.items()}, {k.removeprefix("transformer."): v for k, v in saved.items()})
+
+
+class ToyPolicy:
+    """Velocities that are constants: the generator's ``theta`` (trained), the teacher's ``real``, the fake
+    score's ``fake``; the batch's role is the active one, as ``trainer/roles.RolePolicy`` makes it."""
+
+    def __init__(self, real: float, fake: float):
+        self.theta, self.real, self.fake = torch.zeros((), requires_grad=True), real, fake
+
+    def velocity(self, x, sigma, cond, guidance_scale=None):
+        return self.theta.expand_as(x)
+
+    def reference_velocity(self, x, sigma, cond, guidance_scale=None):
+        return torch.full_like(x, self.real)
+
+    def role_velocity(self, role, x, sigma, cond, guidance_scale=1.0):
+        return torch.full_like(x, self.fake) if role == "fake" else self.theta.detach().expand_as(x)
+
+
+@pytest.mark.parametrize("name", ["dmd2", "tdm"])
+@pytest.mark.parametrize("real, fake", [(0.0, 1.0), (1.0, -0.5)])
+def test_the_generator_moves_towards_the_teacher_and_away_from_the_fake_score(tmp_path, tiny_sd3_path, name, real,
+                                                                              fake):
+    """With x0 = x_k - sigma_k theta and the scores' clean predictions x_t - sigma_t v, the correction
+    x0_real - x0_fake is sigma_t (fake - real): descending the loss must raise x0 when it is positive, i.e.
+    dL/dtheta has the sign of fake - real."""
+    cfg = parse_config(dmd2_config(tmp_path, tiny_sd3_path, trainer_type=name, num_inference_steps=3,
+                                   use_huber=False) if name == "tdm" else
+                       dmd2_config(tmp_path, tiny_sd3_path, num_inference_steps=3)).train
+    algorithm = make_algorithm(name, cfg, ODE())
+    states = torch.randn(4, 4, 2, 3, generator=torch.Generator().manual_seed(0))  # (N, K + 1, *latent)
+    rollouts = SimpleNamespace(sigmas=torch.tensor([1.0, 0.7, 0.3, 0.0]), cond={"text": torch.arange(4)},
+                               latents_at=lambda idx, step: states[idx, step])
+    units = torch.tensor([[1], [3]])
+    batch, = algorithm.micro_batches(rollouts, torch.zeros(4), units, torch.Generator().manual_seed(1))
+    if name == "tdm":  # every transition of each sample, a query level inside its stage
+        assert len(batch.x) == 6 and batch.cond["text"].tolist() == [1, 3] * 3
+        assert ((batch.sigma_next < batch.sigma_t) & (batch.sigma_t < batch.sigma)).all()
+    policy = ToyPolicy(real, fake)
+    loss, metrics = algorithm.loss(policy, batch)
+    loss.backward()
+    assert torch.sign(policy.theta.grad) == (1 if fake > real else -1)
+    fake_batch, = algorithm.micro_batches(rollouts, torch.zeros(4), units, torch.Generator().manual_seed(1),
+                                          role="fake")
+    assert fake_batch.role == "fake"

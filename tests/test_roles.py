@@ -17,8 +17,8 @@ from helpers_runs import tiny_run_config
 
 
 def dmd2_config(tmp, model_path, optimizers=None, **train) -> dict:
-    config = tiny_run_config(tmp, "sd3-5", model_path, trainer_type="dmd2", num_inference_steps=2, group_size=1,
-                             guidance_scale=1.0, **train)
+    train = {"trainer_type": "dmd2", "num_inference_steps": 2, "group_size": 1, "guidance_scale": 1.0, **train}
+    config = tiny_run_config(tmp, "sd3-5", model_path, **train)
     config["scheduler"] = {"dynamics_type": "ODE"}
     del config["rewards"]
     if optimizers is not None:
@@ -111,6 +111,11 @@ def test_tdm_r1s_per_role_defaults_are_upstreams(tmp_path, tiny_sd3_path):
     ({"model.finetune_type": "full"}, "model.finetune_type: dmd2's roles are LoRA adapters"),
     ({"train.ttur_fake_updates": 0}, "ttur_fake_updates"),
     ({"scheduler.dynamics_type": "Flow-SDE"}, "scheduler.dynamics_type: dmd2 replays deterministic ODE"),
+    ({"train.use_huber": False}, "train: use_huber are tdm's; dmd2 does not use them"),
+    ({"train.trainer_type": "tdm", "train.tdm_query_distribution": "source_uniform"},
+     "tdm_query_distribution: source_uniform"),
+    ({"train.trainer_type": "tdm", "train.tdm_query_interval": "reverse", "train.tdm_query_max_sigma": 0},
+     "tdm_query_max_sigma"),
 ])
 def test_what_the_roles_cannot_take_is_a_config_error(tmp_path, tiny_sd3_path, change, message):
     config = dmd2_config(tmp_path, tiny_sd3_path)

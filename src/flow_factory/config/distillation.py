@@ -1,6 +1,7 @@
-"""What the torch-free config will know of the few-step distillation trainers (issue 39): DMD2, TDM
-and TDM-R1, with Flow-Factory's keys and defaults. NOT registered yet: ``config/train.py``'s
-``ALGORITHM_SPECS`` and the trainer come with the roles / per-role optimisers integration.
+"""What the torch-free config knows of the few-step distillation trainers (issue 39): DMD2, TDM and TDM-R1,
+with Flow-Factory's keys and defaults. ``dmd2`` and ``tdm`` are registered (``config/train.py``'s
+``ALGORITHM_SPECS``; their trainers ``algorithms/distillation/trainers.py``, their roles ``trainer/roles.py``);
+``tdm-r1`` is described here, not yet a trainer type.
 
 Each ``DistillationSpec`` names its trainable roles (each with upstream's default optimiser when a
 config gives no ``optimizers`` entry for it), the frozen ``reference`` (the teacher), the phases of
@@ -292,6 +293,9 @@ def distillation_contradictions(cfg) -> list[str]:
                    "not built; use bf16 or no")
     if train.reward_optimization_overlap:
         out.append(f"train.reward_optimization_overlap: {name} trains on no reward; use false")
+    if getattr(train, "tdm_query_distribution", None) == "source_uniform":
+        out.append("train.tdm_query_distribution: source_uniform draws in the rollout's unshifted schedule, whose "
+                   "flow shift the loss does not see here yet; use actual_uniform or conditional_logit_normal")
     if train.rollout_cache != "none":
         out.append(f"train.rollout_cache: {name} trains the generator on its own rollout's states, which a lossy "
                    "cache would change; use none")

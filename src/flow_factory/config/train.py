@@ -54,6 +54,9 @@ ALGORITHM_SPECS = {spec.name: spec for spec in (
     AlgorithmSpec("offline-dpo", "offline", "dpo:OfflineDPO", defaults=_LOGIT_NORMAL_ONE_STEP, time_shift=1.0),
     AlgorithmSpec("dmd2", "distillation", "flow_factory.algorithms.distillation.trainers:DMD2",
                   keys=DISTILLATION_SPECS["dmd2"].keys, defaults={"num_train_timesteps": 1, "group_size": 1}),
+    AlgorithmSpec("tdm", "distillation", "flow_factory.algorithms.distillation.trainers:TDM",
+                  keys=DISTILLATION_SPECS["tdm"].keys,
+                  defaults={"num_train_timesteps": 1, "group_size": 1, "num_inference_steps": 4}),
 )}
 TRAINER_TYPES = tuple(ALGORITHM_SPECS)
 COUPLED_TRAINER_TYPES = tuple(n for n, a in ALGORITHM_SPECS.items() if a.family == "coupled")
@@ -141,8 +144,8 @@ def parse_decay(schedule: str | int) -> tuple[int, float, float, float]:
 class TrainConfig(Section):
     trainer_type: Literal[TRAINER_TYPES] = setting(
         "grpo", "algorithm: grpo, grpo-guard, dppo (coupled, SDE rollouts), nft, awm, dpo, dgpo, crd (decoupled, "
-        "any dynamics), sft, offline-dpo (from a dataset's images: schema_version 2 records, no rewards), or dmd2 "
-        "(a few-step generator distilled from the frozen model, with an online fake score; ODE rollouts)")
+        "any dynamics), sft, offline-dpo (from a dataset's images: schema_version 2 records, no rewards), dmd2 "
+        "and tdm (a few-step generator distilled from the frozen model, with an online fake score; ODE rollouts)")
     resolution: int | list[int] = setting(512, "image size, an int or [height, width]",
                                           expects="an integer or [height, width]")
     num_frames: PositiveInt | None = setting(None, "frames per video (video models only; Wan needs 4k + 1); "
@@ -204,21 +207,37 @@ class TrainConfig(Section):
         "over) or by sqrt(max(1, rows / columns)) (original, Keller Jordan's)")
     max_grad_norm: float = setting(1.0, "clip the gradient's global norm to this", gt=0)
     role_optimizers: list[dict] = setting(
-        default_factory=list, description="dmd2: one optimizer per trainable role (generator, fake), Flow-Factory's "
+        default_factory=list, description="dmd2, tdm: one optimizer per trainable role (generator, fake), Flow-Factory's "
         "top-level optimizers: list read here: [{name: <role>, optimizer, learning_rate, betas, weight_decay, eps, "
         "max_grad_norm, muon_*}]; a role without an entry takes Flow-Factory's default for it (learning_rate, "
         "betas) and this section's other optimizer keys")
     ttur_fake_updates: PositiveInt = setting(
-        5, "dmd2: fake-score optimizer steps before each generator step (the two time-scale update rule)")
+        5, "dmd2, tdm: fake-score optimizer steps before each generator step (the two time-scale update rule)")
     perturbation_timestep_range: list[float] = setting(
         default_factory=lambda: [0.02, 0.98], description="dmd2: the sigma range, in [0, 1], the generator's "
-        "samples are re-noised in for the fake score's loss and the scores' queries", expects="[lower, upper]")
+        "samples are re-noised in for the fake score's loss and the scores' queries (tdm accepts it and queries "
+        "inside each stage instead)", expects="[lower, upper]")
     real_guidance_scale: float | None = setting(
-        None, "dmd2: the CFG scale of the frozen teacher's score; null = guidance_scale", ge=1)
-    replay_rtol: float = setting(1e-4, "dmd2: Flow-Factory's tolerance of its rollout replay; read and checked, "
+        None, "dmd2, tdm: the CFG scale of the frozen teacher's score; null = guidance_scale", ge=1)
+    replay_rtol: float = setting(1e-4, "dmd2, tdm: Flow-Factory's tolerance of its rollout replay; read and checked, "
                                  "but nothing is replayed here (the generator's step is recomputed from the "
                                  "rollout's own state)", ge=0)
-    replay_atol: float = setting(1e-4, "dmd2: as replay_rtol, the absolute tolerance", ge=0)
+    replay_atol: float = setting(1e-4, "dmd2, tdm: as replay_rtol, the absolute tolerance", ge=0)
+    use_huber: bool = setting(True, "tdm: the generator's revised-x0 loss is pseudo-Huber (else squared)")
+    huber_c: float = setting(1e-3, "tdm: the pseudo-Huber loss's c, sqrt(d^2 + c^2) - c", gt=0)
+    tdm_snr_gamma: float = setting(5.0, "tdm: the fake score's loss weight min(SNR, gamma)", gt=0)
+    tdm_importance_clip: float = setting(
+        20.0, "tdm: the fake score's importance ratio (the re-noising's mixed noise against a fresh Gaussian) is "
+        "clipped to [1/c, c]", gt=0)
+    tdm_query_interval: Literal["trajectory", "reverse"] = setting(
+        "trajectory", "tdm: where a transition's scores are queried: inside its stage (sigma_{k+1}, sigma_k), or "
+        "reverse: (sigma_{k+1}, tdm_query_max_sigma)")
+    tdm_query_distribution: Literal["actual_uniform", "conditional_logit_normal", "source_uniform"] = setting(
+        "actual_uniform", "tdm: how the query level is drawn in its interval: uniform in sigma, or a logit-normal "
+        "truncated to it (source_uniform, uniform in the unshifted schedule, is not built here)")
+    tdm_query_max_sigma: float = setting(1.0, "tdm: the upper end of the reverse query interval", gt=0, le=1)
+    tdm_query_logit_mean: float = setting(0.0, "tdm: conditional_logit_normal's mean")
+    tdm_query_logit_std: float = setting(1.0, "tdm: conditional_logit_normal's standard deviation", gt=0)
     max_nonfinite_in_a_row: NonNegativeInt = setting(
         3, "a NaN / inf reward, advantage or gradient norm skips its update; this many skips in a row "
         "stop the run (0 = stop at the first)")

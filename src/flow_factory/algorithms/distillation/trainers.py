@@ -1,4 +1,4 @@
-"""The distillation trainers over the shared loop (``train.trainer_type: dmd2``): what their rollouts keep, the
+"""The distillation trainers over the shared loop (``train.trainer_type: dmd2``, ``tdm``): what their rollouts keep, the
 micro-batches of each role's phase, and each role's loss. The maths is in this package's other files; the roles
 (LoRA adapters beside the generator's, each with its optimizer) are ``trainer/roles.py``'s.
 
@@ -33,6 +33,8 @@ from ..base import Algorithm, RolloutsLike
 from .dmd2 import dmd2_generator_loss, sample_boundary_index
 from .fake_score import fake_score_loss, sample_perturbation_sigma
 from .flow import add_noise, clean_from_velocity
+from .tdm import (conditional_renoise, query_interval, sample_query_sigma, student_prediction, tdm_fake_loss,
+                  tdm_generator_loss)
 
 
 @dataclass
@@ -93,3 +95,73 @@ class DMD2(Algorithm):
         loss = dmd2_generator_loss(x0_gen, x0_real, x0_fake)
         gap = (x0_fake - x0_real).float().pow(2).mean()
         return loss, {"dmd_loss": loss.detach(), "fake_real_gap": gap.detach()}
+
+
+@dataclass
+class TransitionBatch:
+    """TDM's micro-batch: every transition ``k`` of the chosen samples' rollouts, one row each (rows of one
+    sample at its K transitions; the loss is a mean over rows, so K micro-batches of B rows or one of K B rows
+    give one gradient): the rollout's state ``x`` at ``sigma`` (``sigma_k``), the stage's end ``sigma_next``,
+    the query level ``sigma_t`` and the fresh noise of the conditional re-noising."""
+
+    role: str
+    x: Tensor  # (R, *latent)
+    sigma: Tensor  # (R,)
+    sigma_next: Tensor  # (R,)
+    sigma_t: Tensor  # (R,)
+    fresh: Tensor  # (R, *latent)
+    advantages: Tensor  # (R,) unused
+    cond: Conditioning
+    parts: int = 1
+
+
+class TDM(DMD2):
+    """TDM (arXiv:2503.06674) as Flow-Factory's ``trainers/distillation/tdm.py`` (X-GenGroup 15932582) trains it:
+    DMD2's roles and phases, every transition of the student's rollout in each step (``tdm.py``'s docstring
+    has the maths). Per transition, from the rollout's state ``x_k``: the student's clean prediction and its
+    noise, a query level ``sigma_t`` in the stage (``tdm_query_interval``, ``tdm_query_distribution``), the
+    conditional re-noising of the stage's end to ``sigma_t``; the fake score regresses the student's clean
+    prediction there (SNR-weighted, importance-corrected), the student is revised by the teacher's minus the
+    fake score's clean predictions (squared or pseudo-Huber)."""
+
+    name = "tdm"
+
+    def micro_batches(self, rollouts: RolloutsLike, advantages: Tensor, units: Tensor,
+                      generator: torch.Generator, role: str = GENERATOR) -> Iterator[TransitionBatch]:
+        cfg, idx = self.cfg, units[:, 0]
+        n, steps = len(idx), len(rollouts.sigmas) - 1
+        sigmas = rollouts.sigmas.float().cpu()
+        k = torch.arange(steps).repeat_interleave(n)  # transition of each row; samples within a transition
+        rows = idx.repeat(steps)
+        lower, upper = query_interval(sigmas[k + 1], sigmas[k], cfg.tdm_query_interval, cfg.tdm_query_max_sigma)
+        sigma_t = sample_query_sigma(lower, upper, cfg.tdm_query_distribution, logit_mean=cfg.tdm_query_logit_mean,
+                                     logit_std=cfg.tdm_query_logit_std, generator=generator)
+        x = torch.cat([rollouts.latents_at(idx, step) for step in range(steps)])
+        fresh = torch.randn(x.shape, generator=generator, dtype=torch.float32)
+        device = x.device
+        yield TransitionBatch(role=role, x=x, sigma=sigmas[k].to(device), sigma_next=sigmas[k + 1].to(device),
+                              sigma_t=sigma_t.to(device), fresh=fresh.to(device), advantages=advantages[rows],
+                              cond=index_cond(rollouts.cond, rows))
+
+    def loss(self, policy, batch: TransitionBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        cfg = self.cfg
+        if batch.role == "fake":  # the student's prediction without gradients: it is not the active role
+            v = policy.role_velocity(GENERATOR, batch.x, batch.sigma, batch.cond, cfg.loss_guidance_scale)
+        else:
+            v = policy.velocity(batch.x, batch.sigma, batch.cond)  # at the rollout's own guidance
+        x0, noise = student_prediction(batch.x, v, batch.sigma)
+        x_t, _, importance = conditional_renoise(x0, noise, batch.sigma_next, batch.sigma_t,
+                                                 cfg.tdm_importance_clip, fresh=batch.fresh)
+        if batch.role == "fake":
+            v_fake = policy.velocity(x_t, batch.sigma_t, batch.cond, guidance_scale=1.0)
+            loss = tdm_fake_loss(clean_from_velocity(x_t, v_fake, batch.sigma_t), x0, batch.sigma_t, importance,
+                                 cfg.tdm_snr_gamma)
+            return loss, {"fake_score_loss": loss.detach(), "importance_mean": importance.mean()}
+        real_scale = cfg.real_guidance_scale or cfg.guidance_scale
+        x0_real = clean_from_velocity(x_t, policy.reference_velocity(x_t, batch.sigma_t, batch.cond,
+                                                                     guidance_scale=real_scale), batch.sigma_t)
+        x0_fake = clean_from_velocity(x_t, policy.role_velocity("fake", x_t, batch.sigma_t, batch.cond),
+                                      batch.sigma_t)
+        loss = tdm_generator_loss(x0, x0_real, x0_fake, cfg.use_huber, cfg.huber_c)
+        gap = (x0_fake - x0_real).float().pow(2).mean()
+        return loss, {"tdm_loss": loss.detach(), "fake_real_gap": gap.detach()}
