@@ -139,12 +139,18 @@ def test_a_launch_whose_process_fails_ends_with_that_process_s_own_error_once(tm
 
 
 def test_a_launch_whose_processes_fail_alike_reports_it_once(tmp_path, tiny_sd3_path):
+    """The launch forked (helpers_launch: the same launcher and records, without fresh interpreters); the
+    test above launches for real."""
+    from helpers_launch import ff_train_forked
+
     write_dataset(tmp_path / "data")
     config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path)
     (tmp_path / "saves" / "run").mkdir(parents=True)
     (tmp_path / "saves" / "run" / "history.json").write_text("[]")  # a run is there: both processes refuse
-    code, lines = ff_train([str(write_config(tmp_path, config)), "--num_processes", "2",
-                            "--main_process_port", str(_free_port())], {"OMP_NUM_THREADS": "1"}, timeout=300)
+    (out, err), code = ff_train_forked([str(write_config(tmp_path, config)), "--num_processes", "2",
+                                        "--main_process_port", str(_free_port())],
+                                       {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    lines = (out + err).strip().splitlines()
     assert code == 2
     assert lines[-1].startswith(f"ff-train: error: log.run_name: {tmp_path}/saves/run already holds a run"), lines
     assert sum("already holds a run" in line for line in lines) == 1, lines
