@@ -52,15 +52,13 @@ def test_public_transformers_at_their_makers_figures(hub_id, public, within):
 FAMILIES = [("tiny_sd3_path", "sd3-5", 64, None, 4.5), ("tiny_flux_path", "flux1", 64, None, 3.5),
             ("tiny_wan_path", "wan2_t2v", 32, 5, 5.0), ("tiny_qwen_image_path", "qwen-image", 64, None, 4.0),
             ("tiny_z_image_path", "z-image", 64, None, 0.0), ("tiny_flux2_path", "flux2", 64, None, 4.0),
-            pytest.param("tiny_hunyuan_video15_path", "hunyuanvideo15", 32, 5, 6.0, marks=pytest.mark.xfail(
-                reason="HunyuanVideo-1.5's transformer reads its masks' values (.item()), which meta tensors lack",
-                strict=True)),
+            ("tiny_hunyuan_video15_path", "hunyuanvideo15", 32, 5, 6.0),
             ("tiny_ltx2_path", "ltx2_t2av", 32, 9, 4.0)]
 
 
-def real_text_tokens(cond: dict) -> int | None:
-    mask = cond.get("prompt_embeds_mask")
-    return int(mask.sum(1).max()) if mask is not None else None
+def real_text_tokens(cond: dict) -> dict[str, int]:
+    """The real tokens of each positive mask of ``cond``, for the plan's conditioning."""
+    return {key: int(mask.sum(1).max()) for key, mask in cond.items() if key.startswith("prompt_embeds_mask")}
 
 
 @pytest.mark.parametrize("fixture, model_type, size, frames, scale", FAMILIES)
@@ -151,6 +149,48 @@ def test_training_micro_batch_memory_within_a_quarter_of_the_measured(request, f
         training = planned[checkpointing].memory("multi_gpu")["training"]
         figure = training["activations"] + training["gradients"] + training["optimizer state"]
         assert abs(figure - measured) / measured < 0.25, (checkpointing, figure, measured)
+
+
+def deeper(folder, tmp_path, **layers):
+    """The configs of the tiny pipeline ``folder`` with its transformer's stacks deeper (``layers``: config keys),
+    all the planner reads (no weights)."""
+    import shutil
+
+    copy = tmp_path / folder.name
+    shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    config = copy / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **layers}))
+    return copy
+
+
+@pytest.mark.parametrize("fixture, model_type, layers, groups, cases", [
+    # two stacks; the text branch of the last double-stream block feeds nothing: a training micro-batch, with and
+    # without checkpointing
+    ("tiny_flux_path", "flux1", {"num_layers": 4, "num_single_layers": 4}, [4, 4], [(True, False), (True, True)]),
+    # the last block differs (no text output), not scaled; a sampling call (its peak does not grow with depth)
+    ("tiny_sd3_path", "sd3-5", {"num_layers": 5}, [4], [(False, False), (True, True)]),
+])
+def test_a_call_measured_on_a_few_blocks_is_the_whole_calls(request, tmp_path, fixture, model_type, layers, groups,
+                                                             cases):
+    """Scaled from stacks cut to 2 and 3 blocks (plan/blocks.py), a call (LoRA) counts the whole model's FLOPs and
+    gradients exactly, and its peak within 1 %."""
+    from flow_factory.plan.blocks import measure_scaled, repeated_groups
+    from flow_factory.plan.build import make_trainable
+
+    path = deeper(request.getfixturevalue(fixture), tmp_path, **layers)
+    adapter = build_pipeline(model_type, str(path), torch.float32).adapter
+    cfg = parse_config({"model": {"model_name_or_path": str(path), "model_type": model_type, "lora_rank": 4},
+                        "data": {"dataset_dir": str(path)}, "rewards": [{"reward_model": "jpeg_compressibility"}]})
+    make_trainable(adapter, cfg, torch.float32)
+    assert [len(g.blocks) for g in repeated_groups(adapter.transformers)] == groups
+    cond, latents = conditioning(adapter, 2, 4.0, 64, 64), torch.zeros(2, *adapter.latent_shape(64, 64))
+    for train, checkpointing in cases:
+        if checkpointing:
+            adapter.transformer.enable_gradient_checkpointing()
+        call = lambda: measure_velocity(adapter, latents, 0.9, cond, 4.0, train)  # noqa: E731
+        scaled, whole = measure_scaled(call, adapter.transformers), call()
+        assert (scaled.flops, scaled.gradients) == (whole.flops, whole.gradients) and whole.flops > 0
+        assert abs(scaled.peak - whole.peak) <= 0.01 * whole.peak, (train, checkpointing, scaled.peak, whole.peak)
 
 
 def test_a_config_over_its_gpu_gets_the_change_that_fits_with_its_figures(tiny_sd3_path, monkeypatch):

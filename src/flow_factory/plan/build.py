@@ -19,6 +19,7 @@ from ..config.base import resolution_pair
 from ..config.train import COUPLED_TRAINER_TYPES
 from ..precision import Precision
 from . import memory
+from .blocks import measure_scaled
 from .conditioning import conditioning
 from .gpus import GPUS, UTILISATION
 from .measure import Measured, measure_call, measure_velocity
@@ -140,7 +141,7 @@ def reward_models(cfg, notes: list[str]) -> tuple[int, list]:
 
 
 def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: str = "cuda",
-              text_tokens: int | None = None, utilisation: float = UTILISATION,
+              text_tokens: int | dict[str, int] | None = None, utilisation: float = UTILISATION,
               calls: dict[str, Measured] | None = None) -> Plan:
     """The plan of ``cfg`` on ``num_processes`` (the config's by default) GPUs of kind ``gpu``; ``device``
     "cpu" plans a CPU run (float32, as ``precision.run_mixed_precision`` makes it). ``calls``: measured calls
@@ -158,9 +159,10 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
 
     def call(rows: int, scale: float, grad: bool) -> Measured:
         cond = conditioning(adapter, rows, scale, height, width, frames, condition_size, text_tokens)
-        return unless_values_read(lambda: measure_velocity(adapter, torch.zeros(rows, *latent), 0.9 if grad else 1.0,
-                                                           cond, scale, grad, precision.autocast_dtype),
-                                  f"{'training' if grad else 'sampling'} call", notes)
+        return unless_values_read(lambda: measure_scaled(
+            lambda: measure_velocity(adapter, torch.zeros(rows, *latent), 0.9 if grad else 1.0, cond, scale, grad,
+                                     precision.autocast_dtype), adapter.transformers),
+            f"{'training' if grad else 'sampling'} call", notes)
 
     b = train.per_device_batch_size
     per_call = cfg.trained_steps_per_sample if train.steps_per_call == "all" else train.steps_per_call
@@ -210,9 +212,9 @@ def denoisers(adapter, trained: dict[str, int], precision: Precision, training: 
 
 
 def unless_values_read(measure, what: str, notes: list[str]) -> Measured:
-    """``measure()``, or nothing measured (0 FLOPs, 0 bytes) with a note where the code reads a tensor's values,
-    which meta tensors do not hold: LTX-2's video processor in its decode, HunyuanVideo-1.5's transformer (its
-    masks, ``.item()`` and boolean indexing)."""
+    """``measure()``, or nothing measured (0 FLOPs, 0 bytes) with a note where the code reads values that meta
+    tensors do not hold and ``KnownValues`` does not keep either (computed from the weights, or larger than its
+    limit: plan/values.py); HunyuanVideo-1.5's masks it keeps."""
     try:
         return measure()
     except Exception as err:

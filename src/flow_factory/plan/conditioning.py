@@ -6,7 +6,9 @@ width its transformer's config takes, the negative branch where ``uses_cfg``, a 
 latents. tests/test_plan.py checks every family's against its adapter's real ``encode`` on the tiny
 pipelines. Models whose prompts keep their own lengths (Qwen-Image, Z-Image, HunyuanVideo-1.5,
 Qwen-Image-Edit-Plus) pad them to that length and call the transformer on the real tokens only: the plan
-takes them all real (an upper bound) unless told ``text_tokens``. Masks are real tensors with real values,
+takes them all real (an upper bound) unless told ``text_tokens``: one count for every mask, or a count per
+mask key (HunyuanVideo-1.5's ByT5 glyphs, ``prompt_embeds_mask_2``, are a prompt's quoted text only: none
+for most prompts, all 256 in the bound). Masks are real tensors with real values,
 since those adapters read them (``trim_text``); everything else is zeros.
 """
 
@@ -26,11 +28,17 @@ def _mask(n: int, length: int, real: int, dtype=torch.bool) -> torch.Tensor:
     return mask
 
 
-def _text(adapter: FlowAdapter, n: int, text_tokens: int | None) -> Conditioning:
+def _real(text_tokens: int | dict[str, int] | None, key: str, length: int) -> int:
+    """The real tokens of mask ``key`` of ``length``: ``text_tokens``' (its entry for ``key``), or all."""
+    tokens = text_tokens.get(key) if isinstance(text_tokens, dict) else text_tokens
+    return length if tokens is None else min(tokens, length)
+
+
+def _text(adapter: FlowAdapter, n: int, text_tokens: int | dict[str, int] | None) -> Conditioning:
     """The positive branch's text conditioning of ``n`` prompts."""
     config, kind = adapter.transformer.config, adapter.model_type
     length = adapter.max_sequence_length
-    real = min(text_tokens or length, length)
+    real = _real(text_tokens, "prompt_embeds_mask", length)
     if kind == "sd3-5":
         return {"prompt_embeds": torch.zeros(n, 77 + length, config.joint_attention_dim),
                 "pooled_prompt_embeds": torch.zeros(n, config.pooled_projection_dim)}
@@ -51,7 +59,7 @@ def _text(adapter: FlowAdapter, n: int, text_tokens: int | None) -> Conditioning
         return {"prompt_embeds": torch.zeros(n, length, config.text_embed_dim),
                 "prompt_embeds_mask": _mask(n, length, real),
                 "prompt_embeds_2": torch.zeros(n, glyphs, config.text_embed_2_dim),
-                "prompt_embeds_mask_2": _mask(n, glyphs, min(real, glyphs))}
+                "prompt_embeds_mask_2": _mask(n, glyphs, _real(text_tokens, "prompt_embeds_mask_2", glyphs))}
     if kind == "ltx2_t2av":
         width = adapter.pipeline.connectors.config.caption_channels  # the connectors' output, both modalities
         return {"prompt_embeds": torch.zeros(n, length, width), "audio_prompt_embeds": torch.zeros(n, length, width),
@@ -90,7 +98,7 @@ def _conditions(adapter: FlowAdapter, n: int, height: int, width: int, num_frame
 
 def conditioning(adapter: FlowAdapter, n: int, guidance_scale: float, height: int, width: int,
                  num_frames: int | None = None, condition_size: tuple[int, int] | None = None,
-                 text_tokens: int | None = None) -> Conditioning:
+                 text_tokens: int | dict[str, int] | None = None) -> Conditioning:
     """The conditioning of ``n`` samples as ``encode`` (with the negative branch where ``uses_cfg``) and
     ``encode_conditions`` give it."""
     cond = _text(adapter, n, text_tokens)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
+
+from .values import KnownValues
 
 aten = torch.ops.aten
 
@@ -176,8 +178,8 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
         k, v = (x.repeat_interleave(q.shape[-3] // x.shape[-3], dim=-3) for x in (k, v))
     if attn_mask is None:
         return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
-    if attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, -torch.inf)
+    if attn_mask.dtype == torch.bool:  # as torch's convert_boolean_attn_mask makes the kernel's bias: filled in place
+        attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill_(attn_mask.logical_not(), -torch.inf)
     bias = attn_mask.to(q.dtype).expand(*q.shape[:-1], k.shape[-2])
     return aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal, scale=scale)[0]
 
@@ -253,6 +255,18 @@ def adapter_on_cpu(adapter):
         adapter.device, adapter.callers = saved
 
 
+def values_if_read(measure) -> "Measured":
+    """``measure(values)`` with ``values`` a null context; where the code reads a value that meta tensors lack
+    (``item()``, a boolean index: a ``RuntimeError``), once more with ``KnownValues`` (plan/values.py), which
+    keeps the values of the small tensors computed from the inputs (HunyuanVideo-1.5's masks). Not always
+    with it: it costs a quarter of a tiny call's time (every operator's inputs looked at), and most networks
+    read nothing. An error that is not about values comes back from the second call."""
+    try:
+        return measure(nullcontext())
+    except RuntimeError:
+        return measure(KnownValues())
+
+
 def measure_velocity(adapter, latents: torch.Tensor, sigma: float, cond: dict, guidance_scale: float,
                      train: bool, autocast: torch.dtype | None = None) -> Measured:
     """One ``adapter.velocity`` call: with ``train``, forward and backward of a loss on it, as a training
@@ -260,30 +274,37 @@ def measure_velocity(adapter, latents: torch.Tensor, sigma: float, cond: dict, g
     leaves out the trained parameters' gradients; it counts the parameters that got one (not every trained
     one does: the text branch of a double-stream model's last block feeds no output), which alone get
     gradients and optimizer state in a run."""
-    start, tracker = time.perf_counter(), PeakBytes()
     trained = [p for module in adapter.transformers.values() for p in module.parameters() if p.requires_grad]
-    hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.gradient(p.grad)) for p in trained] if train else []
-    try:
-        with adapter_on_cpu(adapter), torch.set_grad_enabled(train), fused_attention_on_meta(), autocast_on_meta(autocast), \
-                CallFlops() as counter, tracker:
-            sigmas = torch.full((len(latents),), float(sigma))
-            v = adapter.velocity(latents, sigmas, cond, guidance_scale)
-            if train:
-                v.float().square().mean().backward()
-            del v
-    finally:
-        for hook in hooks:
-            hook.remove()
-    gradients = {name: sum(p.numel() for p in module.parameters() if p.requires_grad and p.grad is not None)
-                 for name, module in adapter.transformers.items()}
-    for p in trained:
-        p.grad = None
-    return Measured(counter.get_total_flops(), tracker.peak, time.perf_counter() - start, gradients)
+
+    def measure(values) -> Measured:
+        start, tracker = time.perf_counter(), PeakBytes()
+        hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.gradient(p.grad)) for p in trained] \
+            if train else []
+        try:
+            with adapter_on_cpu(adapter), torch.set_grad_enabled(train), fused_attention_on_meta(), \
+                    autocast_on_meta(autocast), CallFlops() as counter, tracker, values:
+                sigmas = torch.full((len(latents),), float(sigma))
+                v = adapter.velocity(latents, sigmas, cond, guidance_scale)
+                if train:
+                    v.float().square().mean().backward()
+                del v
+            gradients = {name: sum(p.numel() for p in module.parameters() if p.requires_grad and p.grad is not None)
+                         for name, module in adapter.transformers.items()}
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for p in trained:
+                p.grad = None
+        return Measured(counter.get_total_flops(), tracker.peak, time.perf_counter() - start, gradients)
+    return values_if_read(measure)
 
 
 def measure_call(fn, *args, autocast: torch.dtype | None = None) -> Measured:
     """A no-grad call of ``fn`` (a decode, a reward model's forward) on meta tensors."""
-    start, tracker = time.perf_counter(), PeakBytes()
-    with torch.no_grad(), fused_attention_on_meta(), autocast_on_meta(autocast), CallFlops() as counter, tracker:
-        fn(*args)
-    return Measured(counter.get_total_flops(), tracker.peak, time.perf_counter() - start)
+    def measure(values) -> Measured:
+        start, tracker = time.perf_counter(), PeakBytes()
+        with torch.no_grad(), fused_attention_on_meta(), autocast_on_meta(autocast), CallFlops() as counter, \
+                tracker, values:
+            fn(*args)
+        return Measured(counter.get_total_flops(), tracker.peak, time.perf_counter() - start)
+    return values_if_read(measure)
