@@ -21,23 +21,34 @@ from helpers_runs import write_config
 from test_roles import dmd2_config
 
 TTUR = 2
+FAKE_WEIGHTS = {"lora": "fake_lora.pt", "full": "fake_transformer.pt"}  # the fake score's, in a checkpoint
 
 
-@pytest.fixture(scope="module", params=["dmd2", "tdm"])
+@pytest.fixture(scope="module", params=[("dmd2", "lora"), ("tdm", "lora"), ("dmd2", "full")], ids="-".join)
 def runs(request, tmp_path_factory, tiny_pipeline):
-    """A straight run of 2 epochs (saving each), and one resumed from its first epoch's checkpoint."""
-    model, tmp = tiny_pipeline("sd3-5"), tmp_path_factory.mktemp(request.param)
-    config = dmd2_config(tmp, model, [{"name": "generator", "optimizer": "muon", "learning_rate": 1e-3},
-                                      {"name": "fake", "learning_rate": 2e-3, "betas": [0.0, 0.999]}],
-                         trainer_type=request.param, max_epochs=2, ttur_fake_updates=TTUR,
+    """A straight run of 2 epochs (saving each), and one resumed from its first epoch's checkpoint: the model,
+    the fine-tuning type and the two runs' last checkpoints."""
+    (trainer, finetune), model = request.param, tiny_pipeline("sd3-5")
+    tmp = tmp_path_factory.mktemp(f"{trainer}-{finetune}")
+    lr = 1e-3 if finetune == "lora" else 1e-4
+    config = dmd2_config(tmp, model, [{"name": "generator", "optimizer": "muon", "learning_rate": lr},
+                                      {"name": "fake", "learning_rate": 2 * lr, "betas": [0.0, 0.999]}],
+                         trainer_type=trainer, max_epochs=2, ttur_fake_updates=TTUR,
                          unique_sample_num_per_epoch=2, real_guidance_scale=2.0, ema_decay=0)
+    config["model"]["finetune_type"] = finetune
     config["eval"]["eval_freq"] = 0
     config["log"] |= {"logging_backend": "none", "save_freq": 1}
     assert main([str(write_config(tmp, config))]) == 0
     straight = tmp / "saves" / "run" / "checkpoints"
     config["log"]["run_name"], config["model"]["resume_path"] = "resumed", str(straight / "epoch_1")
     assert main([str(write_config(tmp, config, "resumed.yaml"))]) == 0
-    return model, straight / "epoch_2", tmp / "saves" / "resumed" / "checkpoints" / "epoch_2"
+    return model, finetune, straight / "epoch_2", tmp / "saves" / "resumed" / "checkpoints" / "epoch_2"
+
+
+def generator_weights(checkpoint) -> dict:
+    """The generator's weights as the checkpoint holds them for diffusers: its LoRA file, or its transformer/."""
+    lora = checkpoint / "pytorch_lora_weights.safetensors"
+    return load_file(lora if lora.is_file() else checkpoint / "transformer" / "diffusion_pytorch_model.safetensors")
 
 
 def _same(a, b):
@@ -56,17 +67,18 @@ def _same(a, b):
 
 
 def test_a_resumed_run_ends_with_both_roles_exactly_as_the_straight_one(runs):
-    _, straight, resumed = runs
-    _same(load_file(straight / "pytorch_lora_weights.safetensors"), load_file(resumed / "pytorch_lora_weights.safetensors"))
-    for name in ("fake_lora.pt", "fake_optimizer.pt", "optimizer.pt"):
+    _, finetune, straight, resumed = runs
+    _same(generator_weights(straight), generator_weights(resumed))
+    for name in (FAKE_WEIGHTS[finetune], "fake_optimizer.pt", "optimizer.pt"):
         _same(torch.load(straight / name, weights_only=True), torch.load(resumed / name, weights_only=True))
 
 
 def test_each_role_trains_with_its_own_optimizer_in_its_phase(runs):
-    _, straight, _ = runs
+    _, finetune, straight, _ = runs
     generator = torch.load(straight / "optimizer.pt", weights_only=True)
     fake = torch.load(straight / "fake_optimizer.pt", weights_only=True)
-    assert generator["param_groups"][0]["lr"] == 1e-3 and "momentum_buffer" in next(iter(generator["state"].values()))
+    assert generator["param_groups"][0]["lr"] == (1e-3 if finetune == "lora" else 1e-4)
+    assert any("momentum_buffer" in s for s in generator["state"].values())  # Muon's
     assert fake["param_groups"][0]["betas"] == (0.0, 0.999)
     # one generator step an epoch, TTUR fake steps before each: AdamW counts its steps
     assert {float(s["step"]) for s in fake["state"].values()} == {2.0 * TTUR}
@@ -76,23 +88,27 @@ def test_each_role_trains_with_its_own_optimizer_in_its_phase(runs):
         assert record["train/skipped_updates"] == record["train/fake/skipped_updates"] == 0
         for key in ("train/loss", "train/fake/fake_score_loss", "train/grad_norm", "train/fake/grad_norm"):
             assert 0 < record[key] < float("inf"), key
-    # the generator's and the fake score's adapters trained apart
-    generator_lora = load_file(straight / "pytorch_lora_weights.safetensors")
-    fake_lora = torch.load(straight / "fake_lora.pt", weights_only=True)
-    assert len(generator_lora) == len(fake_lora)
-    b = next(k for k in fake_lora if "lora_B" in k)
-    assert fake_lora[b].abs().max() > 0 and (fake_lora[b] - generator_lora[f"transformer.{b}"]).abs().max() > 0
+    # the generator and the fake score trained apart
+    generator, fake = generator_weights(straight), torch.load(straight / FAKE_WEIGHTS[finetune], weights_only=True)
+    prefix = "transformer." if finetune == "lora" else ""
+    assert len(generator) == len(fake)
+    key = next(k for k in fake if "lora_B" in k or "attn.to_q.weight" in k)
+    assert (fake[key] - generator[prefix + key]).abs().max() > 0
 
 
-def test_the_generators_lora_loads_in_plain_diffusers(runs):
-    from diffusers import StableDiffusion3Pipeline
+def test_the_generator_loads_in_plain_diffusers(runs):
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
     from peft.utils import get_peft_model_state_dict
 
-    model, straight, _ = runs
+    model, finetune, straight, _ = runs
+    saved = generator_weights(straight)
+    if finetune == "full":  # the user's call for a full fine-tune's transformer
+        transformer = SD3Transformer2DModel.from_pretrained(straight / "transformer")
+        _same({k: v for k, v in transformer.state_dict().items() if k in saved}, saved)
+        return
     pipe = StableDiffusion3Pipeline.from_pretrained(model)
     pipe.load_lora_weights(straight)  # the user's call; the fake score's adapter is not in the file
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=pipe.transformer.active_adapters()[0])
-    saved = load_file(straight / "pytorch_lora_weights.safetensors")
     _same({k: v.float() for k, v in loaded.items()}, {k.removeprefix("transformer."): v for k, v in saved.items()})
 
 

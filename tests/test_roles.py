@@ -3,6 +3,8 @@ time and alone with gradients, the frozen teacher the base with every adapter of
 config's ``optimizers:`` entry by role name, or upstream's default for the role; bad entries are config errors
 naming what is valid."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -31,7 +33,8 @@ def roles(tmp_path, tiny_sd3_path):
     cfg = parse_config(dmd2_config(tmp_path, tiny_sd3_path, [{"name": "generator", "optimizer": "muon",
                                                               "learning_rate": 1e-3}]))
     adapter = load_adapter("sd3-5", tiny_sd3_path)
-    roles = Roles.of(cfg, make_trainable(adapter, cfg, torch.float32), torch.float32)
+    make_trainable(adapter, cfg, torch.float32)
+    roles = Roles.of(cfg, adapter, torch.float32)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # each adapter its own visible weights (lora_B starts at 0)
         for params in roles.params.values():
@@ -108,7 +111,6 @@ def test_tdm_r1s_per_role_defaults_are_upstreams(tmp_path, tiny_sd3_path):
     ({"optimizers": [{"name": "fake", "betas": [0.9]}]}, r"optimizers\[0\].betas"),
     ({"num_processes": 2}, "num_processes: dmd2's roles"),
     ({"mixed_precision": "fp16"}, "mixed_precision: fp16"),
-    ({"model.finetune_type": "full"}, "model.finetune_type: dmd2's roles are LoRA adapters"),
     ({"train.ttur_fake_updates": 0}, "ttur_fake_updates"),
     ({"scheduler.dynamics_type": "Flow-SDE"}, "scheduler.dynamics_type: dmd2 replays deterministic ODE"),
     ({"train.use_huber": False}, "train: use_huber are tdm's; dmd2 does not use them"),
@@ -131,3 +133,44 @@ def test_several_entries_are_for_the_trainers_with_roles(tmp_path, tiny_sd3_path
     config["optimizers"] = [{"name": "generator"}, {"name": "fake"}]
     with pytest.raises(ConfigError, match="several, one per role by name, for dmd2"):
         parse_config(config)
+
+
+def test_without_lora_each_role_is_a_full_copy_and_the_teacher_the_starting_weights(tmp_path, tiny_sd3_path):
+    config = dmd2_config(tmp_path, tiny_sd3_path, [{"name": "fake", "optimizer": "muon"}])
+    config["model"]["finetune_type"] = "full"
+    cfg = parse_config(config)
+    adapter = load_adapter("sd3-5", tiny_sd3_path)
+    make_trainable(adapter, cfg, torch.float32)
+    roles = Roles.of(cfg, adapter, torch.float32)
+    base = _velocity(adapter)
+    with torch.no_grad():  # the generator and the fake score move apart from the start
+        for p in roles.params["generator"]:
+            p.add_(0.05 * torch.randn_like(p))
+        for p in roles.params["fake"]:
+            p.sub_(0.05 * torch.randn_like(p))
+    generator = _velocity(adapter)
+    policy = Roles.started(roles, SimpleNamespace(adapter=adapter, guidance_scale=1.0), "ddp", None)
+    x = adapter.initial_noise(1, 64, 64, torch.Generator().manual_seed(1))
+    cond = adapter.encode(["a red circle"], None, 1.0)
+    torch.testing.assert_close(policy.reference_velocity(x, torch.tensor(0.6), cond), base, rtol=0, atol=0)
+    with roles.active("fake"):
+        fake = _velocity(adapter, grad=True)
+        fake.pow(2).mean().backward()
+        torch.testing.assert_close(policy.role_velocity("generator", x, torch.tensor(0.6), cond), generator,
+                                   rtol=0, atol=0)
+    assert all(p.grad is not None for p in roles.params["fake"])
+    assert all(p.grad is None for p in roles.params["generator"])
+    assert (fake.detach() - generator).abs().max() > 1e-4 and (generator - base).abs().max() > 1e-4
+    torch.testing.assert_close(_velocity(adapter), generator, rtol=0, atol=0)  # the generator runs again
+    assert isinstance(roles.optimizers["fake"], MuonWithAdamW)
+    # its weights through a checkpoint's files, exactly
+    files = roles.state_files(with_optimizers=True)
+    assert set(files) == {"fake_transformer.pt", "fake_optimizer.pt"}
+    for name, state in files.items():
+        torch.save(state, tmp_path / name)
+    with torch.no_grad():
+        for p in roles.params["fake"]:
+            p.zero_()
+    roles.load(tmp_path)
+    for k, t in roles.copies["fake"].state_dict().items():
+        torch.testing.assert_close(t, files["fake_transformer.pt"][k], rtol=0, atol=0)

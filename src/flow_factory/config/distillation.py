@@ -260,7 +260,8 @@ def role_optimizers(name: str, entries: list[dict], train) -> dict[str, RoleOpti
             tuple(float(b) for b in entry.get("betas", default.betas)),
             float(entry.get("weight_decay", train.adam_weight_decay)), float(entry.get("eps", train.adam_epsilon)),
             float(entry.get("max_grad_norm", train.max_grad_norm)),
-            float(entry.get("muon_momentum", train.muon_momentum)), bool(entry.get("muon_nesterov", train.muon_nesterov)),
+            float(entry.get("muon_momentum", train.muon_momentum)),
+            bool(entry.get("muon_nesterov", train.muon_nesterov)),
             int(entry.get("muon_ns_steps", train.muon_ns_steps)), entry.get("muon_adjust_lr", train.muon_adjust_lr))
     return out
 
@@ -280,11 +281,8 @@ def distillation_contradictions(cfg) -> list[str]:
     out = distillation_problems(name, values) + role_optimizer_problems(name, train.role_optimizers)
     # what the roles (trainer/roles.py) do not do yet, refused rather than done wrong
     if cfg.num_processes > 1:
-        out.append(f"num_processes: {name}'s roles (LoRA adapters beside the generator's) are neither synced by "
-                   "DDP's wrapper nor sharded by fsdp2 / DeepSpeed yet; run it on one process")
-    if model.finetune_type != "lora":
-        out.append(f"model.finetune_type: {name}'s roles are LoRA adapters on one frozen base (the teacher); full "
-                   "copies of the transformer per role are not built yet: use lora")
+        out.append(f"num_processes: {name}'s roles (LoRA adapters or copies beside the generator) are neither "
+                   "synced by DDP's wrapper nor sharded by fsdp2 / DeepSpeed yet; run it on one process")
     if list(model.trained_components) != ["transformer"]:
         out.append(f"model.target_components: {name} trains roles on one transformer; got "
                    f"{list(model.trained_components)}")

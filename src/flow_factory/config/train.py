@@ -207,8 +207,8 @@ class TrainConfig(Section):
         "over) or by sqrt(max(1, rows / columns)) (original, Keller Jordan's)")
     max_grad_norm: float = setting(1.0, "clip the gradient's global norm to this", gt=0)
     role_optimizers: list[dict] = setting(
-        default_factory=list, description="dmd2, tdm: one optimizer per trainable role (generator, fake), Flow-Factory's "
-        "top-level optimizers: list read here: [{name: <role>, optimizer, learning_rate, betas, weight_decay, eps, "
+        default_factory=list, description="dmd2, tdm: one optimizer per trainable role (generator, fake), "
+        "Flow-Factory's top-level optimizers: list read here: [{name: <role>, optimizer, learning_rate, betas, weight_decay, eps, "
         "max_grad_norm, muon_*}]; a role without an entry takes Flow-Factory's default for it (learning_rate, "
         "betas) and this section's other optimizer keys")
     ttur_fake_updates: PositiveInt = setting(

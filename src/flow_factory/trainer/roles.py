@@ -1,24 +1,29 @@
 """A run's trainable roles: several copies of the transformer trained side by side (a few-step generator, the
-online fake score of DMD2), each with its own optimizer, over one frozen teacher.
+online fake score of DMD2 and TDM), each with its own optimizer, over one frozen teacher.
 
-Each role is a named LoRA adapter on the one transformer (peft's multiple adapters): the generator is the adapter
-every other part of the trainer already knows (``models/lora.ADAPTER_NAME``: what the rollouts and eval sample
-with, what the EMA copies, what the checkpoint saves for ``pipe.load_lora_weights``), the others are added beside
-it with the same rank, alpha and targets, and peft's initialisation (``lora_B = 0``) starts each one at the base
-model. The teacher (``policy.reference_velocity``) is the base with every adapter disabled. One adapter is active
-at a time: ``active(role)`` makes it the one the transformer runs and the only one with ``requires_grad``, for one
-phase of the optimisation loop (``optimize.optimize_epoch``); ``switched(role)`` runs another role for a no-grad
-query inside it (the generator's loss reads the fake score). Outside the loop's phases the generator is active.
+With LoRA (``LoraRoles``) each role is a named LoRA adapter on the one transformer (peft's multiple adapters):
+the generator is the adapter every other part of the trainer already knows (``models/lora.ADAPTER_NAME``: what
+the rollouts and eval sample with, what the EMA copies, what the checkpoint saves for ``pipe.load_lora_weights``),
+the others are added beside it with the same rank, alpha and targets, and peft's initialisation (``lora_B = 0``)
+starts each one at the base model. The teacher is the base with every adapter disabled. Without LoRA
+(``CopiedRoles``) each other role is a full copy of the transformer, and the teacher a frozen copy of the starting
+weights, both taken before any checkpoint loads; a role runs by standing in for the transformer
+(``FlowAdapter.swapped_transformers``).
+
+One role is active at a time: ``active(role)`` makes it the one the model runs and the one with gradients, for
+one phase of the optimisation loop (``optimize.optimize_epoch``); ``switched(role)`` runs another role for a
+no-grad query inside it (the generator's loss reads the fake score). Outside the loop's phases the generator runs.
 
 Each trainable role but the generator has its optimizer here (the generator's is the backend's, built from the
-generator's entry: ``optimizer_settings``), its LoRA weights and optimizer state saved beside the checkpoint
-(``<role>_lora.pt``, ``<role>_optimizer.pt``) and restored on resume.
+generator's entry: ``generator_optimizer``), its weights and optimizer state saved beside the checkpoint
+(``<role>_lora.pt`` or ``<role>_transformer.pt``, ``<role>_optimizer.pt``) and restored on resume.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -28,12 +33,9 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from ..checkpoint import CheckpointError
 from ..config import ConfigError
 from ..config.distillation import DISTILLATION_SPECS, GENERATOR, RoleOptimizerSettings, role_optimizers
-from ..models.lora import ADAPTER_NAME
+from ..models.lora import ADAPTER_NAME, lora_disabled
 from .optimizers import make_role_optimizer
-
-
-def lora_file(role: str) -> str:
-    return f"{role}_lora.pt"
+from .policy import frozen_copy
 
 
 def optimizer_file(role: str) -> str:
@@ -41,73 +43,43 @@ def optimizer_file(role: str) -> str:
 
 
 class Roles:
-    """The trainable roles of one run on ``transformer`` (see the module's docstring)."""
+    """The trainable roles of one run on ``adapter``'s transformer (see the module's docstring). Subclasses say
+    how a role runs (``active``, ``switched``, ``teacher``) and what its weights are (``weights``, ``load_weights``)."""
 
-    def __init__(self, transformer: torch.nn.Module, settings: dict[str, RoleOptimizerSettings],
-                 master_dtype: torch.dtype):
-        self.transformer, self.settings = transformer, settings
+    weights_file = "{role}.pt"
+
+    def __init__(self, adapter, settings: dict[str, RoleOptimizerSettings]):
+        self.adapter, self.transformer, self.settings = adapter, adapter.transformers["transformer"], settings
         self.names = tuple(settings)  # the generator first, then upstream's order
-        self.adapters = {role: ADAPTER_NAME if role == GENERATOR else role for role in self.names}
-        config = transformer.peft_config[ADAPTER_NAME]
-        for role, adapter in self.adapters.items():
-            if adapter != ADAPTER_NAME:
-                with warnings.catch_warnings():  # peft warns that a second adapter is added: that is the point
-                    warnings.filterwarnings("ignore", message=".*multiple adapters.*")
-                    transformer.add_adapter(config, adapter_name=adapter)  # same rank, alpha and targets
-        self.params = {role: [p for n, p in transformer.named_parameters() if _of_adapter(n, adapter)]
-                       for role, adapter in self.adapters.items()}
-        for params in self.params.values():
-            for p in params:
-                p.data = p.data.to(master_dtype)
+        self.params: dict[str, list] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}  # the roles' but the generator's (``start``)
-        self._activate(GENERATOR)
 
-    @classmethod
-    def of(cls, cfg, trained: dict, master_dtype: torch.dtype) -> "Roles | None":
-        """The roles of ``train.trainer_type`` (None for a trainer without roles), added to the trained transformer
-        that ``models.lora.make_trainable`` gave the generator's adapter."""
+    @staticmethod
+    def of(cfg, adapter, master_dtype: torch.dtype) -> "Roles | None":
+        """The roles of ``train.trainer_type`` (None for a trainer without roles), beside the trained transformer
+        ``models.lora.make_trainable`` made the generator."""
         name = cfg.train.trainer_type
         if name not in DISTILLATION_SPECS:
             return None
         settings = role_optimizers(name, cfg.train.role_optimizers, cfg.train)
         ordered = {GENERATOR: settings[GENERATOR], **{r: s for r, s in settings.items() if r != GENERATOR}}
-        return cls(trained["transformer"], ordered, master_dtype)
+        kind = LoraRoles if cfg.model.finetune_type == "lora" else CopiedRoles
+        return kind(adapter, ordered, master_dtype)
 
-    # ------------------------------------------------------------------ which adapter runs
-    def _layers(self) -> list[BaseTunerLayer]:
-        return [m for m in self.transformer.modules() if isinstance(m, BaseTunerLayer)]
-
-    def _run(self, role: str) -> None:
-        """``role``'s adapter is the one the transformer runs (peft's ``set_adapter`` would also reset every
-        adapter's ``requires_grad``, which ``_activate`` decides)."""
-        for layer in self._layers():
-            layer._active_adapter = self.adapters[role]
-
-    def _activate(self, role: str) -> None:
-        self._run(role)
-        for other, params in self.params.items():
-            for p in params:
-                p.requires_grad_(other == role)
-
-    @contextmanager
     def active(self, role: str):
-        """``role`` runs and trains (its weights alone have gradients); the generator again afterwards."""
-        self._activate(role)
-        try:
-            yield
-        finally:
-            self._activate(GENERATOR)
+        raise NotImplementedError
 
-    @contextmanager
     def switched(self, role: str):
-        """``role`` runs, for a query without gradients, inside another role's phase."""
-        current = self._layers()[0].active_adapter
-        self._run(role)
-        try:
-            yield
-        finally:
-            for layer in self._layers():
-                layer._active_adapter = current
+        raise NotImplementedError
+
+    def teacher(self):
+        raise NotImplementedError
+
+    def weights(self, role: str) -> dict:
+        raise NotImplementedError
+
+    def load_weights(self, role: str, weights: dict, path: Path) -> None:
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ optimizers and checkpoints
     def generator_optimizer(self, params: list) -> torch.optim.Optimizer:
@@ -126,41 +98,146 @@ class Roles:
     def start(self, backend: str, resume_from: Path | None) -> None:
         """The other roles' optimizers, and on resume their weights and state from the checkpoint."""
         if backend != "ddp":  # the config refuses several processes; a one-process fsdp2 / DeepSpeed launch too
-            raise ConfigError(f"config_file: the roles of {', '.join(self.names)} are LoRA adapters the {backend} "
-                              "backend would neither shard nor gather; run it without fsdp2 or DeepSpeed")
+            raise ConfigError(f"config_file: the roles {', '.join(self.names)} would be neither sharded nor "
+                              f"gathered by the {backend} backend; run it without fsdp2 or DeepSpeed")
         self.optimizers = {role: make_role_optimizer(self.params[role], self.settings[role])
                            for role in self.names if role != GENERATOR}
         if resume_from is not None:
             self.load(Path(resume_from))
 
     def state_files(self, with_optimizers: bool) -> dict:
-        """File name -> state, for a checkpoint: each other role's LoRA (and its optimizer's state)."""
+        """File name -> state, for a checkpoint: each other role's weights (and its optimizer's state)."""
         files = {}
         for role, optimizer in self.optimizers.items():
-            weights = get_peft_model_state_dict(self.transformer, adapter_name=self.adapters[role])
-            bad = [k for k, t in weights.items() if not torch.isfinite(t).all()]
+            weights = self.weights(role)
+            bad = [k for k, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
             if bad:  # the loop skips non-finite steps: reaching here is a bug, never a checkpoint
                 raise FloatingPointError(f"refusing to save the {role} role: {len(bad)} tensors hold NaN or inf")
-            files[lora_file(role)] = {k: t.detach().cpu() for k, t in weights.items()}
+            files[self.weights_file.format(role=role)] = {k: t.detach().cpu().clone() for k, t in weights.items()}
             if with_optimizers:
                 files[optimizer_file(role)] = optimizer.state_dict()
         return files
 
     def load(self, checkpoint: Path) -> None:
         for role, optimizer in self.optimizers.items():
-            path = checkpoint / lora_file(role)
+            path = checkpoint / self.weights_file.format(role=role)
             if not path.is_file():
-                raise CheckpointError(f"model.resume_path: {checkpoint} holds no {lora_file(role)} (the {role} "
-                                      "role's weights): not a checkpoint of this trainer")
-            weights = torch.load(path, map_location="cpu", weights_only=True)
-            result = set_peft_model_state_dict(self.transformer, weights, adapter_name=self.adapters[role])
-            missing = [k for k in result.missing_keys if f".{self.adapters[role]}." in k]
-            if result.unexpected_keys or missing:
-                raise CheckpointError(f"model.resume_path: {path} does not fit the {role} role: unexpected "
-                                      f"{result.unexpected_keys[:3]}, missing {missing[:3]}")
+                raise CheckpointError(f"model.resume_path: {checkpoint} holds no {path.name} (the {role} role's "
+                                      "weights): not a checkpoint of this trainer and fine-tuning type")
+            self.load_weights(role, torch.load(path, map_location="cpu", weights_only=True), path)
             state = checkpoint / optimizer_file(role)
             if state.is_file():
                 optimizer.load_state_dict(torch.load(state, map_location="cpu", weights_only=True))
+
+
+class LoraRoles(Roles):
+    """Each role a LoRA adapter on the one transformer; the teacher the base, every adapter off."""
+
+    weights_file = "{role}_lora.pt"
+
+    def __init__(self, adapter, settings: dict[str, RoleOptimizerSettings], master_dtype: torch.dtype):
+        super().__init__(adapter, settings)
+        transformer = self.transformer
+        self.adapters = {role: ADAPTER_NAME if role == GENERATOR else role for role in self.names}
+        config = transformer.peft_config[ADAPTER_NAME]
+        for role, name in self.adapters.items():
+            if name != ADAPTER_NAME:
+                with warnings.catch_warnings():  # peft warns that a second adapter is added: that is the point
+                    warnings.filterwarnings("ignore", message=".*multiple adapters.*")
+                    transformer.add_adapter(config, adapter_name=name)  # same rank, alpha and targets
+        self.params = {role: [p for n, p in transformer.named_parameters() if _of_adapter(n, name)]
+                       for role, name in self.adapters.items()}
+        for params in self.params.values():
+            for p in params:
+                p.data = p.data.to(master_dtype)
+        self._activate(GENERATOR)
+
+    def _layers(self) -> list[BaseTunerLayer]:
+        return [m for m in self.transformer.modules() if isinstance(m, BaseTunerLayer)]
+
+    def _run(self, adapter_name: str) -> None:
+        """That adapter is the one the transformer runs (peft's ``set_adapter`` would also reset every adapter's
+        ``requires_grad``, which ``_activate`` decides)."""
+        for layer in self._layers():
+            layer._active_adapter = adapter_name
+
+    def _activate(self, role: str) -> None:
+        self._run(self.adapters[role])
+        for other, params in self.params.items():
+            for p in params:
+                p.requires_grad_(other == role)
+
+    @contextmanager
+    def active(self, role: str):
+        """``role`` runs and trains (its weights alone have gradients); the generator again afterwards."""
+        self._activate(role)
+        try:
+            yield
+        finally:
+            self._activate(GENERATOR)
+
+    @contextmanager
+    def switched(self, role: str):
+        """``role`` runs, for a query without gradients, inside another role's phase."""
+        current = self._layers()[0].active_adapter
+        self._run(self.adapters[role])
+        try:
+            yield
+        finally:
+            self._run(current)
+
+    def teacher(self):
+        return lora_disabled(self.transformer)
+
+    def weights(self, role: str) -> dict:
+        return get_peft_model_state_dict(self.transformer, adapter_name=self.adapters[role])
+
+    def load_weights(self, role: str, weights: dict, path: Path) -> None:
+        name = self.adapters[role]
+        result = set_peft_model_state_dict(self.transformer, weights, adapter_name=name)
+        missing = [k for k in result.missing_keys if f".{name}." in k]
+        if result.unexpected_keys or missing:
+            raise CheckpointError(f"model.resume_path: {path} does not fit the {role} role: unexpected "
+                                  f"{result.unexpected_keys[:3]}, missing {missing[:3]}")
+
+
+class CopiedRoles(Roles):
+    """Full fine-tuning: each other role a full copy of the transformer (its weights in ``master_dtype``, as the
+    generator's), the teacher a frozen copy in the load dtype; both copied from the starting weights."""
+
+    weights_file = "{role}_transformer.pt"
+
+    def __init__(self, adapter, settings: dict[str, RoleOptimizerSettings], master_dtype: torch.dtype):
+        super().__init__(adapter, settings)
+        self.copies = {role: copy.deepcopy(self.transformer) for role in self.names if role != GENERATOR}
+        self.frozen_teacher = frozen_copy(self.transformer, adapter.device, adapter.dtype)
+        self.params = {GENERATOR: [p for p in self.transformer.parameters() if p.requires_grad],
+                       **{role: [p for p in module.parameters() if p.requires_grad]
+                          for role, module in self.copies.items()}}
+
+    def _running(self, role: str):
+        return nullcontext() if role == GENERATOR and self.adapter.transformer is self.transformer else \
+            self.adapter.swapped_transformers({"transformer": self.transformer if role == GENERATOR
+                                               else self.copies[role]})
+
+    def active(self, role: str):
+        """``role``'s copy stands in for the transformer (each copy's weights have gradients of their own)."""
+        return self._running(role)
+
+    def switched(self, role: str):
+        return self._running(role)
+
+    def teacher(self):
+        return self.adapter.swapped_transformers({"transformer": self.frozen_teacher})
+
+    def weights(self, role: str) -> dict:
+        return self.copies[role].state_dict()
+
+    def load_weights(self, role: str, weights: dict, path: Path) -> None:
+        try:
+            self.copies[role].load_state_dict(weights)
+        except RuntimeError as e:
+            raise CheckpointError(f"model.resume_path: {path} does not fit the {role} role: {e}") from None
 
 
 def _of_adapter(name: str, adapter: str) -> bool:
@@ -184,8 +261,12 @@ class RolePolicy:
             return self.policy.velocity(latents, sigma, cond)
         return self.policy.adapter.velocity(latents, sigma, cond, guidance_scale)
 
-    def reference_velocity(self, latents, sigma, cond, guidance_scale=None):
-        return self.policy.reference_velocity(latents, sigma, cond, guidance_scale)
+    @torch.no_grad()
+    def reference_velocity(self, latents, sigma, cond, guidance_scale: float | None = None):
+        """The frozen teacher's velocity at ``guidance_scale`` (None: the policy's)."""
+        scale = self.policy.guidance_scale if guidance_scale is None else guidance_scale
+        with self.roles.teacher():
+            return self.policy.adapter.velocity(latents, sigma, cond, scale)
 
     @torch.no_grad()
     def role_velocity(self, role: str, latents, sigma, cond, guidance_scale: float = 1.0):

@@ -102,7 +102,7 @@ class Trainer:
                                                                      cfg.scheduler.noise_level))
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
         self.trained = make_trainable(self.adapter, cfg, self.precision.master)
-        self.roles = Roles.of(cfg, self.trained, self.precision.master)  # distillation: adapters beside the generator
+        self.roles = Roles.of(cfg, self.adapter, self.precision.master)  # distillation: roles beside the generator
         check_trained_steps(cfg, self.adapter, self.data.train_size)
         built = self.backend.build(ModelSetup(cfg, self.adapter, self.algorithm, self.trained, self.start, self._say,
                                               self.roles))

@@ -56,7 +56,7 @@ class RoleBatch:
 class DMD2(Algorithm):
     name = "dmd2"
     coupled = False
-    always_uses_reference = True  # the teacher's score
+    needs_reference = False  # the teacher is the roles' (trainer/roles.py): the base, or a copy of it made at start
 
     @property
     def phases(self) -> tuple:
