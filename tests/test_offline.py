@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from helpers_runs import (CONDITIONED_MODELS, TINY_MODELS, straight_and_resumed, tiny_run_config, write_condition_image,
-                          write_condition_video, write_config)
+from helpers_runs import (CONDITIONED_MODELS, OWN_FILE_CONDITIONED_MODELS, TINY_MODELS, straight_and_resumed,
+                          tiny_run_config, write_condition_image, write_condition_video, write_config)
 from safetensors.torch import load_file
 
 from flow_factory.algorithms import best_and_worst, flow_matching_loss
@@ -189,7 +189,8 @@ def test_the_config_keeps_frame_rate_for_offline_video(tmp_path):
 def _offline_config(tmp_path, model_type, path, trainer_type, kind, conditioned=False, **train):
     config = tiny_run_config(tmp_path, model_type, path, trainer_type=trainer_type, per_device_batch_size=1,
                              group_size=1, **{"learning_rate": 1e-3, "max_epochs": 2, **train})
-    frames = {**TINY_MODELS, **CONDITIONED_MODELS}[model_type][2]  # a video model's: one more in each file
+    # a video model's frames: one more in each file
+    frames = {**TINY_MODELS, **CONDITIONED_MODELS, **OWN_FILE_CONDITIONED_MODELS}[model_type][2]
     frames = frames and frames + 1
     config["data"]["dataset_dir"] = str(write_offline_dataset(tmp_path / "offline", kind, conditioned,
                                                               size=VIDEO_SIZE if frames else (64, 64), frames=frames))
@@ -298,11 +299,78 @@ def test_every_family_encodes_its_outputs_to_its_latents(request, model_type, fi
         torch.testing.assert_close(latents, adapter.pipeline._encode_vae_image(media * 2 - 1, None).float())
 
 
-def test_ltx2_is_refused_before_loading_naming_why(tmp_path, tiny_ltx2_path, capsys):
-    config = _offline_config(tmp_path, "ltx2_t2av", tiny_ltx2_path, "sft", "demonstration")
+def _with_soundtracks(folder, seconds=0.5, rate=16000):
+    """Each output of the records gains a WAV soundtrack after its video (a tone of its own pitch)."""
+    from flow_factory.media.audio import write_wav
+
+    t = np.arange(round(seconds * rate)) / rate
+    for i, name in enumerate(COLOURS):
+        (folder / "audios").mkdir(exist_ok=True)
+        write_wav(0.3 * np.sin(2 * np.pi * (220 + 110 * i) * t)[None].repeat(2, 0), folder / "audios" / f"{name}.wav",
+                  rate)
+    rows = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
+    for row in rows:
+        for side in ("target", "chosen", "rejected"):
+            if side in row["supervision"]:
+                media = row["supervision"][side]["media"]
+                name = media[0]["path"].split("/")[-1].replace(".mp4", ".wav")
+                media.append({"type": "audio", "path": f"audios/{name}", "sample_rate": rate})
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_ltx2_trains_offline_from_videos_and_their_soundtracks(tmp_path, tiny_ltx2_path):
+    """Tiny LTX-2 (video with audio): each output is an mp4 and its WAV, as Flow-Factory orders them; the video is
+    read at LTX-2's 24 fps from the mp4's 16, the sound resampled to the audio VAE's rate for the video's duration;
+    both encoded into the one latent; the LoRA moves. A record without the soundtrack is refused naming its line."""
+    from flow_factory.config import parse_config
+    from flow_factory.trainer import Trainer
+
+    kind = "demonstration"  # offline-dpo shares every step of it (tiny Wan trains both)
+    config = _offline_config(tmp_path, "ltx2_t2av", tiny_ltx2_path, "sft", kind, max_epochs=1)
+    folder = tmp_path / "offline"
+    rows = _with_soundtracks(folder)
+    trainer = Trainer(parse_config(config))
+    trainer.train()
+    (record,) = [r for r in trainer.offline.records if r.item.prompt == "a red square"]
+    assert record.frames[0] == (0, 1, 1, 2, 3, 3, 4, 5, 5) and record.sounds[0].name == "red.wav"
+    outputs = 1 if kind == "demonstration" else 2
+    assert {tuple(z.shape) for z in trainer.offline._latents.values()} == {
+        (outputs, *trainer.adapter.latent_shape(32, 32, 9))}
+    lora = _lora(tmp_path / "saves" / "run", 1)
+    assert max(float(v.abs().max()) for k, v in lora.items() if "lora_B" in k) > 0, "no LoRA moved"
+
+    rows[1]["supervision"][next(iter(set(rows[1]["supervision"]) - {"type"}))]["media"].pop()
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(PromptFileError, match=r"train.jsonl:2: supervision.\w+: \['video'\]: an output here is a "
+                                              r"video and its audio, in that order: this model makes videos with sound"):
+        load_offline(folder, "train", kind, video=VideoOutputs(9, 24.0, audio=True))
+
+
+def test_the_log_mel_front_end_is_transformers_spectrogram():
+    """LTX-2's audio VAE input (media/audio.log_mel_spectrogram, torch) against transformers' numpy spectrogram with
+    the same Slaney mel filters: a centred reflect-padded periodic-Hann STFT of 1024, magnitudes, log floored at
+    1e-5."""
+    from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
+
+    from flow_factory.media.audio import log_mel_spectrogram
+
+    rate, t = 16000, np.arange(4000) / 16000
+    wave = (0.5 * np.sin(2 * np.pi * 440 * t) + 0.1 * np.random.default_rng(0).standard_normal(len(t))).astype(
+        np.float32)
+    ours = log_mel_spectrogram(torch.from_numpy(wave)[None, None], rate, 160, 64)[0, 0]
+    filters = mel_filter_bank(513, 64, 0.0, rate / 2, rate, norm="slaney", mel_scale="slaney")
+    ref = spectrogram(wave, window_function(1024, "hann", periodic=True), frame_length=1024, hop_length=160,
+                      power=1.0, center=True, pad_mode="reflect", mel_filters=filters, mel_floor=1e-5, log_mel="log")
+    torch.testing.assert_close(ours, torch.from_numpy(ref.T).float(), atol=1e-4, rtol=1e-4)
+
+
+def test_ltx2_image_to_video_is_refused_before_loading_naming_why(tmp_path, tiny_ltx2_i2av_path, capsys):
+    config = _offline_config(tmp_path, "ltx2_i2av", tiny_ltx2_i2av_path, "sft", "demonstration", conditioned=True)
+    _with_soundtracks(tmp_path / "offline")  # its records are right: the model is what is refused
     assert main([str(write_config(tmp_path, config))]) == 2
-    assert ("train.trainer_type: sft trains from a dataset's images or videos; ltx2_t2av generates its video with "
-            "sound, one latent for both") in capsys.readouterr().err
+    assert ("train.trainer_type: sft trains from a dataset's images or videos; ltx2_i2av keeps its first latent "
+            "frame as the condition image's, never noised") in capsys.readouterr().err
 
 
 def test_an_image_where_a_video_model_needs_a_video_stops_ff_train_before_loading(tmp_path, tiny_wan_path, capsys):

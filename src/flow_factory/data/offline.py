@@ -23,7 +23,6 @@ error naming the file and line.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -80,21 +79,24 @@ class OfflineRecord:
     item: PromptItem
     outputs: tuple[MediaFile, ...]
     frames: tuple[tuple[int, ...] | None, ...] = ()  # per output video, the frames that train (None: an image)
+    sounds: tuple[Path | None, ...] = ()  # per output of a model with sound (LTX-2), its soundtrack's file
 
 
 @dataclass(frozen=True)
 class VideoOutputs:
     """What trains of a video model's output video: ``num_frames`` frames, consecutive, or at ``frame_rate`` fps
-    of the source's clock (``train.frame_rate``)."""
+    of the source's clock (``train.frame_rate``); with ``audio`` (LTX-2), an output is a video and its soundtrack."""
 
     num_frames: int
     frame_rate: float | None = None
+    audio: bool = False
 
     def indices(self, fps: float | None) -> tuple[int, ...]:
-        """The source frames that train, from a video at ``fps``: the frame shown at each time k / frame_rate."""
+        """The source frames that train, from a video at ``fps``: the frame nearest each time k / frame_rate (as
+        Flow-Factory rounds), or the first ``num_frames``."""
         if self.frame_rate is None:
             return tuple(range(self.num_frames))
-        return tuple(math.floor(k * fps / self.frame_rate + 1e-9) for k in range(self.num_frames))
+        return tuple(round(k * fps / self.frame_rate) for k in range(self.num_frames))
 
 
 def load_offline(dataset_dir: str | Path, split: str, kind: str, max_size: int | None = None,
@@ -128,30 +130,30 @@ def load_offline(dataset_dir: str | Path, split: str, kind: str, max_size: int |
                                   f"{kind} records only")
         if max_size is not None and len(records) >= max_size:
             continue
-        outputs, frames = _outputs(row.supervision, kind, where, folder, video)
+        outputs, frames, sounds = _outputs(row.supervision, kind, where, folder, video)
         if any(m.type == "audio" for m in row.input.media):
             raise PromptFileError(f"{where}: input.media: audio inputs are not in this version")
         images = tuple(_check(m, f"{where}: input.media", folder) for m in row.input.media if m.type == "image")
         videos = tuple(_check(m, f"{where}: input.media", folder) for m in row.input.media if m.type == "video")
         item = PromptItem(row.input.prompt.strip(), row.input.negative_prompt, images, videos, dict(row.metadata),
                           where, dataset=dataset)
-        records.append(OfflineRecord(item, outputs, frames))
+        records.append(OfflineRecord(item, outputs, frames, sounds))
     if not records:
         raise PromptFileError(f"{path}: no records in the file")
     return records
 
 
 def _outputs(supervision: _Supervision, kind: str, where: str, folder: Path,
-             video: VideoOutputs | None) -> tuple[tuple[MediaFile, ...], tuple]:
-    """A row's outputs, checked: ``(target,)`` or ``(chosen, rejected)``, the two of one size and length; and
-    the frames of each that train."""
+             video: VideoOutputs | None) -> tuple[tuple[MediaFile, ...], tuple, tuple]:
+    """A row's outputs, checked: ``(target,)`` or ``(chosen, rejected)``, the two of one size and length; the
+    frames of each that train, and each one's soundtrack (a model with sound)."""
     wanted = ("target",) if kind == "demonstration" else ("chosen", "rejected")
     missing = [name for name in wanted if getattr(supervision, name) is None]
     if missing:
         raise PromptFileError(f"{where}: supervision.{missing[0]} is missing: a {kind} names {' and '.join(wanted)}")
     checked = [_output(getattr(supervision, name).media, f"{where}: supervision.{name}", folder, video)
                for name in wanted]
-    outputs, frames = tuple(c[0] for c in checked), tuple(c[1] for c in checked)
+    outputs, frames, sounds = (tuple(c[i] for c in checked) for i in range(3))
     if kind == "preference":
         (a, b), noun = outputs, "videos" if video else "images"
         if a.size != b.size:
@@ -160,27 +162,48 @@ def _outputs(supervision: _Supervision, kind: str, where: str, folder: Path,
         if a.frames != b.frames:
             raise PromptFileError(f"{where}: chosen ({a.path.name}) has {a.frames} frames and rejected "
                                   f"({b.path.name}) {b.frames}: a pair's two videos must have as many frames")
-    return outputs, frames
+    return outputs, frames, sounds
 
 
 def _output(media: list[_Media], where: str, folder: Path,
-            video: VideoOutputs | None) -> tuple[MediaFile, tuple[int, ...] | None]:
-    """The one image (``video`` None) or video an output candidate names, and the frames of it that train."""
-    want = "video" if video else "image"
-    if len(media) != 1 or media[0].type != want:
-        kinds = [m.type for m in media]
-        made = "videos" if video else "images (video and audio outputs are for video models)"
-        raise PromptFileError(f"{where}: {kinds}: an output here is one {want}: this model makes {made}")
+            video: VideoOutputs | None) -> tuple[MediaFile, tuple[int, ...] | None, Path | None]:
+    """The one image (``video`` None) or video an output candidate names (with its soundtrack for a model with
+    sound, LTX-2: ``[video, audio]``, as Flow-Factory orders them), the frames of it that train, the sound's file."""
+    want = ["video", "audio"] if video and video.audio else ["video"] if video else ["image"]
+    if [m.type for m in media] != want:
+        one, made = {"image": ("one image", "images (video and audio outputs are for video models)"),
+                     "video": ("one video", "videos"),
+                     "audio": ("a video and its audio, in that order", "videos with sound")}[want[-1]]
+        raise PromptFileError(f"{where}: {[m.type for m in media]}: an output here is {one}: this model makes {made}")
     file = _check(media[0], where, folder)
     if video is None:
-        return file, None
-    named, n = f"{where} {media[0].path!r} ({file.path})", video.num_frames
-    fps = media[0].fps or file.fps
+        return file, None, None
+    return file, _frames(media[0], file, where, video), _sound(media[1], where, folder) if video.audio else None
+
+
+def _sound(media: _Media, where: str, folder: Path) -> Path:
+    from ..media.audio import check_audio
+
+    path = Path(media.path).expanduser()
+    path = path if path.is_absolute() else folder / path
+    if not path.is_file():
+        raise PromptFileError(f"{where} {media.path!r} ({path}) not found")
+    try:
+        check_audio(path)
+    except ValueError as e:
+        raise PromptFileError(f"{where} {media.path!r} ({path}) {e}") from None
+    return path
+
+
+def _frames(media: _Media, file: MediaFile, where: str, video: VideoOutputs) -> tuple[int, ...]:
+    """The frames of an output video that train (``VideoOutputs.indices``), or an error if it is too short."""
+    named, n = f"{where} {media.path!r} ({file.path})", video.num_frames
+    fps = media.fps or file.fps
     if video.frame_rate is None:
         if file.frames < n:
             raise PromptFileError(f"{named} has {file.frames} frames; train.num_frames is {n} (a video's first "
                                   "num_frames frames train)")
-        return file, video.indices(fps)
+        return video.indices(fps)
     if not fps:
         raise PromptFileError(f"{named}: its frame rate is unknown; give it as the media's fps (train.frame_rate "
                               f"{video.frame_rate:g} reads the video on its clock)")
@@ -189,7 +212,7 @@ def _output(media: list[_Media], where: str, folder: Path,
         raise PromptFileError(f"{named} has {file.frames} frames at {fps:g} fps ({file.frames / fps:.3g} s); "
                               f"train.num_frames {n} at train.frame_rate {video.frame_rate:g} reads its frame at "
                               f"{(n - 1) / video.frame_rate:.3g} s")
-    return file, indices
+    return indices
 
 
 def _check(media: _Media, where: str, folder: Path) -> MediaFile:
@@ -210,6 +233,14 @@ def load_offline_sources(sources, split: str, kind: str, video: VideoOutputs | N
                                        else source.max_dataset_size, dataset=source.name, video=video)]
 
 
+# the families whose samples hold sound (their adapters' has_audio), which read at their own 24 fps
+MODELS_WITH_AUDIO = {"ltx2_t2av": 24.0, "ltx2_i2av": 24.0}
+
+
 def offline_video(cfg) -> VideoOutputs | None:
-    """``load_offline``'s ``video`` for a run: a video model's ``train.num_frames`` and ``frame_rate``, else None."""
-    return VideoOutputs(cfg.train.num_frames, cfg.train.frame_rate) if cfg.model.is_video else None
+    """``load_offline``'s ``video`` for a run: a video model's ``train.num_frames`` and ``frame_rate`` (LTX-2: its
+    24 fps, its soundtrack too), else None."""
+    if not cfg.model.is_video:
+        return None
+    own = MODELS_WITH_AUDIO.get(cfg.model.model_type)
+    return VideoOutputs(cfg.train.num_frames, cfg.train.frame_rate or own, audio=own is not None)

@@ -75,9 +75,6 @@ class LTX2Adapter(FlowAdapter):
     # the connectors turn Gemma's stacked layers into the transformer's video and audio text
     text_encoder_names = ("text_encoder", "connectors")
     frame_rate = 24.0  # the pipeline's default; sets the audio's length and the video's time positions
-    # its latent holds a video and its sound together; offline records would need the sound encoded too
-    offline_problem = ("generates its video with sound, one latent for both, and offline training here encodes no "
-                       "sound from a record's files (LTX-2's audio VAE); train it with rollouts (grpo, nft, ...)")
 
     def __init__(self, pipeline, device="cpu", dtype: torch.dtype = torch.float32):
         super().__init__(pipeline, device, dtype)
@@ -215,3 +212,27 @@ class LTX2Adapter(FlowAdapter):
         audio = pipe._unpack_audio_latents(audio, g.audio_frames, num_mel_bins=mel_bins)
         mel = audio_vae.decode(audio.to(audio_vae.dtype), return_dict=False)[0]
         return pipe.vocoder(mel).float(), pipe.vocoder.config.output_sampling_rate
+
+    @torch.no_grad()
+    def encode_media(self, media: Tensor, sounds: list | None = None) -> Tensor:
+        """``decode``'s and ``decode_audio``'s inverse, as Flow-Factory encodes an LTX-2 target: (B, F, 3, H, W)
+        videos and their soundtracks (``sounds``: files, read at the pipeline's audio rate for the video's duration
+        at ``frame_rate``) as one latent each: the video VAE's mode, normalised and packed, then the audio VAE's
+        mode of the log-mel spectrogram (``media.audio.log_mel_spectrogram``), packed and normalised."""
+        from ..media.audio import log_mel_spectrogram, read_audio
+
+        if sounds is None or len(sounds) != len(media):
+            raise ValueError(f"{self.model_type} encodes each video with its soundtrack: give one per video")
+        pipe, vae, audio_vae = self.pipeline, self.pipeline.vae, self.pipeline.audio_vae
+        g = self.size_geometry(media.shape[3], media.shape[4], media.shape[1])
+        z = vae.encode((media.transpose(1, 2) * 2 - 1).to(self.device, vae.dtype)).latent_dist.mode().float()
+        z = pipe._normalize_latents(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        video = pipe._pack_latents(z, pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
+        waves = torch.stack([torch.from_numpy(read_audio(sound, pipe.audio_sampling_rate, audio_vae.config.in_channels,
+                                                         media.shape[1] / self.frame_rate)) for sound in sounds])
+        mel = log_mel_spectrogram(waves, pipe.audio_sampling_rate, pipe.audio_hop_length, audio_vae.config.mel_bins)
+        a = audio_vae.encode(mel.to(self.device, audio_vae.dtype)).latent_dist.mode().float()[:, :, :g.audio_frames]
+        a = torch.nn.functional.pad(a, (0, 0, 0, g.audio_frames - a.shape[2]))  # the pipeline's audio length
+        audio = pipe._normalize_audio_latents(pipe._pack_audio_latents(a), audio_vae.latents_mean,
+                                              audio_vae.latents_std)
+        return torch.cat([video.flatten(1), audio.flatten(1)], 1).float()

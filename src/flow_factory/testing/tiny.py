@@ -563,8 +563,10 @@ def _ltx2_autoencoders_and_vocoder():
         upsample_factor=(1,), patch_size=4, decoder_causal=False,
     )
     torch.manual_seed(4)
+    # ch_mult (1, 2, 4): its encoder halves time and mel bins twice, the x4 the pipeline assumes (its
+    # mel_compression_ratio), so that a soundtrack encodes to the latent the pipeline samples (offline training)
     audio_vae = AutoencoderKLLTX2Audio(
-        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, in_channels=2, resolution=32,
+        base_channels=4, output_channels=2, ch_mult=(1, 2, 4), num_res_blocks=1, in_channels=2, resolution=32,
         latent_channels=1, mel_bins=16, sample_rate=16000, mel_hop_length=160,
     )
     # latent statistics other than (0, 1), so decoding without them would show

@@ -69,8 +69,11 @@ class OfflineEpochs:
         if record not in self._latents:
             s = self.settings
             r = self.records[record]
-            latents = self.adapter.encode_media(torch.stack([self.pixels(f, frames) for f, frames
-                                                             in zip(r.outputs, r.frames or [None] * len(r.outputs))]))
+            media = torch.stack([self.pixels(f, frames) for f, frames
+                                 in zip(r.outputs, r.frames or [None] * len(r.outputs))])
+            # a model with sound (LTX-2) encodes each video with its soundtrack
+            sound = {"sounds": list(r.sounds)} if getattr(self.adapter, "has_audio", False) else {}
+            latents = self.adapter.encode_media(media, **sound)
             expected = self.adapter.latent_shape(s.height, s.width, s.num_frames)
             if tuple(latents.shape[1:]) != tuple(expected):
                 raise RuntimeError(f"{type(self.adapter).__name__}.encode_media gave latents of shape "
