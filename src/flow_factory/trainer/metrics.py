@@ -90,7 +90,12 @@ def headline(record: dict, weights: dict[str, float]) -> float:
 
 
 def write_history(run_dir: Path, history: list[dict], eval_history: list[dict]) -> None:
-    """The reward curves (train means, eval) as a PNG, and every epoch's metrics as JSON."""
+    """The reward curves (train means, eval) as a PNG, and every epoch's metrics as JSON; a history written
+    already (the run's end after its last epoch's save, without a final eval) is not drawn again."""
+    text = json.dumps({"train": history, "eval": eval_history}, indent=1)
+    written = run_dir / "history.json"
+    if written.exists() and (run_dir / "reward_curve.png").exists() and written.read_text() == text:
+        return
     series: dict[str, list] = {}
     for record in history + eval_history:
         for k, v in record.items():
@@ -99,4 +104,4 @@ def write_history(run_dir: Path, history: list[dict], eval_history: list[dict]) 
     png = io.BytesIO()
     plot_curves(series, "reward per epoch").save(png, format="PNG")
     write_atomic(run_dir / "reward_curve.png", png.getvalue())
-    write_atomic(run_dir / "history.json", json.dumps({"train": history, "eval": eval_history}, indent=1))
+    write_atomic(written, text)
