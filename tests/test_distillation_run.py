@@ -24,7 +24,8 @@ TTUR = 2
 FAKE_WEIGHTS = {"lora": "fake_lora.pt", "full": "fake_transformer.pt"}  # the fake score's, in a checkpoint
 
 
-@pytest.fixture(scope="module", params=[("dmd2", "lora"), ("tdm", "lora"), ("dmd2", "full")], ids="-".join)
+@pytest.fixture(scope="module", params=[("dmd2", "lora"), ("tdm", "lora"), ("tdm-r1", "lora"), ("dmd2", "full")],
+                ids="-".join)
 def runs(request, tmp_path_factory, tiny_pipeline):
     """A straight run of 2 epochs (saving each), and one resumed from its first epoch's checkpoint: the model,
     the fine-tuning type and the two runs' last checkpoints."""
@@ -36,6 +37,9 @@ def runs(request, tmp_path_factory, tiny_pipeline):
                          trainer_type=trainer, max_epochs=2, ttur_fake_updates=TTUR,
                          unique_sample_num_per_epoch=2, real_guidance_scale=2.0, ema_decay=0)
     config["model"]["finetune_type"] = finetune
+    if trainer == "tdm-r1":  # rewards, and whole groups for its surrogate's preference
+        config["train"]["group_size"] = 2
+        config["rewards"] = [{"name": "jpeg", "reward_model": "jpeg_compressibility"}]
     config["eval"]["eval_freq"] = 0
     config["log"] |= {"logging_backend": "none", "save_freq": 1}
     assert main([str(write_config(tmp, config))]) == 0
@@ -66,10 +70,13 @@ def _same(a, b):
         assert a == b
 
 
-def test_a_resumed_run_ends_with_both_roles_exactly_as_the_straight_one(runs):
+def test_a_resumed_run_ends_with_every_role_exactly_as_the_straight_one(runs):
     _, finetune, straight, resumed = runs
     _same(generator_weights(straight), generator_weights(resumed))
-    for name in (FAKE_WEIGHTS[finetune], "fake_optimizer.pt", "optimizer.pt"):
+    others = ["optimizer.pt", FAKE_WEIGHTS[finetune], "fake_optimizer.pt"]
+    if (straight / "surrogate_lora.pt").is_file():  # tdm-r1: the surrogate, its optimizer and its slow copy
+        others += ["surrogate_lora.pt", "surrogate_optimizer.pt", "surrogate_slow.pt"]
+    for name in others:
         _same(torch.load(straight / name, weights_only=True), torch.load(resumed / name, weights_only=True))
 
 
@@ -82,12 +89,19 @@ def test_each_role_trains_with_its_own_optimizer_in_its_phase(runs):
     assert fake["param_groups"][0]["betas"] == (0.0, 0.999)
     # one generator step an epoch, TTUR fake steps before each: AdamW counts its steps
     assert {float(s["step"]) for s in fake["state"].values()} == {2.0 * TTUR}
+    surrogate = straight / "surrogate_optimizer.pt"
+    if surrogate.is_file():  # tdm-r1: one surrogate step before each generator step, upstream's default optimizer
+        surrogate = torch.load(surrogate, weights_only=True)
+        assert {float(s["step"]) for s in surrogate["state"].values()} == {2.0}
+        assert (surrogate["param_groups"][0]["lr"], surrogate["param_groups"][0]["betas"]) == (3e-4, (0.9, 0.999))
     state = json.loads((straight / "trainer_state.json").read_text())
     assert state["global_step"] == 2  # the generator's steps are the run's
     for record in state["history"]:
         assert record["train/skipped_updates"] == record["train/fake/skipped_updates"] == 0
-        for key in ("train/loss", "train/fake/fake_score_loss", "train/grad_norm", "train/fake/grad_norm"):
-            assert 0 < record[key] < float("inf"), key
+        keys = ["train/fake/fake_score_loss", "train/grad_norm", "train/fake/grad_norm"]
+        keys += ["train/surrogate/grad_norm"] if isinstance(surrogate, dict) else ["train/loss"]
+        for key in keys:
+            assert 0 < abs(record[key]) < float("inf"), key
     # the generator and the fake score trained apart
     generator, fake = generator_weights(straight), torch.load(straight / FAKE_WEIGHTS[finetune], weights_only=True)
     prefix = "transformer." if finetune == "lora" else ""

@@ -118,6 +118,14 @@ def test_tdm_r1s_per_role_defaults_are_upstreams(tmp_path, tiny_sd3_path):
      "tdm_query_distribution: source_uniform"),
     ({"train.trainer_type": "tdm", "train.tdm_query_interval": "reverse", "train.tdm_query_max_sigma": 0},
      "tdm_query_max_sigma"),
+    ({"train.trainer_type": "tdm-r1", "train.group_size": 2}, "rewards: at least one reward is needed"),
+    ({"train.trainer_type": "tdm-r1", "train.group_size": 1, "rewards": [{"reward_model": "jpeg_compressibility"}]},
+     "train.group_size: tdm-r1 compares samples of the same prompt"),
+    ({"train.trainer_type": "tdm-r1", "train.group_size": 2, "train.per_device_batch_size": 3,
+      "rewards": [{"reward_model": "jpeg_compressibility"}]}, "must be a multiple of group_size 2"),
+    ({"train.trainer_type": "tdm-r1", "train.group_size": 2, "train.tdm_weight": 1.0,
+      "rewards": [{"reward_model": "jpeg_compressibility"}]}, "tdm_weight"),
+    ({"optimizers": [{"name": "surrogate"}]}, r"'surrogate' is not a trainable role of dmd2"),
 ])
 def test_what_the_roles_cannot_take_is_a_config_error(tmp_path, tiny_sd3_path, change, message):
     config = dmd2_config(tmp_path, tiny_sd3_path)
@@ -174,3 +182,26 @@ def test_without_lora_each_role_is_a_full_copy_and_the_teacher_the_starting_weig
     roles.load(tmp_path)
     for k, t in roles.copies["fake"].state_dict().items():
         torch.testing.assert_close(t, files["fake_transformer.pt"][k], rtol=0, atol=0)
+
+
+def test_tdm_r1_trains_whole_groups_and_its_surrogate_keeps_a_slow_copy(tmp_path, tiny_sd3_path):
+    from flow_factory.algorithms import make_algorithm
+    from flow_factory.dynamics import ODE
+
+    config = dmd2_config(tmp_path, tiny_sd3_path, trainer_type="tdm-r1", group_size=2, per_device_batch_size=4)
+    config["rewards"] = [{"reward_model": "jpeg_compressibility"}]
+    cfg = parse_config(config)
+    algorithm = make_algorithm("tdm-r1", cfg.train, ODE())
+    assert [role for role, _ in algorithm.phases] == ["fake", "surrogate", "generator"]
+    units = algorithm.training_units(torch.tensor([5, 3, 5, 3, 9, 9]), torch.zeros(6))
+    assert units.tolist() == [[0, 2], [1, 3], [4, 5]] and algorithm.units_per_chunk(4) == 2
+    adapter = load_adapter("sd3-5", tiny_sd3_path)
+    make_trainable(adapter, cfg, torch.float32)
+    tdm_r1 = Roles.of(cfg, adapter, torch.float32)
+    assert tdm_r1.names == ("generator", "fake", "surrogate")
+    tdm_r1.start("ddp", None)
+    (name, (slow, decay)), = tdm_r1.step_snapshots("surrogate").items()
+    assert name == "surrogate_slow" and decay(0) == 1e-3 and decay(1000) == 0.3  # upstream's ramp and cap
+    assert tdm_r1.step_snapshots("fake") == {}
+    assert set(tdm_r1.state_files(True)) == {"fake_lora.pt", "fake_optimizer.pt", "surrogate_lora.pt",
+                                             "surrogate_optimizer.pt", "surrogate_slow.pt"}

@@ -13,7 +13,8 @@ from .awm import AWM, AWM_WEIGHTINGS, awm_log_prob
 from .base import Algorithm, Policy, TrainBatch
 from .crd import CRD, crd_policy_loss, decay_at, implicit_reward
 from .decoupled import DecoupledAlgorithm, NoisedBatch
-from .distillation.trainers import DMD2
+from .distillation.tdm_r1_trainer import TDMR1
+from .distillation.trainers import DMD2, TDM
 from .dgpo import DGPO, dgpo_loss, dsm_clip_mask, ema_ref_decay, group_preferences
 from .dpo import DPO, OfflineDPO, best_and_worst, dpo_loss
 from .dppo import DPPO, step_kl, trust_region_loss
@@ -44,7 +45,7 @@ def make_algorithm(name: str, train_cfg, dynamics) -> Algorithm:
 
 
 __all__ = [
-    "ALGORITHMS", "algorithm_class", "AWM", "AWM_WEIGHTINGS", "Algorithm", "CRD", "DGPO", "DMD2", "DPO", "DPPO", "OfflineDPO", "SFT", "DecoupledAlgorithm", "GRPO", "GRPOGuard",
+    "ALGORITHMS", "algorithm_class", "AWM", "AWM_WEIGHTINGS", "Algorithm", "CRD", "DGPO", "DMD2", "DPO", "TDM", "TDMR1", "DPPO", "OfflineDPO", "SFT", "DecoupledAlgorithm", "GRPO", "GRPOGuard",
     "KL_TYPES", "NFT", "NFT_WEIGHTINGS", "NoisedBatch", "Policy", "TrainBatch", "awm_log_prob",
     "best_and_worst", "clipped_surrogate", "crd_policy_loss", "decay_at", "dgpo_loss", "dpo_loss", "dsm_clip_mask",
     "ema_ref_decay", "flow_matching_loss", "group_preferences", "implicit_reward", "make_algorithm", "nft_loss",

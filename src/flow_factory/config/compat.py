@@ -19,6 +19,7 @@ from .train import DISTILLATION_TRAINER_TYPES
 # Flow-Factory's spellings (its guides' and its earlier layouts') -> ours, with the same meaning
 # (step indices count from 0 in both)
 SPELLINGS = {
+    "train.advantage_clip_range": "train.adv_clip_range",  # TDM-R1's spelling of the same clip
     "train.train_steps": "scheduler.sde_steps",
     "train.num_train_steps": "scheduler.num_sde_steps",
     "scheduler.train_steps": "scheduler.sde_steps",

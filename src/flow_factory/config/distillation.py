@@ -1,7 +1,6 @@
 """What the torch-free config knows of the few-step distillation trainers (issue 39): DMD2, TDM and TDM-R1,
-with Flow-Factory's keys and defaults. ``dmd2`` and ``tdm`` are registered (``config/train.py``'s
-``ALGORITHM_SPECS``; their trainers ``algorithms/distillation/trainers.py``, their roles ``trainer/roles.py``);
-``tdm-r1`` is described here, not yet a trainer type.
+with Flow-Factory's keys and defaults, each registered in ``config/train.py``'s ``ALGORITHM_SPECS`` (their
+trainers ``algorithms/distillation/trainers.py`` and ``tdm_r1_trainer.py``, their roles ``trainer/roles.py``).
 
 Each ``DistillationSpec`` names its trainable roles (each with upstream's default optimiser when a
 config gives no ``optimizers`` entry for it), the frozen ``reference`` (the teacher), the phases of
@@ -277,7 +276,8 @@ def distillation_contradictions(cfg) -> list[str]:
     spec = DISTILLATION_SPECS[name]
     values = {k: getattr(train, k) for k in spec.keys if hasattr(train, k)}
     values.update(num_inner_epochs=train.num_inner_epochs, num_inference_steps=train.num_inference_steps,
-                  dynamics_type=cfg.scheduler.dynamics_type)
+                  dynamics_type=cfg.scheduler.dynamics_type, advantage_aggregation=train.advantage_aggregation,
+                  advantage_clip_range=train.adv_clip_range)
     out = distillation_problems(name, values) + role_optimizer_problems(name, train.role_optimizers)
     # what the roles (trainer/roles.py) do not do yet, refused rather than done wrong
     if cfg.num_processes > 1:
@@ -289,6 +289,10 @@ def distillation_contradictions(cfg) -> list[str]:
     if cfg.mixed_precision == "fp16":
         out.append(f"mixed_precision: fp16's one gradient scaler would serve {name}'s several optimizers, which is "
                    "not built; use bf16 or no")
+    if spec.rewards and train.per_device_batch_size % train.group_size:
+        out.append(f"train.per_device_batch_size: {name} trains whole groups (its surrogate compares a group's "
+                   f"samples), so it must be a multiple of group_size {train.group_size}, got "
+                   f"{train.per_device_batch_size}")
     if train.reward_optimization_overlap:
         out.append(f"train.reward_optimization_overlap: {name} trains on no reward; use false")
     if getattr(train, "tdm_query_distribution", None) == "source_uniform":

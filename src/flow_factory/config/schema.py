@@ -35,7 +35,7 @@ from .families import model_family
 from .overlap import overlap_notes, overlap_problems
 from .rewards import RewardConfig, as_entry_list, duplicate_names
 from .sections import DEFAULT_STRENGTH, DataConfig, EvalConfig, LogConfig, ModelConfig, SchedulerConfig, strength_steps
-from .distillation import distillation_contradictions
+from .distillation import DISTILLATION_SPECS, distillation_contradictions
 from .train import (ALGORITHM_SPECS, COUPLED_TRAINER_TYPES, DISTILLATION_TRAINER_TYPES, OFFLINE_TRAINER_TYPES,
                     TrainConfig, fill_trainer_defaults, resolve_num_train_timesteps, trainer_problems)
 
@@ -240,7 +240,8 @@ class Config(Section):
     def _contradictions(self) -> list[str]:
         train, model = self.train, self.model
         out = self._launch_problems() + trainer_problems(train)
-        free = OFFLINE_TRAINER_TYPES + DISTILLATION_TRAINER_TYPES  # train without rewards
+        free = OFFLINE_TRAINER_TYPES + tuple(n for n in DISTILLATION_TRAINER_TYPES  # train without rewards
+                                             if not DISTILLATION_SPECS[n].rewards)
         out += distillation_contradictions(self)
         if not self.rewards and train.trainer_type not in free:
             out.append("rewards: at least one reward is needed, e.g. [{reward_model: PickScore}] (sft and "

@@ -57,6 +57,10 @@ ALGORITHM_SPECS = {spec.name: spec for spec in (
     AlgorithmSpec("tdm", "distillation", "flow_factory.algorithms.distillation.trainers:TDM",
                   keys=DISTILLATION_SPECS["tdm"].keys,
                   defaults={"num_train_timesteps": 1, "group_size": 1, "num_inference_steps": 4}),
+    AlgorithmSpec("tdm-r1", "distillation", "flow_factory.algorithms.distillation.tdm_r1_trainer:TDMR1",
+                  keys=tuple(k for k in DISTILLATION_SPECS["tdm-r1"].keys if k != "advantage_clip_range"),
+                  defaults={"num_train_timesteps": 1, "num_inference_steps": 4, "use_huber": False,
+                            "global_std": True, "advantage_aggregation": "gdpo"}),
 )}
 TRAINER_TYPES = tuple(ALGORITHM_SPECS)
 COUPLED_TRAINER_TYPES = tuple(n for n, a in ALGORITHM_SPECS.items() if a.family == "coupled")
@@ -145,7 +149,8 @@ class TrainConfig(Section):
     trainer_type: Literal[TRAINER_TYPES] = setting(
         "grpo", "algorithm: grpo, grpo-guard, dppo (coupled, SDE rollouts), nft, awm, dpo, dgpo, crd (decoupled, "
         "any dynamics), sft, offline-dpo (from a dataset's images: schema_version 2 records, no rewards), dmd2 "
-        "and tdm (a few-step generator distilled from the frozen model, with an online fake score; ODE rollouts)")
+        "and tdm (a few-step generator distilled from the frozen model, with an online fake score; ODE rollouts), "
+        "or tdm-r1 (tdm with rewards, through a learned surrogate)")
     resolution: int | list[int] = setting(512, "image size, an int or [height, width]",
                                           expects="an integer or [height, width]")
     num_frames: PositiveInt | None = setting(None, "frames per video (video models only; Wan needs 4k + 1); "
@@ -238,6 +243,26 @@ class TrainConfig(Section):
     tdm_query_max_sigma: float = setting(1.0, "tdm: the upper end of the reverse query interval", gt=0, le=1)
     tdm_query_logit_mean: float = setting(0.0, "tdm: conditional_logit_normal's mean")
     tdm_query_logit_std: float = setting(1.0, "tdm: conditional_logit_normal's standard deviation", gt=0)
+    tdm_weight: float = setting(
+        0.3, "tdm-r1: the generator's reward mix, tdm_weight x the guidance reward + (1 - tdm_weight) x the "
+        "surrogate's learned reward, beside the TDM term", gt=0, lt=1)
+    cfg_reward_scale: float = setting(
+        3.5, "tdm-r1: the guidance reward's scale (the teacher's guided minus conditional clean prediction); 0 = "
+        "none", ge=0)
+    surrogate_preference_beta: float = setting(1.0, "tdm-r1: the surrogate's group-preference beta", gt=0)
+    surrogate_reference_beta: float = setting(
+        1e-3, "tdm-r1: the surrogate's penalty on its denoising error's distance from the teacher's", ge=0)
+    surrogate_reference_threshold: float = setting(
+        0.05, "tdm-r1: a sample whose surrogate error moved past the teacher's by more than this (squared) the way "
+        "its advantage asks gets no preference gradient", gt=0)
+    surrogate_clip_range: float = setting(
+        1e-3, "tdm-r1: the surrogate's trust region against its slow copy (a ratio exp(e_slow - e) outside "
+        "1 +- this stops the gradient); 0 = none", ge=0)
+    surrogate_slow_decay_min: float = setting(
+        1e-3, "tdm-r1: the slow surrogate copy's decay after surrogate step k is min(max, min + 0.001 k)", ge=0, le=1)
+    surrogate_slow_decay_max: float = setting(0.3, "tdm-r1: the slow surrogate copy's largest decay", ge=0, le=1)
+    use_time_weighting: bool = setting(
+        True, "tdm-r1: the surrogate's loss at transition k weighs (k + 2) / num_inference_steps")
     max_nonfinite_in_a_row: NonNegativeInt = setting(
         3, "a NaN / inf reward, advantage or gradient norm skips its update; this many skips in a row "
         "stop the run (0 = stop at the first)")

@@ -145,7 +145,8 @@ def _role_runs(stepper: Stepper, settings: OptimizeSettings, epoch: int, steps_b
         own = settings if role not in roles.settings else replace(settings,
                                                                   max_grad_norm=roles.settings[role].max_grad_norm)
         mine = stepper if role == GENERATOR else replace(stepper, optimizer=roles.optimizers[role],
-                                                          params=roles.params[role], step_snapshots={})
+                                                          params=roles.params[role],
+                                                          step_snapshots=roles.step_snapshots(role))
         runs[role] = _EpochSteps(mine, own, epoch, steps_before)
     return runs
 

@@ -34,12 +34,18 @@ from ..checkpoint import CheckpointError
 from ..config import ConfigError
 from ..config.distillation import DISTILLATION_SPECS, GENERATOR, RoleOptimizerSettings, role_optimizers
 from ..models.lora import ADAPTER_NAME, lora_disabled
+from ..algorithms.distillation.tdm_r1 import slow_surrogate_decay
+from .ema import WeightCopy, load_ema
 from .optimizers import make_role_optimizer
 from .policy import frozen_copy
 
 
 def optimizer_file(role: str) -> str:
     return f"{role}_optimizer.pt"
+
+
+def slow_file(role: str) -> str:
+    return f"{role}_slow.pt"
 
 
 class Roles:
@@ -53,6 +59,8 @@ class Roles:
         self.names = tuple(settings)  # the generator first, then upstream's order
         self.params: dict[str, list] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}  # the roles' but the generator's (``start``)
+        self.slow_decays: dict = {}  # role -> decay(step) of its slow copy (TDM-R1's surrogate)
+        self.slow: dict[str, WeightCopy] = {}  # role -> its slow copy (``start``)
 
     @staticmethod
     def of(cfg, adapter, master_dtype: torch.dtype) -> "Roles | None":
@@ -64,7 +72,11 @@ class Roles:
         settings = role_optimizers(name, cfg.train.role_optimizers, cfg.train)
         ordered = {GENERATOR: settings[GENERATOR], **{r: s for r, s in settings.items() if r != GENERATOR}}
         kind = LoraRoles if cfg.model.finetune_type == "lora" else CopiedRoles
-        return kind(adapter, ordered, master_dtype)
+        roles = kind(adapter, ordered, master_dtype)
+        if "surrogate" in roles.names:  # TDM-R1's trust region: a slow copy of the surrogate, moved after its steps
+            low, high = cfg.train.surrogate_slow_decay_min, cfg.train.surrogate_slow_decay_max
+            roles.slow_decays["surrogate"] = lambda step: slow_surrogate_decay(step, low, high)
+        return roles
 
     def active(self, role: str):
         raise NotImplementedError
@@ -102,6 +114,7 @@ class Roles:
                               f"gathered by the {backend} backend; run it without fsdp2 or DeepSpeed")
         self.optimizers = {role: make_role_optimizer(self.params[role], self.settings[role])
                            for role in self.names if role != GENERATOR}
+        self.slow = {role: WeightCopy(self.params[role]) for role in self.slow_decays}  # from the starting weights
         if resume_from is not None:
             self.load(Path(resume_from))
 
@@ -116,7 +129,13 @@ class Roles:
             files[self.weights_file.format(role=role)] = {k: t.detach().cpu().clone() for k, t in weights.items()}
             if with_optimizers:
                 files[optimizer_file(role)] = optimizer.state_dict()
+        files.update({slow_file(role): copy.state_dict() for role, copy in self.slow.items()})
         return files
+
+    def step_snapshots(self, role: str) -> dict:
+        """What moves after each of ``role``'s optimizer steps (``optimize.Stepper.step_snapshots``): its slow
+        copy, ``w <- d w + (1 - d) theta``."""
+        return {f"{role}_slow": (self.slow[role], self.slow_decays[role])} if role in self.slow else {}
 
     def load(self, checkpoint: Path) -> None:
         for role, optimizer in self.optimizers.items():
@@ -128,6 +147,10 @@ class Roles:
             state = checkpoint / optimizer_file(role)
             if state.is_file():
                 optimizer.load_state_dict(torch.load(state, map_location="cpu", weights_only=True))
+        for role, slow in self.slow.items():
+            if not load_ema(slow, checkpoint, slow_file(role)):
+                raise CheckpointError(f"model.resume_path: {checkpoint} holds no {slow_file(role)} (the {role} "
+                                      "role's slow copy)")
 
 
 class LoraRoles(Roles):
@@ -271,4 +294,10 @@ class RolePolicy:
     @torch.no_grad()
     def role_velocity(self, role: str, latents, sigma, cond, guidance_scale: float = 1.0):
         with self.roles.switched(role):
+            return self.policy.adapter.velocity(latents, sigma, cond, guidance_scale)
+
+    @torch.no_grad()
+    def slow_velocity(self, role: str, latents, sigma, cond, guidance_scale: float = 1.0):
+        """``role``'s velocity under its slow copy's weights (TDM-R1's surrogate trust region)."""
+        with self.roles.switched(role), self.roles.slow[role].applied():
             return self.policy.adapter.velocity(latents, sigma, cond, guidance_scale)

@@ -110,8 +110,10 @@ class TransitionBatch:
     sigma_next: Tensor  # (R,)
     sigma_t: Tensor  # (R,)
     fresh: Tensor  # (R, *latent)
-    advantages: Tensor  # (R,) unused
+    advantages: Tensor  # (R,) unused by TDM
     cond: Conditioning
+    x_next: Tensor | None = None  # (R, *latent) the rollout's state after the transition (TDM-R1's surrogate)
+    group: Tensor | None = None  # (R,) long: each row's group id in the epoch (TDM-R1's preference)
     parts: int = 1
 
 
@@ -125,10 +127,11 @@ class TDM(DMD2):
     fake score's clean predictions (squared or pseudo-Huber)."""
 
     name = "tdm"
+    needs_groups = False  # TDM-R1's micro-batches carry each row's next state and group
 
     def micro_batches(self, rollouts: RolloutsLike, advantages: Tensor, units: Tensor,
                       generator: torch.Generator, role: str = GENERATOR) -> Iterator[TransitionBatch]:
-        cfg, idx = self.cfg, units[:, 0]
+        cfg, idx = self.cfg, units.reshape(-1)  # TDM: a unit is one sample; TDM-R1: a whole group
         n, steps = len(idx), len(rollouts.sigmas) - 1
         sigmas = rollouts.sigmas.float().cpu()
         k = torch.arange(steps).repeat_interleave(n)  # transition of each row; samples within a transition
@@ -139,9 +142,12 @@ class TDM(DMD2):
         x = torch.cat([rollouts.latents_at(idx, step) for step in range(steps)])
         fresh = torch.randn(x.shape, generator=generator, dtype=torch.float32)
         device = x.device
+        extra = {} if not self.needs_groups else dict(
+            x_next=torch.cat([rollouts.latents_at(idx, step + 1) for step in range(steps)]),
+            group=rollouts.group_ids[rows.to(rollouts.group_ids.device)].cpu())
         yield TransitionBatch(role=role, x=x, sigma=sigmas[k].to(device), sigma_next=sigmas[k + 1].to(device),
                               sigma_t=sigma_t.to(device), fresh=fresh.to(device), advantages=advantages[rows],
-                              cond=index_cond(rollouts.cond, rows))
+                              cond=index_cond(rollouts.cond, rows), **extra)
 
     def loss(self, policy, batch: TransitionBatch) -> tuple[Tensor, dict[str, Tensor]]:
         cfg = self.cfg
