@@ -205,3 +205,13 @@ def test_tdm_r1_trains_whole_groups_and_its_surrogate_keeps_a_slow_copy(tmp_path
     assert tdm_r1.step_snapshots("fake") == {}
     assert set(tdm_r1.state_files(True)) == {"fake_lora.pt", "fake_optimizer.pt", "surrogate_lora.pt",
                                              "surrogate_optimizer.pt", "surrogate_slow.pt"}
+
+
+@pytest.mark.parametrize("name, per_sample", [("dmd2", 1), ("tdm", 3)])
+def test_micro_steps_count_upstreams_units(tmp_path, tiny_sd3_path, name, per_sample):
+    """gradient_accumulation_steps counts what upstream counts: a sample's one drawn step (DMD2), each transition of
+    its rollout (TDM, TDM-R1: Flow-Factory's TDM-R1 example gives 12 for 3 batches x 4 transitions)."""
+    cfg = parse_config(dmd2_config(tmp_path, tiny_sd3_path, trainer_type=name, num_inference_steps=3,
+                                   unique_sample_num_per_epoch=4, per_device_batch_size=2))
+    assert cfg.trained_steps_per_sample == per_sample
+    assert cfg.gradient_accumulation == 2 * per_sample  # two chunks, one optimizer step an epoch

@@ -81,6 +81,12 @@ DISTILLATION_SPECS = {spec.name: spec for spec in (
 )}
 
 
+def micro_steps_per_sample(name: str, num_inference_steps: int) -> int:
+    """What one sample's rollout counts in the epoch's micro-steps (``gradient_accumulation_steps``), as upstream
+    counts its replay units: DMD2 trains one drawn step of it, TDM and TDM-R1 every transition."""
+    return 1 if name == "dmd2" else num_inference_steps
+
+
 def resolved(name: str, values: dict) -> dict:
     """``values`` over the spec's defaults."""
     return {**DISTILLATION_SPECS[name].defaults, **values}

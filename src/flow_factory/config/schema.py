@@ -35,7 +35,7 @@ from .families import model_family
 from .overlap import overlap_notes, overlap_problems
 from .rewards import RewardConfig, as_entry_list, duplicate_names
 from .sections import DEFAULT_STRENGTH, DataConfig, EvalConfig, LogConfig, ModelConfig, SchedulerConfig, strength_steps
-from .distillation import DISTILLATION_SPECS, distillation_contradictions
+from .distillation import DISTILLATION_SPECS, distillation_contradictions, micro_steps_per_sample
 from .train import (ALGORITHM_SPECS, COUPLED_TRAINER_TYPES, DISTILLATION_TRAINER_TYPES, OFFLINE_TRAINER_TYPES,
                     TrainConfig, fill_trainer_defaults, resolve_num_train_timesteps, trainer_problems)
 
@@ -441,7 +441,9 @@ class Config(Section):
     @property
     def trained_steps_per_sample(self) -> int:
         """Denoising steps (coupled) or training timesteps (decoupled) per micro-batch of samples,
-        one loss term and backward each."""
+        one loss term and backward each (distillation: its units per sample, ``config/distillation.py``)."""
+        if self.train.trainer_type in DISTILLATION_SPECS:
+            return micro_steps_per_sample(self.train.trainer_type, self.train.num_inference_steps)
         if self.train.trainer_type not in COUPLED_TRAINER_TYPES:
             return resolve_num_train_timesteps(self.train)
         n = self.scheduler.num_sde_steps

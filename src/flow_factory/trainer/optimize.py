@@ -112,8 +112,10 @@ def optimize_epoch(algorithm, policy, rollouts, advantages, settings: OptimizeSe
         order = (torch.randperm(len(units), generator=generator("shuffle", settings.seed, epoch, inner, rank))
                  if settings.shuffle else torch.arange(len(units)))
         chunks = [units[order[start:start + batch_size]] for start in range(0, len(units), batch_size)]
-        # several phases take turns over the chunks of one optimizer step; a single phase runs over them all
-        span = settings.accumulation if len(phases) > 1 else len(chunks)
+        # several phases take turns over the chunks of one optimizer step (as many as its micro-steps hold); a
+        # single phase runs over them all
+        span = max(1, settings.accumulation // algorithm.micro_steps_per_chunk(rollouts)) if len(phases) > 1 \
+            else len(chunks)
         for first in range(0, len(chunks), span):
             for p, (role, passes) in enumerate(phases):
                 run = runs[role]

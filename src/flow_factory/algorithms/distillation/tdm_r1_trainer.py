@@ -79,7 +79,7 @@ class TDMR1(TDM):
 
     def _surrogate_loss(self, policy, batch: TransitionBatch) -> tuple[Tensor, dict[str, Tensor]]:
         """The surrogate's denoising errors for every row in one call each, then the loss transition by
-        transition (its groups compared within it), averaged (``mean_over_parts`` for merged batches)."""
+        transition (each a part of the batch: its groups compared within it), averaged (``mean_over_parts``)."""
         x, noise, s_t, cond = batch.x_next.float(), batch.fresh, batch.sigma_t, batch.cond
         x_t = add_noise(x, noise, s_t)
         err = denoising_errors(policy.velocity(x_t, s_t, cond, guidance_scale=1.0), x, noise)
@@ -90,19 +90,14 @@ class TDMR1(TDM):
         clip = self.cfg.adv_clip_range
         advantages = batch.advantages.float().clamp(-clip, clip).to(err.device)
         steps = self.cfg.num_inference_steps
+        rows_per_part = len(err) // batch.parts
 
-        def part_loss(rows: slice):
-            per_step = len(range(*rows.indices(len(err)))) // steps
-            losses, metrics = [], []
-            for k in range(steps):
-                r = slice(rows.start + k * per_step, rows.start + (k + 1) * per_step)
-                group = torch.unique(batch.group[r], return_inverse=True)[1].to(err.device)
-                loss, m = surrogate_loss(err[r], err_ref[r], advantages[r], group, self.cfg.group_size, self.settings,
-                                         None if err_slow is None else err_slow[r],
-                                         time_weight(k, steps, self.cfg.use_time_weighting))
-                losses.append(loss)
-                metrics.append(m)
-            return torch.stack(losses).mean(), {k: torch.stack([m[k] for m in metrics]).mean() for k in metrics[0]}
+        def part_loss(r: slice):  # one transition of one chunk (parts: each chunk's K transitions in turn)
+            k = (r.start // rows_per_part) % steps
+            group = torch.unique(batch.group[r], return_inverse=True)[1].to(err.device)
+            return surrogate_loss(err[r], err_ref[r], advantages[r], group, self.cfg.group_size, self.settings,
+                                  None if err_slow is None else err_slow[r],
+                                  time_weight(k, steps, self.cfg.use_time_weighting))
 
         loss, metrics = mean_over_parts(batch, part_loss)
         return loss, {"surrogate_loss": loss.detach(), **metrics}

@@ -65,6 +65,11 @@ class DMD2(Algorithm):
     def kept_states(self, num_steps: int, sde_steps: list[int] | None) -> list[int]:
         return list(range(num_steps + 1))  # the generator trains at any of its own steps; the fake score on the last
 
+    def micro_steps_per_chunk(self, rollouts: RolloutsLike) -> int:
+        """The micro-steps (``gradient_accumulation_steps``' units) one chunk's micro-batch stands for: one drawn
+        step of each rollout (``config.distillation.micro_steps_per_sample``)."""
+        return 1
+
     def micro_batches(self, rollouts: RolloutsLike, advantages: Tensor, units: Tensor,
                       generator: torch.Generator, role: str = GENERATOR) -> Iterator[RoleBatch]:
         idx = units[:, 0]
@@ -99,10 +104,11 @@ class DMD2(Algorithm):
 
 @dataclass
 class TransitionBatch:
-    """TDM's micro-batch: every transition ``k`` of the chosen samples' rollouts, one row each (rows of one
-    sample at its K transitions; the loss is a mean over rows, so K micro-batches of B rows or one of K B rows
-    give one gradient): the rollout's state ``x`` at ``sigma`` (``sigma_k``), the stage's end ``sigma_next``,
-    the query level ``sigma_t`` and the fresh noise of the conditional re-noising."""
+    """TDM's micro-batch: every transition ``k`` of the chosen samples' rollouts, one row each, transition by
+    transition: K parts of B rows (``parts``: upstream's K accumulation units, merged into one call; the loss is
+    the mean over rows, so over the parts, and the loop counts K micro-steps): the rollout's state ``x`` at
+    ``sigma`` (``sigma_k``), the stage's end ``sigma_next``, the query level ``sigma_t`` and the fresh noise of
+    the conditional re-noising."""
 
     role: str
     x: Tensor  # (R, *latent)
@@ -129,6 +135,9 @@ class TDM(DMD2):
     name = "tdm"
     needs_groups = False  # TDM-R1's micro-batches carry each row's next state and group
 
+    def micro_steps_per_chunk(self, rollouts: RolloutsLike) -> int:
+        return len(rollouts.sigmas) - 1  # every transition: the batch joins one part per transition
+
     def micro_batches(self, rollouts: RolloutsLike, advantages: Tensor, units: Tensor,
                       generator: torch.Generator, role: str = GENERATOR) -> Iterator[TransitionBatch]:
         cfg, idx = self.cfg, units.reshape(-1)  # TDM: a unit is one sample; TDM-R1: a whole group
@@ -147,7 +156,7 @@ class TDM(DMD2):
             group=rollouts.group_ids[rows.to(rollouts.group_ids.device)].cpu())
         yield TransitionBatch(role=role, x=x, sigma=sigmas[k].to(device), sigma_next=sigmas[k + 1].to(device),
                               sigma_t=sigma_t.to(device), fresh=fresh.to(device), advantages=advantages[rows],
-                              cond=index_cond(rollouts.cond, rows), **extra)
+                              cond=index_cond(rollouts.cond, rows), parts=steps, **extra)
 
     def loss(self, policy, batch: TransitionBatch) -> tuple[Tensor, dict[str, Tensor]]:
         cfg = self.cfg
