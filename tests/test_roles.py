@@ -215,3 +215,16 @@ def test_micro_steps_count_upstreams_units(tmp_path, tiny_sd3_path, name, per_sa
                                    unique_sample_num_per_epoch=4, per_device_batch_size=2))
     assert cfg.trained_steps_per_sample == per_sample
     assert cfg.gradient_accumulation == 2 * per_sample  # two chunks, one optimizer step an epoch
+
+
+@pytest.mark.parametrize("name", ["dmd2", "tdm", "tdm-r1", "nft"])
+def test_a_runs_resolved_config_loads_back(tmp_path, tiny_sd3_path, name):
+    """What ff-sample and ff-eval read of a run (its config.yaml, every default written) loads again: the
+    decoupled and distillation trainers' kl_type resolves to v-based, not the coupled family's x-based default,
+    which their config refuses when written."""
+    import yaml
+
+    config = dmd2_config(tmp_path, tiny_sd3_path, trainer_type=name, group_size=2)
+    config["rewards"] = [{"reward_model": "jpeg_compressibility"}]
+    cfg = parse_config(config)
+    assert parse_config(yaml.safe_load(cfg.to_yaml())).model_dump() == cfg.model_dump()

@@ -94,6 +94,10 @@ def fill_trainer_defaults(train) -> None:
     spec = ALGORITHM_SPECS[train.trainer_type]
     if train.time_shift is None:
         train.time_shift = spec.time_shift
+    if spec.family != "coupled" and "kl_type" not in train.model_fields_set:
+        # their KL (when any) is on velocities: so a resolved config (to_yaml, what ff-sample and ff-eval read
+        # back) says so, and is not refused for the coupled family's x-based default
+        train.kl_type = "v-based"
     for key, value in spec.defaults.items():
         if key not in train.model_fields_set:
             setattr(train, key, value)
