@@ -162,6 +162,7 @@ def test_train_frame_rate_reads_a_video_on_its_clock(tmp_path):
     assert record.frames == ((0, 2, 4, 6, 8),)
     epochs = OfflineEpochs([record], SimpleNamespace(is_video=True), SimpleNamespace(width=32, height=32), 0)
     frames = read_video(record.outputs[0])
+    assert len(frames) == 12 and read_video(record.outputs[0], 9) == frames[:9]  # decoding stops at a limit
     expected = [torch.from_numpy(np.asarray(frames[i].resize((32, 32), Image.Resampling.BICUBIC)).copy()) for i in
                 (0, 2, 4, 6, 8)]
     torch.testing.assert_close(epochs.pixels(record.outputs[0], record.frames[0]),

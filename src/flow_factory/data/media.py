@@ -104,14 +104,16 @@ def read_image(file: MediaFile) -> Image.Image:
         raise MediaError(f"{file.path}: cannot be read ({type(e).__name__}: {e})") from None
 
 
-def read_video(file: MediaFile) -> list[Image.Image]:
-    """The video's frames as RGB images."""
+def read_video(file: MediaFile, limit: int | None = None) -> list[Image.Image]:
+    """The video's frames (its first ``limit``) as RGB images."""
+    from itertools import islice
+
     try:
         if file.container:
             from ..media.video import read_frames
 
-            return read_frames(file.path)
+            return read_frames(file.path, limit)
         with Image.open(file.path) as im:
-            return [frame.convert("RGB") for frame in ImageSequence.Iterator(im)]
+            return [frame.convert("RGB") for frame in islice(ImageSequence.Iterator(im), limit)]
     except Exception as e:  # noqa: BLE001
         raise MediaError(f"{file.path}: cannot be read ({type(e).__name__}: {e})") from None

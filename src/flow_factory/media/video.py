@@ -83,15 +83,17 @@ def first_frame(path: str | Path) -> Image.Image:
         return frame.to_image()
 
 
-def read_frames(path: str | Path) -> list[Image.Image]:
-    """Every frame of the file's first video stream, as RGB images."""
+def read_frames(path: str | Path, limit: int | None = None) -> list[Image.Image]:
+    """Every frame of the file's first video stream (its first ``limit``: decoding stops there), as RGB images."""
+    import itertools
+
     import av
 
     with _open(Path(path)) as container:
         stream = _video_stream(container)
         stream.thread_type = "AUTO"
         try:
-            return [frame.to_image() for frame in container.decode(stream)]
+            return [frame.to_image() for frame in itertools.islice(container.decode(stream), limit)]
         except av.FFmpegError as e:
             raise VideoReadError(f"is damaged ({e.strerror})") from None
 

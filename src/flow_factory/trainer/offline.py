@@ -86,7 +86,7 @@ class OfflineEpochs:
         file's ``frames`` (data/offline.py chose them and checked that the file has them)."""
         if not self.adapter.is_video:
             return self._resized([read_image(file)])[0]
-        video = read_video(file)
+        video = read_video(file, max(frames) + 1)  # decoded no further than the last frame that trains
         return self._resized([video[i] for i in frames])
 
     def _resized(self, stills: list[Image.Image]) -> torch.Tensor:
