@@ -1,17 +1,23 @@
 """Which of Flow-Factory's configs load here, and why the others do not.
 
-    python scripts/check_flow_factory_configs.py PATH/TO/Flow-Factory/examples [-v]
+    python scripts/check_flow_factory_configs.py PATH/TO/Flow-Factory/examples [-v] [--plan [--gpu h100]]
 
 Loads every ``*.yaml`` under the folder with ``ff-train``'s loader (no model, no data
 needed) and prints how many load, and the reasons of the others, grouped and counted.
 Configs for a model type or trainer this version does not have are counted apart, as
 what they wait for. ``-v`` prints each refused file with its errors.
+
+``--plan`` also plans each config that loads, as ``ff-train --plan CONFIG --gpu GPU`` does
+(the cheapest change that fits included), and prints a line per config: the seconds the
+plan took, its verdict (peak per GPU at its phase, fits or not, the change), or why it
+could not be planned (a checkpoint whose configs the planner does not know, ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import time
 from pathlib import Path
 
 import yaml
@@ -25,6 +31,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("folder", type=Path)
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--plan", action="store_true", help="also plan each config that loads (ff-train --plan)")
+    p.add_argument("--gpu", default="h100", help="--plan: the GPU planned for (ff-train --plan's --gpu)")
     args = p.parse_args()
     loaded, refused, waiting = [], [], collections.Counter()
     reasons = collections.Counter()
@@ -59,6 +67,41 @@ def main() -> None:
     if args.verbose:
         for path, err in refused:
             print(f"\n== {path}\n{err}")
+    if args.plan:
+        plan_each(loaded, args.folder, args.gpu)
+
+
+def verdict(path: Path, gpu: str) -> str:
+    """The plan's verdict on one config: its peak per GPU, whether it fits, the cheapest change that fits."""
+    from flow_factory.plan.report import plan_for_cli
+
+    plan, changes, fitted = plan_for_cli(str(path), [], gpu, None, 0.4)
+    phase, peak = plan.peak()
+    model = f"{plan.config.model.model_type}, {plan.num_processes} x {gpu}, {plan.backend}"
+    out = f"{model}: {peak / 2 ** 30:.1f} GiB at {phase}, {'fits' if plan.fits() else 'does not fit'}"
+    if not plan.fits():
+        out += f"; change: {' '.join(changes)}" if fitted is not None else "; no change fits"
+    missing = [n for n in plan.notes if "NOT MEASURED" in n]
+    return out + (f"; {len(missing)} call(s) NOT MEASURED" if missing else "") + f"; {plan.seconds_per_epoch:.0f} s/epoch"
+
+
+def plan_each(loaded: list[Path], folder: Path, gpu: str) -> None:
+    """Plan each config that loaded: a line per config with the plan's time and verdict, then the counts."""
+    counts, seconds = collections.Counter(), []
+    print(f"\nplans ({gpu}):")
+    for path in loaded:
+        start = time.perf_counter()
+        try:
+            line, kind = verdict(path, gpu), "planned"
+        except Exception as err:  # a plan refused (unknown checkpoint, ...) is a finding, not the end of the list
+            line, kind = f"not planned: {type(err).__name__}: {str(err).splitlines()[0][:160]}", "not planned"
+        took = time.perf_counter() - start
+        counts[kind] += 1
+        if kind == "planned":
+            seconds.append(took)
+        print(f"  {took:5.1f} s  {path.relative_to(folder)}: {line}", flush=True)
+    slowest = f", slowest {max(seconds):.1f} s, median {sorted(seconds)[len(seconds) // 2]:.1f} s" if seconds else ""
+    print(f"{counts['planned']} planned, {counts['not planned']} not planned{slowest}")
 
 
 if __name__ == "__main__":

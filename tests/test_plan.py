@@ -247,3 +247,14 @@ def test_plan_cli_json(tiny_sd3_path, capsys):
     assert out["components"]["transformer"]["params"] > 0
     assert set(out["memory"]) >= {"multi_gpu", "fsdp2", "fsdp2_offload", "zero2", "zero3"}
     assert out["seconds_per_epoch"] > 0 and out["flops_per_epoch_per_gpu"]["training"] > 0
+
+
+def test_a_reward_this_version_lacks_is_a_note_not_the_end_of_the_plan():
+    """Flow-Factory's LTX-2 example loads but names its ``clap`` reward: the plan counts the rest and says so."""
+    from flow_factory.plan.build import reward_models
+
+    cfg = parse_config({"model": {"model_name_or_path": "m", "model_type": "sd3-5"}, "data": {"dataset_dir": "d"},
+                        "rewards": [{"reward_model": "clap"}, {"reward_model": "jpeg_compressibility"}]})
+    notes = []
+    assert reward_models(cfg, notes) == (0, []) and len(notes) == 1
+    assert notes[0].startswith("rewards[0].reward_model: unknown reward 'clap'") and "a run stops there" in notes[0]

@@ -121,13 +121,18 @@ def weight_copies(cfg, trained_bytes: int, reference_bytes: int) -> tuple[dict[s
 
 
 def reward_models(cfg, notes: list[str]) -> tuple[int, list]:
-    """Bytes of the reward models on the device, and (name, meta model) of each that was built."""
+    """Bytes of the reward models on the device, and (name, meta model) of each that was built; a reward this
+    version does not have (a config of Flow-Factory's naming one of its rewards: LTX-2's ``clap``) is a note."""
     from ..precision import dtype_of
     from ..rewards.registry import resolve_reward_class
 
     total, built = 0, []
-    for entry in cfg.rewards:
-        cls = resolve_reward_class(entry.reward_model)
+    for i, entry in enumerate(cfg.rewards):
+        try:
+            cls = resolve_reward_class(entry.reward_model)
+        except (ValueError, ImportError, TypeError) as err:  # the plan of the rest still answers; the run would stop
+            notes.append(f"rewards[{i}].reward_model: {str(err).split('. ')[0]}; a run stops there (not counted)")
+            continue
         sources = cls.models_to_load(entry.constructor_options())
         model = build_model(sources[0], dtype_of(entry.dtype)) if sources else None
         if model is None:

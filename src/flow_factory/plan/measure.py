@@ -198,10 +198,17 @@ def autocast_on_meta(dtype: torch.dtype | None):
     one in bf16 (FLUX.1-dev at 1024 px without checkpointing: 30.7 GiB of activations planned without this,
     25.8 with it; the H200's run held about 25, docs/experiments/gpu.md). Functions are swapped, not intercepted
     by a ``TorchFunctionMode``: checkpointing's recomputation runs on autograd's thread, which a mode does not
-    reach, and must cast as the forward did (or torch's checkpoint refuses the recomputed dtypes). Not
-    emulated: autocast's float32 list (layer_norm, group_norm, softmax, ...), whose float32 outputs a GPU
-    keeps a little more of; ``matmul`` / ``bmm`` called directly (most attention is ``scaled_dot_product_attention``,
-    whose inputs are the linears' outputs)."""
+    reach, and must cast as the forward did (or torch's checkpoint refuses the recomputed dtypes).
+
+    Not emulated, and why: autocast's float32 list (CUDA runs layer_norm, group_norm, softmax, log_softmax,
+    pow, exp, ... in float32; diffusers' RMSNorm already casts to float32 itself). Emulated as the linears are
+    (their meta inputs cast to float32: ``F.layer_norm``, ``F.group_norm``, ``F.softmax``, ``F.log_softmax``), it
+    changed FLUX.1-dev's training micro-batch at 1024 px (LoRA rank 64, one sample) from 2.30 to 2.33 GiB of
+    activations with checkpointing (+1 %) and from 25.8 to 27.8 without (+8 %; sampling 0.46 to 0.49), where
+    the H200's run held about 2.5 and 25.0 (docs/experiments/gpu.md): the one measurement there is moves the
+    figure without checkpointing from +3 % of it to +11 %, so the emulation is left out until a GPU
+    measurement says otherwise (docs/experiments/plan.md, 2026-11-29). Nor ``matmul`` / ``bmm`` called
+    directly (most attention is ``scaled_dot_product_attention``, whose inputs are the linears' outputs)."""
     if dtype is None:
         yield
         return
