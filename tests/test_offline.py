@@ -366,12 +366,22 @@ def test_the_log_mel_front_end_is_transformers_spectrogram():
     torch.testing.assert_close(ours, torch.from_numpy(ref.T).float(), atol=1e-4, rtol=1e-4)
 
 
-def test_ltx2_image_to_video_is_refused_before_loading_naming_why(tmp_path, tiny_ltx2_i2av_path, capsys):
-    config = _offline_config(tmp_path, "ltx2_i2av", tiny_ltx2_i2av_path, "sft", "demonstration", conditioned=True)
-    _with_soundtracks(tmp_path / "offline")  # its records are right: the model is what is refused
-    assert main([str(write_config(tmp_path, config))]) == 2
-    assert ("train.trainer_type: sft trains from a dataset's images or videos; ltx2_i2av keeps its first latent "
-            "frame as the condition image's, never noised") in capsys.readouterr().err
+def test_ltx2_image_to_video_trains_offline_its_first_frame_given(tmp_path, tiny_ltx2_i2av_path):
+    """LTX-2 image to video with audio, offline DPO from pairs sharing a first-frame image: the record's video's
+    first latent frame is the image's (the adapter puts it back into every x_t and gives it no velocity, as the
+    pipeline never steps it), so that part of the loss is the same constant for the policy and the reference,
+    and the LoRA moves by the rest."""
+    from flow_factory.config import parse_config
+    from flow_factory.trainer import Trainer
+
+    config = _offline_config(tmp_path, "ltx2_i2av", tiny_ltx2_i2av_path, "offline-dpo", "preference",
+                             conditioned=True, max_epochs=1)
+    _with_soundtracks(tmp_path / "offline")
+    trainer = Trainer(parse_config(config))
+    trainer.train()
+    assert all(r.item.images and r.sounds[1] is not None for r in trainer.offline.records)
+    lora = _lora(tmp_path / "saves" / "run", 1)
+    assert max(float(v.abs().max()) for k, v in lora.items() if "lora_B" in k) > 0, "no LoRA moved"
 
 
 def test_an_image_where_a_video_model_needs_a_video_stops_ff_train_before_loading(tmp_path, tiny_wan_path, capsys):

@@ -45,10 +45,6 @@ class LTX2I2AVAdapter(LTX2Adapter):
     pixel_factor = MODEL_FAMILIES[model_type].pixel_factor
     condition_inputs = ("images",)
     conditions_per_sample = (1, 1)  # the first frame
-    # its first latent frame is the condition image's, never noised (given): a loss on the forward process from a
-    # record's video would noise it too
-    offline_problem = ("keeps its first latent frame as the condition image's, never noised, and offline training "
-                       "here noises every token of a record's video; train it with rollouts (grpo, nft, ...)")
 
     def __init__(self, pipeline, device="cpu", dtype: torch.dtype = torch.float32):
         super().__init__(pipeline, device, dtype)
