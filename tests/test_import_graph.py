@@ -4,6 +4,8 @@ since those are where cycles hide); the rewards never import the reward server, 
 reward server and its wire format load without torch."""
 
 import ast
+import functools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -115,16 +117,40 @@ def test_the_reward_server_and_its_wire_format_load_without_torch():
 SHARED_MODEL_MODULES = ('base', 'conditioning', 'vae', 'schedule', 'text', 'lora', 'registry', 'preflight')
 
 
+# what a run whose config asks for none of them never uses, so never imports before its first epoch: the other
+# training backends, the trackers, plotting (until a curve is drawn), the reward server, the planner, and httpx
+# (only remote rewards and VLM judges need it)
+OPTIONAL_MODULES = ("deepspeed", "matplotlib", "tensorboard", "torch.utils.tensorboard", "wandb", "swanlab",
+                    "fastapi", "starlette", "uvicorn", "httpx", "flow_factory.reward_server", "flow_factory.plan",
+                    "flow_factory.shapebench")
+
+
+@functools.lru_cache(maxsize=None)
+def launch_path_modules() -> list[str]:
+    """``sys.modules`` of a process that has done what ``ff-train`` does before a one-process tiny SD3 run's first
+    epoch, short of building the Trainer: the CLI module, the start checks that need no files (no remote
+    reward, logging backend none), the Trainer class and SD3's adapter. One interpreter for the tests below."""
+    code = ("import sys, json; import flow_factory.train; from flow_factory import start_checks; "
+            "assert start_checks.servers_problem([]) is None and start_checks.backend_problem('none') is None; "
+            "from flow_factory.trainer import Trainer; from flow_factory.models import ADAPTERS; ADAPTERS['sd3-5']; "
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def test_a_run_imports_only_its_own_models_adapter_and_no_plotting_until_it_draws():
     """The trainer and SD3's adapter load neither another family's adapter (each pulls its diffusers pipeline)
     nor matplotlib."""
-    code = ("import sys; from flow_factory.trainer import Trainer; from flow_factory.models import ADAPTERS; "
-            "ADAPTERS['sd3-5']; "
-            f"SHARED = {SHARED_MODEL_MODULES!r}; "
-            "print(sorted(m for m in sys.modules if m.startswith(('flow_factory.models.', 'matplotlib')) and "
-            "m.split('.')[-1] not in SHARED))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['flow_factory.models.sd3']"
+    assert [m for m in launch_path_modules() if m.startswith(("flow_factory.models.", "matplotlib"))
+            and m.split(".")[-1] not in SHARED_MODEL_MODULES] == ["flow_factory.models.sd3"]
+
+
+def test_a_run_imports_no_backend_tracker_server_or_planner_it_does_not_use():
+    """A lean start (issue 35): DeepSpeed, TensorBoard, matplotlib, the reward server's FastAPI, the planner and
+    httpx each cost a process memory and import time; a run that uses none of them loads none of them."""
+    loaded = [m for m in launch_path_modules() if m.startswith(OPTIONAL_MODULES)
+              and (m in OPTIONAL_MODULES or m.startswith(tuple(f"{o}." for o in OPTIONAL_MODULES)))]
+    assert loaded == []
 
 
 def test_every_adapter_is_reached_through_the_family_table_and_agrees_with_its_line():

@@ -139,6 +139,8 @@ def each_at_once(check, values: list[str]) -> dict:
 
 def servers_problem(servers: list[tuple[str, str]]) -> str | None:
     """One line naming each reward server or VLM API that does not answer (any HTTP answer will do)."""
+    if not servers:  # most runs: httpx stays unimported (5 MB in the process that then trains)
+        return None
     import httpx
 
     def answers(url: str) -> str | None:
