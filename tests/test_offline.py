@@ -366,6 +366,17 @@ def test_the_log_mel_front_end_is_transformers_spectrogram():
     torch.testing.assert_close(ours, torch.from_numpy(ref.T).float(), atol=1e-4, rtol=1e-4)
 
 
+def test_every_family_trains_offline():
+    from flow_factory.config.families import MODEL_FAMILIES
+    from flow_factory.models import get_adapter_class
+
+    assert {m: get_adapter_class(m).offline_refusal() for m in MODEL_FAMILIES} == dict.fromkeys(MODEL_FAMILIES)
+    # a user's own adapter without encode_media is refused, saying what it lacks (run_data's ConfigError)
+    from flow_factory.models.base import FlowAdapter
+
+    assert "has no encode_media" in type("Own", (FlowAdapter,), {"model_type": "own"}).offline_refusal()
+
+
 def test_ltx2_image_to_video_trains_offline_its_first_frame_given(tmp_path, tiny_ltx2_i2av_path):
     """LTX-2 image to video with audio, offline DPO from pairs sharing a first-frame image: the record's video's
     first latent frame is the image's (the adapter puts it back into every x_t and gives it no velocity, as the
