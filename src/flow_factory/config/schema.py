@@ -358,22 +358,23 @@ class Config(Section):
 
     def _decoupled_contradictions(self) -> list[str]:
         train, out = self.train, []
-        name = train.trainer_type
+        name, spec = train.trainer_type, ALGORITHM_SPECS[train.trainer_type]
         if "kl_type" in train.model_fields_set and train.kl_type == "x-based":
             out.append(f"train.kl_type: 'x-based' compares the sampler's Gaussian steps, which {name} does not "
                        "train (it trains on the forward process); use 'v-based'")
-        if train.ema_kl_beta > 0 and name != "awm":
-            out.append(f"train.ema_kl_beta: the KL to the EMA policy is awm's; {name} does not use it")
+        if train.ema_kl_beta > 0 and not spec.ema_kl:
+            users = " and ".join(n for n, a in ALGORITHM_SPECS.items() if a.ema_kl)
+            out.append(f"train.ema_kl_beta: the KL to the EMA policy is {users}'s; {name} does not use it")
         elif train.ema_kl_beta > 0 and train.ema_decay == 0:
             out.append("train.ema_kl_beta > 0 needs an EMA policy; set train.ema_decay > 0")
         together = self.num_processes * train.per_device_batch_size
-        if name == "dgpo" and together % train.group_size:
+        if spec.whole_groups_why and together % train.group_size:
             smallest = train.group_size // math.gcd(self.num_processes, train.group_size)
-            out.append(f"train.per_device_batch_size: dgpo sums each group's preference over its members, so the "
+            out.append(f"train.per_device_batch_size: {name} {spec.whole_groups_why}, so the "
                        f"micro-batch of all processes together (num_processes x per_device_batch_size = "
                        f"{self.num_processes} x {train.per_device_batch_size} = {together}) must hold whole groups, "
                        f"but group_size is {train.group_size}; use a multiple of {smallest}")
-        if ALGORITHM_SPECS[name].pairs_per_group and train.unique_sample_num_per_epoch % self.num_processes:
+        if spec.pairs_per_group and train.unique_sample_num_per_epoch % self.num_processes:
             out.append(f"train.unique_sample_num_per_epoch: {name} pairs the best and worst sample of each group on "
                        f"one process, so the {train.unique_sample_num_per_epoch} groups must split evenly over "
                        f"num_processes = {self.num_processes}")

@@ -31,6 +31,10 @@ class AlgorithmSpec:
     pairs_per_group: bool = False
     dynamics: tuple[str, ...] = ()  # the only scheduler.dynamics_type it works with (empty: any of its family's)
     dynamics_why: str = ""  # why, for the error message
+    # its loss reads a whole group at once (DGPO sums each group's preference over its members): the micro-batch of
+    # all processes together must hold whole groups; the text says why, for the error message
+    whole_groups_why: str = ""
+    ema_kl: bool = False  # reads train.ema_kl_beta (a KL to its own EMA policy, AWM's): set for another, an error
 
 
 _LOGIT_NORMAL_ONE_STEP = {"time_sampling_strategy": "logit_normal", "timestep_range": 0.99, "num_train_timesteps": 1}
@@ -41,10 +45,11 @@ ALGORITHM_SPECS = {spec.name: spec for spec in (
                   dynamics_why="re-normalises Flow-SDE's log-ratios"),
     AlgorithmSpec("dppo", "coupled", "dppo:DPPO", keys=("kl_mask_type", "kl_mask_threshold", "kl_guidance_scale")),
     AlgorithmSpec("nft", "decoupled", "nft:NFT"),
-    AlgorithmSpec("awm", "decoupled", "awm:AWM"),
+    AlgorithmSpec("awm", "decoupled", "awm:AWM", ema_kl=True),
     AlgorithmSpec("dpo", "decoupled", "dpo:DPO", defaults=_LOGIT_NORMAL_ONE_STEP, time_shift=1.0,
                   pairs_per_group=True),
     AlgorithmSpec("dgpo", "decoupled", "dgpo:DGPO", defaults={"timestep_range": 0.6},
+                  whole_groups_why="sums each group's preference over its members",
                   keys=("dpo_beta", "use_shared_noise", "clip_dsm", "clip_kl", "kl_cfg", "switch_ema_ref",
                         "use_ema_ref", "ema_ref_max_decay", "ema_ref_ramp_rate", "ema_ref_device")),
     AlgorithmSpec("crd", "decoupled", "crd:CRD", defaults={"timestep_range": 0.99, "kl_beta": 0.1, "kl_cfg": 4.5},
