@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import DTYPE_NAMES, problem, show
-from .train import DISTILLATION_TRAINER_TYPES
+from .train import ALGORITHM_SPECS, DISTILLATION_TRAINER_TYPES
 
 # Flow-Factory's spellings (its guides' and its earlier layouts') -> ours, with the same meaning
 # (step indices count from 0 in both)
@@ -330,7 +330,8 @@ def without_effect(cfg) -> list[str]:
         notes.append(f"train.warmup_steps: {train.warmup_steps} changes nothing: {why}")
     notes += cfg.keys_without_effect
     if ("time_shift" in train.model_fields_set and train.time_shift != 1
-            and train.trainer_type in ("nft", "awm", "dpo", "dgpo", "crd") and train.time_sampling_strategy.startswith("discrete")):
+            and ALGORITHM_SPECS[train.trainer_type].family == "decoupled"
+            and train.time_sampling_strategy.startswith("discrete")):
         notes.append(f"train.time_shift: {train.time_shift:g} shifts continuous sigmas; time_sampling_strategy "
                      f"{train.time_sampling_strategy!r} trains on the rollout's own sigmas, which the model's "
                      "scheduler has shifted already")

@@ -507,10 +507,10 @@ class TrainConfig(Section):
         """The guidance scale training prompts are encoded for: a loss at ``train_guidance_scale``, or a
         reference called with CFG at ``kl_cfg`` (dgpo, crd) or ``kl_guidance_scale`` (dppo), needs the negative
         branch even when the rollouts sample without it."""
-        scales = [self.guidance_scale, self.loss_guidance_scale]
-        if self.trainer_type in ("dgpo", "crd") and self.kl_cfg > 1:
+        scales, keys = [self.guidance_scale, self.loss_guidance_scale], ALGORITHM_SPECS[self.trainer_type].keys
+        if "kl_cfg" in keys and self.kl_cfg > 1:
             scales.append(self.kl_cfg)
-        if self.trainer_type == "dppo" and self.kl_beta > 0 and self.kl_guidance_scale is not None:
+        if "kl_guidance_scale" in keys and self.kl_beta > 0 and self.kl_guidance_scale is not None:
             scales.append(self.kl_guidance_scale)
         if self.trainer_type in DISTILLATION_SPECS and self.real_guidance_scale is not None:
             scales.append(self.real_guidance_scale)  # the teacher's guided score
