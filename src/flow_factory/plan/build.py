@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config.base import resolution_pair
-from ..config.train import COUPLED_TRAINER_TYPES
+from ..config.train import ALGORITHM_SPECS, COUPLED_TRAINER_TYPES
 from ..precision import Precision
 from . import memory
 from .blocks import measure_scaled
@@ -172,7 +172,7 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
     b = train.per_device_batch_size
     per_call = cfg.trained_steps_per_sample if train.steps_per_call == "all" else train.steps_per_call
     loss_scale = getattr(train, "loss_guidance_scale", train.guidance_scale)
-    rows = b * 2 if train.trainer_type == "dpo" else b  # dpo's micro-batch holds b pairs
+    rows = b * 2 if ALGORITHM_SPECS[train.trainer_type].pairs_per_group else b  # dpo: a micro-batch of b pairs
     calls = dict(calls or {})
     for name, measure in (("rollout", lambda: call(b, train.guidance_scale, False)),
                           ("training", lambda: call(rows * per_call, loss_scale, True)),
