@@ -228,3 +228,13 @@ def test_a_runs_resolved_config_loads_back(tmp_path, tiny_sd3_path, name):
     config["rewards"] = [{"reward_model": "jpeg_compressibility"}]
     cfg = parse_config(config)
     assert parse_config(yaml.safe_load(cfg.to_yaml())).model_dump() == cfg.model_dump()
+
+
+def test_every_roles_weights_are_checked_finite_and_never_reach_a_checkpoint_otherwise(roles):
+    adapter, roles = roles
+    assert Roles.other_params(None) == [] and Roles.other_params(roles) == roles.params["fake"]
+    roles.start("ddp", None)
+    with torch.no_grad():
+        roles.params["fake"][0][0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="fake role"):
+        roles.state_files(with_optimizers=False)

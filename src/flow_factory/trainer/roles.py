@@ -78,6 +78,12 @@ class Roles:
             roles.slow_decays["surrogate"] = lambda step: slow_surrogate_decay(step, low, high)
         return roles
 
+    @staticmethod
+    def other_params(roles: "Roles | None") -> list:
+        """The trained weights of every role but the generator (none without roles): the trainer checks them
+        finite after each epoch's update, as it checks the generator's."""
+        return [] if roles is None else [p for role in roles.names if role != GENERATOR for p in roles.params[role]]
+
     def active(self, role: str):
         raise NotImplementedError
 

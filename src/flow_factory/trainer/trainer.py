@@ -225,7 +225,7 @@ class Trainer:
         metrics, steps = optimize_epoch(self.algorithm, self.policy, rollouts, advantages, self._optimize_settings(),
                                         stepper, epoch=epoch, steps_before=self.global_step)
         self.global_step += steps
-        if not self.backend.all_finite(self.params):  # finite gradients, yet a step overflowed: stop before it spreads
+        if not self.backend.all_finite(self.params + Roles.other_params(self.roles)):  # a step overflowed: stop
             raise NonFiniteError(f"epoch {epoch}: an optimizer step made trained weights NaN or inf (mean "
                                  f"gradient norm {metrics.get('train/grad_norm', float('nan')):.3g}); lower "
                                  "train.learning_rate. The last checkpoint is intact")
