@@ -14,16 +14,19 @@ same way, also exactly: which block is the stack's last stays so (the text branc
 double-stream block feeds no output, in the cut stack as in the whole one).
 
 What it can miss: (1) blocks that differ only by a setting that holds no parameter (a flag given to the
-constructor that changes the forward but no weight's shape); none of the stacks of our families does, and
-tests/test_plan.py holds the scaled figures to the whole model's on a tiny pipeline of several blocks. (2)
-The peak memory is affine in the block count only once a block adds the same to it wherever it stands: it
-does with gradients (each block's saved tensors, or with checkpointing its inputs, stay until the backward
-reaches it) and without (a no-grad call's peak does not grow with depth: the difference is 0). Where the
-peak of the cut call falls outside the blocks (an output projection larger than what the blocks keep), the
-difference can understate what blocks add, so a cut of ``BASE`` = 2 blocks (not 1) is the base: the test
-bounds the error on the tiny pipelines. Blocks that differ from their stack's others (SD3.5's last block,
-whose text branch has no output projection; SD3.5-medium's first 13 with a second attention) form groups of
-their own: each group is scaled by its own count, and a group of ``BASE + 1`` blocks or fewer stays whole.
+constructor that changes the forward but no weight's shape). On every shipped example (nine families) the
+scaled FLOPs, peaks and gradients equal the whole call's to the unit (docs/experiments/plan.md,
+2026-11-29), and tests/test_plan.py holds them to it on deeper tiny pipelines. (2) The peak is affine in the
+block count only where each block adds the same to it wherever it stands: with gradients it does (each
+block's saved tensors, or under checkpointing its inputs, stay until the backward reaches it); a no-grad
+call's peak is one moment inside some block, which holds nothing of the blocks before it, so adding blocks
+adds nothing, and a difference below 0 (a temporary landing elsewhere: 0.5 MiB in Qwen-Image's sampling
+call) counts as 0. Where a cut call's peak fell outside the blocks (an output layer larger than anything a
+block holds), the difference would understate what blocks add; the base is 2 blocks, not 1, so that the
+difference is taken between two calls whose peak lies in the blocks. Blocks that differ from their
+stack's others (SD3.5's last block, whose text branch has no output projection; SD3.5-medium's first 13,
+with a second attention) form groups of their own, each scaled by its own count; a group of ``BASE + 1``
+blocks or fewer stays whole.
 """
 
 from __future__ import annotations
