@@ -14,7 +14,7 @@ same way, also exactly: which block is the stack's last stays so (the text branc
 double-stream block feeds no output, in the cut stack as in the whole one).
 
 What it can miss: (1) blocks that differ only by a setting that holds no parameter (a flag given to the
-constructor that changes the forward but no weight's shape). On every shipped example (nine families) the
+constructor that changes the forward but no weight's shape). On every shipped example (eleven model types) the
 scaled FLOPs, peaks and gradients equal the whole call's to the unit (docs/experiments/plan.md,
 2026-11-29), and tests/test_plan.py holds them to it on deeper tiny pipelines. (2) The peak is affine in the
 block count only where each block adds the same to it wherever it stands: with gradients it does (each
