@@ -288,7 +288,7 @@ class Config(Section):
                        "ratio's old policy): every update would be biased. Use none, or a decoupled algorithm "
                        "(nft, awm, dpo, dgpo, crd)")
         if train.trainer_type in OFFLINE_TRAINER_TYPES and train.rollout_cache != "none":
-            out.append(f"train.rollout_cache: {train.trainer_type} trains from a dataset's images, with no rollout to "
+            out.append(f"train.rollout_cache: {train.trainer_type} trains from a dataset's images or videos, with no rollout to "
                        "cache; use none")
         if coupled and train.train_guidance_scale not in (None, train.guidance_scale):
             out.append(f"train.train_guidance_scale: {train.trainer_type} trains the rollout's own steps, which ran "

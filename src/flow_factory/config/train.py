@@ -69,7 +69,7 @@ ALGORITHM_SPECS = {spec.name: spec for spec in (
 )}
 TRAINER_TYPES = tuple(ALGORITHM_SPECS)
 COUPLED_TRAINER_TYPES = tuple(n for n, a in ALGORITHM_SPECS.items() if a.family == "coupled")
-# train on the forward process at their own timesteps (of rollouts, or of a dataset's images)
+# train on the forward process at their own timesteps (of rollouts, or of a dataset's images or videos)
 DECOUPLED_TRAINER_TYPES = tuple(n for n, a in ALGORITHM_SPECS.items() if a.family != "coupled")
 OFFLINE_TRAINER_TYPES = tuple(n for n, a in ALGORITHM_SPECS.items() if a.family == "offline")  # no rollout, reward
 # train roles (a generator, a fake score, ...) over a frozen teacher, each with its own optimizer (trainer/roles.py)
@@ -157,7 +157,7 @@ def parse_decay(schedule: str | int) -> tuple[int, float, float, float]:
 class TrainConfig(Section):
     trainer_type: Literal[TRAINER_TYPES] = setting(
         "grpo", "algorithm: grpo, grpo-guard, dppo (coupled, SDE rollouts), nft, awm, dpo, dgpo, crd (decoupled, "
-        "any dynamics), sft, offline-dpo (from a dataset's images: schema_version 2 records, no rewards), dmd2 "
+        "any dynamics), sft, offline-dpo (from a dataset's images or videos: schema_version 2 records, no rewards), dmd2 "
         "and tdm (a few-step generator distilled from the frozen model, with an online fake score; ODE rollouts), "
         "or tdm-r1 (tdm with rewards, through a learned surrogate)")
     resolution: int | list[int] = setting(512, "image size, an int or [height, width]",
