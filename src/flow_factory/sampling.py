@@ -119,6 +119,9 @@ class Rollouts(KeptStates):
     # train.reward_optimization_overlap: the open ``RewardJob`` whose async rewards are still being scored (then
     # ``rewards`` is None until the trainer collects them)
     pending_rewards: Any = None
+    # (N,) each sample's index in the epoch's draw (its noise seed): the distillation trainers key their training
+    # draws by it, so that one process and several draw alike for the same sample
+    sample_ids: Tensor | None = None
 
 
 @dataclass
@@ -194,6 +197,7 @@ class _RolloutBatches:
                 with timer.phase("reward"):
                     self.add_to(job, batch, chunks[-1])
         rollouts = self.join(items, group_ids, chunks)
+        rollouts.sample_ids = torch.tensor(sample_ids, dtype=torch.long)
         if job is not None and self.services.rewards_pending:
             rollouts.pending_rewards = job  # the trainer asks for the scores group by group, as it trains
         elif job is not None:

@@ -271,6 +271,20 @@ def role_optimizers(name: str, entries: list[dict], train) -> dict[str, RoleOpti
     return out
 
 
+def _launch_kind(config_file) -> str | None:
+    """The ``distributed_type`` of the accelerate config ``config_file`` names (None: none, or unreadable)."""
+    if config_file is None:
+        return None
+    import yaml
+
+    from ..launch_configs import resolve
+
+    try:
+        return (yaml.safe_load(resolve(config_file).read_text()) or {}).get("distributed_type")
+    except (OSError, ValueError, yaml.YAMLError, AttributeError):
+        return None
+
+
 def distillation_contradictions(cfg) -> list[str]:
     """What a run of a distillation trainer (or its ``optimizers:`` entries under another trainer) cannot be,
     checked before anything loads: upstream's rule checks, the entries, and what the roles do not do yet."""
@@ -286,9 +300,13 @@ def distillation_contradictions(cfg) -> list[str]:
                   advantage_clip_range=train.adv_clip_range)
     out = distillation_problems(name, values) + role_optimizer_problems(name, train.role_optimizers)
     # what the roles (trainer/roles.py) do not do yet, refused rather than done wrong
-    if cfg.num_processes > 1:
-        out.append(f"num_processes: {name}'s roles (LoRA adapters or copies beside the generator) are neither "
-                   "synced by DDP's wrapper nor sharded by fsdp2 / DeepSpeed yet; run it on one process")
+    kind = _launch_kind(cfg.config_file)
+    if kind in ("FSDP", "DEEPSPEED"):
+        out.append(f"config_file: {cfg.config_file} runs {kind}, which would neither shard nor gather {name}'s "
+                   "other roles (LoRA adapters or copies beside the generator); use multi_gpu (DDP) or one process")
+    if cfg.num_processes > 1 and spec.rewards:
+        out.append(f"num_processes: {name}'s surrogate compares a group's samples within one micro-batch, and "
+                   "groups split across processes are not built for it; run it on one process")
     if list(model.trained_components) != ["transformer"]:
         out.append(f"model.target_components: {name} trains roles on one transformer; got "
                    f"{list(model.trained_components)}")

@@ -126,10 +126,11 @@ def optimize_epoch(algorithm, policy, rollouts, advantages, settings: OptimizeSe
                                 run.abandon(f"epoch {epoch}: {streamed.problem}; the rest of the epoch's update is "
                                             "skipped")
                                 return _results(runs)
-                            # training noise / timesteps: seeded per micro-batch (with roles, per phase and pass),
-                            # so a resumed run draws the same ones
-                            draws = generator("train", settings.seed, epoch, inner, rank, b,
-                                              *(() if role is None else (p, again)))
+                            # training noise / timesteps: seeded per micro-batch, so a resumed run draws the same
+                            # ones; with roles per phase and pass, and by sample (not rank and micro-batch: the
+                            # algorithm keys its draws by each sample's id), so several processes draw as one
+                            draws = (generator("train", settings.seed, epoch, inner, rank, b) if role is None
+                                     else generator("train", settings.seed, epoch, inner, "roles", p, again))
                             run.train_chunk(algorithm, policy, algorithm.micro_batches(
                                 rollouts, advantages, chunks[b], draws, **({} if role is None else {"role": role})))
     return _results(runs)
@@ -146,8 +147,9 @@ def _role_runs(stepper: Stepper, settings: OptimizeSettings, epoch: int, steps_b
     for role in roles.names:
         own = settings if role not in roles.settings else replace(settings,
                                                                   max_grad_norm=roles.settings[role].max_grad_norm)
+        # the other roles run outside DDP's wrapper (``Roles.active``): this loop averages their gradients
         mine = stepper if role == GENERATOR else replace(stepper, optimizer=roles.optimizers[role],
-                                                          params=roles.params[role],
+                                                          params=roles.params[role], syncing_module=None,
                                                           step_snapshots=roles.step_snapshots(role))
         runs[role] = _EpochSteps(mine, own, epoch, steps_before)
     return runs

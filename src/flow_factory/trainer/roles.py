@@ -198,11 +198,17 @@ class LoraRoles(Roles):
 
     @contextmanager
     def active(self, role: str):
-        """``role`` runs and trains (its weights alone have gradients); the generator again afterwards."""
+        """``role`` runs and trains (its weights alone have gradients); the generator again afterwards. Another
+        role than the generator runs outside DDP's wrapper, which registered the generator's weights alone: the
+        optimisation loop averages that role's gradients over the processes itself."""
+        callers = self.adapter.callers
         self._activate(role)
+        if role != GENERATOR:
+            self.adapter.callers = {name: c for name, c in callers.items() if name != "transformer"}
         try:
             yield
         finally:
+            self.adapter.callers = callers
             self._activate(GENERATOR)
 
     @contextmanager

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ...config.distillation import GENERATOR
+from ...seeding import derived_seed
 from ...models.conditioning import Conditioning, index_cond
 from ..base import Algorithm, RolloutsLike
 from .dmd2 import dmd2_generator_loss, sample_boundary_index
@@ -35,6 +36,15 @@ from .fake_score import fake_score_loss, sample_perturbation_sigma
 from .flow import add_noise, clean_from_velocity
 from .tdm import (conditional_renoise, query_interval, sample_query_sigma, student_prediction, tdm_fake_loss,
                   tdm_generator_loss)
+
+
+def sample_generators(rollouts: RolloutsLike, idx: Tensor, generator: torch.Generator) -> list[torch.Generator]:
+    """One generator per chosen sample, seeded by the loop's (``generator``: seed, epoch, inner epoch, phase, pass;
+    no process rank) and the sample's index in the epoch's draw (``Rollouts.sample_ids``; else its index here): a
+    sample's training draws are the same whichever process trains it, and in a resumed run."""
+    ids = rollouts.sample_ids[idx.to(rollouts.sample_ids.device)] if getattr(rollouts, "sample_ids", None) \
+        is not None else idx
+    return [torch.Generator().manual_seed(derived_seed(generator.initial_seed(), int(i))) for i in ids.tolist()]
 
 
 @dataclass
@@ -73,14 +83,17 @@ class DMD2(Algorithm):
     def micro_batches(self, rollouts: RolloutsLike, advantages: Tensor, units: Tensor,
                       generator: torch.Generator, role: str = GENERATOR) -> Iterator[RoleBatch]:
         idx = units[:, 0]
-        n, steps = len(idx), len(rollouts.sigmas) - 1
+        steps = len(rollouts.sigmas) - 1
         x0 = rollouts.latents_at(idx, steps).float()
-        step = steps if role != GENERATOR else sample_boundary_index(steps, generator)
-        noise_sigma = sample_perturbation_sigma(n, tuple(self.cfg.perturbation_timestep_range), generator=generator)
-        noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32)
-        yield RoleBatch(role=role, x=x0 if step == steps else rollouts.latents_at(idx, step),
-                        sigma=rollouts.sigmas[step].expand(n).to(x0.device), x0=x0, noise=noise.to(x0.device),
-                        noise_sigma=noise_sigma.to(x0.device), advantages=advantages[idx],
+        draws = sample_generators(rollouts, idx, generator)
+        # each sample's step (the generator's phase), noise level and noise, from its own generator
+        step = torch.tensor([steps if role != GENERATOR else sample_boundary_index(steps, g) for g in draws])
+        sigma_range = tuple(self.cfg.perturbation_timestep_range)
+        noise_sigma = torch.cat([sample_perturbation_sigma(1, sigma_range, generator=g) for g in draws])
+        noise = torch.cat([torch.randn((1, *x0.shape[1:]), generator=g, dtype=torch.float32) for g in draws])
+        x = x0 if role != GENERATOR else rollouts.latents_at(idx, step.to(rollouts.sigmas.device))
+        yield RoleBatch(role=role, x=x, sigma=rollouts.sigmas.cpu()[step].to(x0.device), x0=x0,
+                        noise=noise.to(x0.device), noise_sigma=noise_sigma.to(x0.device), advantages=advantages[idx],
                         cond=index_cond(rollouts.cond, idx))
 
     def loss(self, policy, batch: RoleBatch) -> tuple[Tensor, dict[str, Tensor]]:
@@ -146,10 +159,15 @@ class TDM(DMD2):
         k = torch.arange(steps).repeat_interleave(n)  # transition of each row; samples within a transition
         rows = idx.repeat(steps)
         lower, upper = query_interval(sigmas[k + 1], sigmas[k], cfg.tdm_query_interval, cfg.tdm_query_max_sigma)
-        sigma_t = sample_query_sigma(lower, upper, cfg.tdm_query_distribution, logit_mean=cfg.tdm_query_logit_mean,
-                                     logit_std=cfg.tdm_query_logit_std, generator=generator)
+        lower, upper = lower.view(steps, n), upper.view(steps, n)
         x = torch.cat([rollouts.latents_at(idx, step) for step in range(steps)])
-        fresh = torch.randn(x.shape, generator=generator, dtype=torch.float32)
+        # each sample's K query levels and K fresh noises from its own generator; rows transition by transition
+        draws = sample_generators(rollouts, idx, generator)
+        sigma_t = torch.stack([sample_query_sigma(
+            lower[:, i], upper[:, i], cfg.tdm_query_distribution, logit_mean=cfg.tdm_query_logit_mean,
+            logit_std=cfg.tdm_query_logit_std, generator=g) for i, g in enumerate(draws)], dim=1).reshape(-1)
+        fresh = torch.stack([torch.randn((steps, *x.shape[1:]), generator=g, dtype=torch.float32) for g in draws],
+                            dim=1).reshape(x.shape)
         device = x.device
         extra = {} if not self.needs_groups else dict(
             x_next=torch.cat([rollouts.latents_at(idx, step + 1) for step in range(steps)]),
