@@ -104,7 +104,8 @@ def as_text(plan: Plan, changes: list[str], fitted: Plan | None) -> str:
         lines.append(f"  {name:<12} {flops / 1e15:10.2f} PFLOP  {flops / total if total else 0:6.1%}")
     calls = plan.calls
     lines.append(f"  one sampling call {calls['rollout'].flops / 1e12:.1f} TFLOP, one training micro-batch "
-                 f"{calls['training'].flops / 1e12:.1f} TFLOP (FlopCounterMode on the model's code, meta device)")
+                 f"{calls['training'].flops / 1e12:.1f} TFLOP (FlopCounterMode on the model's code, meta device; "
+                 "each stack of alike blocks run at 2 and 3 blocks and scaled to its depth)")
     lines += ["", "not counted: " + "; ".join([*plan.notes, *NOT_COUNTED])]
     return "\n".join(lines)
 
