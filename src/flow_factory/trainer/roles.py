@@ -115,7 +115,7 @@ class Roles:
 
     def start(self, backend: str, resume_from: Path | None) -> None:
         """The other roles' optimizers, and on resume their weights and state from the checkpoint."""
-        if backend != "ddp":  # the config refuses several processes; a one-process fsdp2 / DeepSpeed launch too
+        if backend != "ddp":  # the config refuses fsdp2 / DeepSpeed configs; this, a launch it could not read
             raise ConfigError(f"config_file: the roles {', '.join(self.names)} would be neither sharded nor "
                               f"gathered by the {backend} backend; run it without fsdp2 or DeepSpeed")
         self.optimizers = {role: make_role_optimizer(self.params[role], self.settings[role])
@@ -135,7 +135,7 @@ class Roles:
             files[self.weights_file.format(role=role)] = {k: t.detach().cpu().clone() for k, t in weights.items()}
             if with_optimizers:
                 files[optimizer_file(role)] = optimizer.state_dict()
-        files.update({slow_file(role): copy.state_dict() for role, copy in self.slow.items()})
+        files.update({slow_file(role): slow.state_dict() for role, slow in self.slow.items()})
         return files
 
     def step_snapshots(self, role: str) -> dict:
