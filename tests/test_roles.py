@@ -3,6 +3,7 @@ time and alone with gradients, the frozen teacher the base with every adapter of
 config's ``optimizers:`` entry by role name, or upstream's default for the role; bad entries are config errors
 naming what is valid."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -241,3 +242,15 @@ def test_every_roles_weights_are_checked_finite_and_never_reach_a_checkpoint_oth
         roles.params["fake"][0][0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="fake role"):
         roles.state_files(with_optimizers=False)
+
+
+def test_the_dmd2_example_loads_with_the_arithmetic_its_comment_states():
+    from flow_factory.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "examples" / "sd3_5_dmd2_lora.yaml")
+    assert (cfg.batches_per_epoch, cfg.micro_steps_per_epoch, cfg.gradient_accumulation,
+            cfg.gradient_steps_per_epoch) == (1, 1, 1, 1)
+    chosen = role_optimizers("dmd2", cfg.train.role_optimizers, cfg.train)
+    assert [(s.role, s.learning_rate, s.max_grad_norm) for s in chosen.values()] == [("generator", 1e-5, 1.0),
+                                                                                   ("fake", 1e-5, 1.0)]
+    assert cfg.train.ttur_fake_updates == 5 and cfg.num_processes == 8
