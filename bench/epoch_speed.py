@@ -18,7 +18,7 @@ so that a noisy machine slows both alike, and each figure is the median over the
 CPU seconds the process spent by then (a loaded machine slows it far less than the wall clock) and
 "start_rss_mb" its peak RSS by then; "peak_rss_mb" is the whole run's, the final save included
 (both the process's VmHWM), and "exit_rss_mb" the peak as the kernel counts it once the process
-has ended (wait4's, what ``/usr/bin/time`` prints: on this machine's kernel 13-20 MB above VmHWM).
+has ended (wait4's, what ``/usr/bin/time`` prints).
 Each tree is compiled to bytecode first, as an installed package is (where PYTHONDONTWRITEBYTECODE
 is set, every launch would otherwise compile each of our modules again). ``--floor`` also imports,
 alone and in the same order, the third-party modules each revision's run held at its first epoch:
@@ -271,16 +271,16 @@ def main() -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        models = {family: tmp / family for family in families}
-        for family, where in models.items():  # in a child: this process imports no torch (see spawn)
-            subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from flow_factory.testing "
-                            "import build_tiny_pipeline; build_tiny_pipeline(sys.argv[1], Path(sys.argv[2]))",
-                            family, str(where)], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-                           check=True, capture_output=True)
         sides = {"this": checkout(args.this, tmp / "this") / "src" if args.this else ROOT / "src"}
         if args.baseline:
             sides[args.baseline] = checkout(args.baseline, tmp / "baseline") / "src"
         sides = {side: compiled(src) for side, src in sides.items()}
+        models = {family: tmp / family for family in families}
+        for family, where in models.items():  # in a child: this process imports no torch (see spawn)
+            subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from flow_factory.testing "
+                            "import build_tiny_pipeline; build_tiny_pipeline(sys.argv[1], Path(sys.argv[2]))",
+                            family, str(where)], env={**os.environ, "PYTHONPATH": str(sides["this"])},
+                           check=True, capture_output=True)
         rows = [(family, case) for family in families for case in args.cases]
         results, floors = measure(args, sides, models, rows, tmp)
     report(args, families, rows, list(sides), results, floors)
