@@ -176,11 +176,12 @@ LINEAR_STEP = {"learning_rate": 1e9, "eps": 1e8, "weight_decay": 0.0}  # AdamW's
 
 
 def test_two_processes_make_one_processs_update(tmp_path, tiny_pipeline):
-    """dmd2 on 1 process (one chunk of 4 samples) and on 2 (each one chunk of 2) under DDP: the same generator
-    and fake score after an epoch (each sample's training draws are keyed by its id, not by the process; DDP
-    averages the generator's gradients, the loop the fake score's), up to float32 rounding: measured 9e-6 and
-    1e-6 of how far each moved, bound 1e-3; with the fake score's gradients left unaveraged the generator's
-    differ by 9e-2."""
+    """tdm-r1 (all three roles, rewards, groups) on 1 process (one chunk of 2 groups of 2) and on 2 (each one
+    chunk of one group) under DDP: the same generator, fake score and surrogate after an epoch (each sample's
+    training draws are keyed by its id, not by the process; DDP averages the generator's gradients, the loop the
+    other roles'; the advantages are the gathered batch's), up to float32 rounding: measured 3e-5, 3e-5 and 3e-6
+    of how far each moved (dmd2 alike: 9e-6, 1e-6), bound 1e-3; with the other roles' gradients left unaveraged
+    the generator's differ by 6e-3. A smooth reward (mean brightness): JPEG sizes jump with rounding."""
     import os
 
     from helpers_launch import ff_train_forked
@@ -190,9 +191,11 @@ def test_two_processes_make_one_processs_update(tmp_path, tiny_pipeline):
     model, runs = tiny_pipeline("sd3-5"), {}
     for processes in (1, 2):
         folder = tmp_path / f"p{processes}"
-        config = dmd2_config(folder, model, [{"name": "generator", **LINEAR_STEP}, {"name": "fake", **LINEAR_STEP}],
-                             max_epochs=1, ttur_fake_updates=TTUR, unique_sample_num_per_epoch=4,
-                             per_device_batch_size=4 // processes, real_guidance_scale=2.0, ema_decay=0)
+        config = dmd2_config(folder, model, [{"name": r, **LINEAR_STEP} for r in ("generator", "fake", "surrogate")],
+                             trainer_type="tdm-r1", max_epochs=1, ttur_fake_updates=TTUR, group_size=2,
+                             unique_sample_num_per_epoch=2, per_device_batch_size=4 // processes,
+                             real_guidance_scale=2.0, ema_decay=0)
+        config["rewards"] = [{"name": "brightness", "reward_model": "helpers_rewards.MeanBrightness"}]
         config["eval"]["eval_freq"] = 0
         config["log"] |= {"logging_backend": "none"}
         argv = [str(write_config(folder, config)), "--num_processes", str(processes), "--main_process_port",
@@ -201,7 +204,8 @@ def test_two_processes_make_one_processs_update(tmp_path, tiny_pipeline):
         (_, err), code = ff_train_in_this_process(argv) if processes == 1 else ff_train_forked(argv, env)
         assert code == 0, err[-3000:]
         checkpoint = folder / "saves" / "run" / "checkpoints" / "epoch_1"
-        runs[processes] = (generator_weights(checkpoint), torch.load(checkpoint / "fake_lora.pt", weights_only=True))
+        others = (torch.load(checkpoint / f"{role}_lora.pt", weights_only=True) for role in ("fake", "surrogate"))
+        runs[processes] = [generator_weights(checkpoint), *others]
     for one, two in zip(runs[1], runs[2]):
         one = {k.removeprefix("transformer."): v for k, v in one.items()}
         two = {k.removeprefix("transformer."): v for k, v in two.items()}

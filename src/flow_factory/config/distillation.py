@@ -304,9 +304,10 @@ def distillation_contradictions(cfg) -> list[str]:
     if kind in ("FSDP", "DEEPSPEED"):
         out.append(f"config_file: {cfg.config_file} runs {kind}, which would neither shard nor gather {name}'s "
                    "other roles (LoRA adapters or copies beside the generator); use multi_gpu (DDP) or one process")
-    if cfg.num_processes > 1 and spec.rewards:
-        out.append(f"num_processes: {name}'s surrogate compares a group's samples within one micro-batch, and "
-                   "groups split across processes are not built for it; run it on one process")
+    if spec.rewards and train.unique_sample_num_per_epoch % cfg.num_processes:
+        out.append(f"train.unique_sample_num_per_epoch: {name}'s surrogate compares a group's samples within one "
+                   f"micro-batch, so each of the {cfg.num_processes} processes must hold whole groups: make it a "
+                   f"multiple of num_processes, got {train.unique_sample_num_per_epoch}")
     if list(model.trained_components) != ["transformer"]:
         out.append(f"model.target_components: {name} trains roles on one transformer; got "
                    f"{list(model.trained_components)}")
