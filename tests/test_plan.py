@@ -37,6 +37,8 @@ def test_public_transformers_at_their_parameter_counts(hub_id, model_type, publi
     ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v", 8.3e9, 0.01),
     ("Lightricks/LTX-2", 19e9, 0.01),
     ("Tongyi-MAI/Z-Image-Turbo", 6e9, 0.03),  # 6.15 B: "6B" is rounded further
+    ("black-forest-labs/FLUX.2-klein-base-9B", 9e9, 0.01),  # the undistilled bases: their siblings' networks
+    ("Tongyi-MAI/Z-Image", 6e9, 0.03),
 ])
 def test_public_transformers_at_their_makers_figures(hub_id, public, within):
     """The table's transformer configs (checked against diffusers' conversion scripts, plan/public_configs.py) give
@@ -258,3 +260,35 @@ def test_a_reward_this_version_lacks_is_a_note_not_the_end_of_the_plan():
     notes = []
     assert reward_models(cfg, notes) == (0, []) and len(notes) == 1
     assert notes[0].startswith("rewards[0].reward_model: unknown reward 'clap'") and "a run stops there" in notes[0]
+
+
+def test_an_offline_trainer_is_planned_without_rollouts(tiny_sd3_path, tmp_path):
+    """sft samples and decodes nothing in an epoch (it trains on the dataset's media): the plan measures and
+    counts neither, holds no epoch of rollouts, and says what its epoch stands for."""
+    import yaml
+    from flow_factory.config import load_config
+
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump({
+        "num_processes": 1, "mixed_precision": "no",
+        "data": {"datasets": [{"name": "demos", "dataset_dir": "dataset/sft", "train": {"weight": 1}}]},
+        "model": {"model_name_or_path": str(tiny_sd3_path), "model_type": "sd3-5", "finetune_type": "lora",
+                  "lora_rank": 4, "lora_alpha": 4, "target_modules": "all"},
+        "train": {"trainer_type": "sft", "resolution": 64, "per_device_batch_size": 2, "guidance_scale": 1.0},
+        "eval": {"eval_freq": 0}}))
+    plan = make_plan(load_config(path), device="cpu")
+    assert plan.flops["rollout"] == plan.flops["decode"] == 0 and plan.flops["training"] > 0
+    assert plan.calls["rollout"].peak == plan.calls["decode"].peak == 0
+    assert plan.sizes.trajectories == plan.sizes.trajectory_batch  # one micro-batch of latents, no epoch of rollouts
+    assert any("no rollout and no decode" in note for note in plan.notes)
+
+
+def test_public_wan_vaes_carry_a_latent_mean_and_std_per_channel():
+    """The decode un-normalises each latent channel by the VAE's latents_mean / latents_std; AutoencoderKLWan's
+    defaults hold 16 (Wan2.1's), so a VAE of another z_dim (Wan2.2 TI2V-5B's 48) must carry its own."""
+    from flow_factory.plan.public_configs import PUBLIC_PIPELINES
+
+    for hub_id, index in PUBLIC_PIPELINES.items():
+        library, class_name, config = index.get("vae", [None, None, {}])
+        if class_name == "AutoencoderKLWan" and config.get("z_dim", 16) != 16:
+            assert len(config["latents_mean"]) == len(config["latents_std"]) == config["z_dim"], hub_id

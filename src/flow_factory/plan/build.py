@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config.base import resolution_pair
-from ..config.train import ALGORITHM_SPECS, COUPLED_TRAINER_TYPES
+from ..config.train import ALGORITHM_SPECS, COUPLED_TRAINER_TYPES, OFFLINE_TRAINER_TYPES
 from ..precision import Precision
 from . import memory
 from .blocks import measure_scaled
@@ -87,6 +87,9 @@ def trajectory_bytes(cfg, adapter, latent_numel: int, storage: torch.dtype, cond
     from ..algorithms import make_algorithm
     from ..dynamics import make_dynamics
 
+    if cfg.train.trainer_type in OFFLINE_TRAINER_TYPES:  # no rollouts: a micro-batch of the dataset's latents
+        batch = cfg.train.per_device_batch_size * (latent_numel * storage.itemsize + cond_bytes)
+        return batch, batch
     algorithm = make_algorithm(cfg.train.trainer_type, cfg.train,
                                make_dynamics(cfg.scheduler.dynamics_type, cfg.scheduler.noise_level))
     steps = cfg.rollout_steps
@@ -173,7 +176,7 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
     per_call = cfg.trained_steps_per_sample if train.steps_per_call == "all" else train.steps_per_call
     loss_scale = getattr(train, "loss_guidance_scale", train.guidance_scale)
     rows = b * 2 if ALGORITHM_SPECS[train.trainer_type].pairs_per_group else b  # dpo: a micro-batch of b pairs
-    calls = dict(calls or {})
+    calls = {**offline_calls(cfg, notes), **(calls or {})}
     for name, measure in (("rollout", lambda: call(b, train.guidance_scale, False)),
                           ("training", lambda: call(rows * per_call, loss_scale, True)),
                           ("decode", lambda: decode(adapter, b, latent, precision, notes))):
@@ -205,6 +208,18 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
                 utilisation=utilisation)
     plan.flops = epoch_flops(cfg, n, calls, rewards, per_call)
     return plan
+
+
+def offline_calls(cfg, notes: list[str]) -> dict[str, Measured]:
+    """An offline trainer's (sft, offline-dpo) calls that do not run: it samples nothing and decodes nothing
+    in an epoch, so neither is measured nor counted (eval rollouts are left out for every trainer)."""
+    if cfg.train.trainer_type not in OFFLINE_TRAINER_TYPES:
+        return {}
+    notes.append(f"{cfg.train.trainer_type} trains on the dataset's media: no rollout and no decode in an epoch; "
+                 "the VAE's encoding of the media (before training) is not counted, and the epoch counted is "
+                 f"{cfg.samples_per_epoch} samples (unique_sample_num_per_epoch x group_size) where the run's "
+                 "is one pass over the dataset")
+    return {"rollout": Measured(0, 0), "decode": Measured(0, 0)}
 
 
 def denoisers(adapter, trained: dict[str, int], precision: Precision, training: Measured) -> list[memory.Network]:

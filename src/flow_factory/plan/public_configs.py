@@ -14,7 +14,9 @@ transformers' configs were checked against diffusers' conversion scripts (``scri
 ``convert_ltx2_to_diffusers.py``, whose connectors, VAEs and vocoder configs are the classes' defaults used
 here) and, for Z-Image, its released ``transformer/config.json`` as other projects quote it. The rest (text
 encoders, VAEs, the Wan2.2 and Qwen-Image-Edit variants) are the released configs as we know them, not
-checked against the files: a local folder's own config.json always wins over this table.
+checked against the files: a local folder's own config.json always wins over this table. The undistilled
+bases FLUX.2 [klein] Base 9B and Z-Image share their distilled siblings' networks (the makers' cards); the
+klein base's model_index has ``is_distilled`` false, so the plan counts its CFG pair.
 """
 
 from __future__ import annotations
@@ -65,7 +67,18 @@ WAN_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_block
            "temperal_downsample": [False, True, True]}
 WAN22_VAE = {"base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
              "temperal_downsample": [False, True, True], "is_residual": True, "in_channels": 12, "out_channels": 12,
-             "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4}
+             "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4,
+             # the decode un-normalises by these, one per latent channel (the class's defaults are Wan2.1's 16)
+             "latents_mean": [-0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542,
+                              0.2813, 0.0891, 0.157, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109,
+                              0.2665, -0.2108, -0.2158, 0.2502, -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899,
+                              -0.2799, -0.123, -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.052, 0.3748,
+                              0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667],
+             "latents_std": [0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.499, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894,
+                             1.0901, 0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146,
+                             0.8986, 0.5659, 0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709,
+                             0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.06, 0.3943, 0.5537,
+                             0.5444, 0.4089, 0.7468, 0.7744]}
 
 # --- denoising transformers -----------------------------------------------------------------
 FLUX1_DEV = {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
@@ -148,6 +161,20 @@ def _qwen_image(pipeline: str) -> dict:
             "vae": ["diffusers", "AutoencoderKLQwenImage", WAN_VAE]}
 
 
+def _z_image() -> dict:
+    return {"_class_name": "ZImagePipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler", {"shift": 3.0}],
+            "text_encoder": ["transformers", "Qwen3Model", QWEN3_4B],
+            "transformer": ["diffusers", "ZImageTransformer2DModel", Z_IMAGE],
+            "vae": ["diffusers", "AutoencoderKL", FLUX_VAE]}
+
+
+def _flux2_klein_9b(is_distilled: bool) -> dict:
+    return {"_class_name": "Flux2KleinPipeline", "scheduler": _FLOW, "is_distilled": is_distilled,
+            "text_encoder": ["transformers", "Qwen3ForCausalLM", QWEN3_8B],
+            "transformer": ["diffusers", "Flux2Transformer2DModel", FLUX2_KLEIN_9B],
+            "vae": ["diffusers", "AutoencoderKLFlux2", {}]}
+
+
 PUBLIC_PIPELINES: dict[str, dict] = {
     "black-forest-labs/FLUX.1-dev": _flux1("FluxPipeline"),
     "black-forest-labs/FLUX.1-Kontext-dev": _flux1("FluxKontextPipeline"),
@@ -167,21 +194,16 @@ PUBLIC_PIPELINES: dict[str, dict] = {
     "Qwen/Qwen-Image-2512": _qwen_image("QwenImagePipeline"),
     "Qwen/Qwen-Image-Edit-2509": _qwen_image("QwenImageEditPlusPipeline"),
     "Qwen/Qwen-Image-Edit-2511": _qwen_image("QwenImageEditPlusPipeline"),
-    "Tongyi-MAI/Z-Image-Turbo": {
-        "_class_name": "ZImagePipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler", {"shift": 3.0}],
-        "text_encoder": ["transformers", "Qwen3Model", QWEN3_4B],
-        "transformer": ["diffusers", "ZImageTransformer2DModel", Z_IMAGE],
-        "vae": ["diffusers", "AutoencoderKL", FLUX_VAE]},
+    "Tongyi-MAI/Z-Image-Turbo": _z_image(),
+    "Tongyi-MAI/Z-Image": _z_image(),  # the undistilled base: the Turbo's 6.15 B S3-DiT, encoder and VAE
     "black-forest-labs/FLUX.2-dev": {
         "_class_name": "Flux2Pipeline", "scheduler": _FLOW,
         "text_encoder": ["transformers", "Mistral3ForConditionalGeneration", MISTRAL_SMALL_31],
         "transformer": ["diffusers", "Flux2Transformer2DModel", FLUX2_DEV],
         "vae": ["diffusers", "AutoencoderKLFlux2", {}]},
-    "black-forest-labs/FLUX.2-klein-9B": {
-        "_class_name": "Flux2KleinPipeline", "scheduler": _FLOW, "is_distilled": True,
-        "text_encoder": ["transformers", "Qwen3ForCausalLM", QWEN3_8B],
-        "transformer": ["diffusers", "Flux2Transformer2DModel", FLUX2_KLEIN_9B],
-        "vae": ["diffusers", "AutoencoderKLFlux2", {}]},
+    "black-forest-labs/FLUX.2-klein-9B": _flux2_klein_9b(is_distilled=True),
+    # the base: the same networks not step- or guidance-distilled, so sampling runs the CFG pair
+    "black-forest-labs/FLUX.2-klein-base-9B": _flux2_klein_9b(is_distilled=False),
     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": {
         "_class_name": "HunyuanVideo15Pipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler",
                                                                {"shift": 5.0}],
