@@ -10,13 +10,15 @@ what they wait for. ``-v`` prints each refused file with its errors.
 ``--plan`` also plans each config that loads, as ``ff-train --plan CONFIG --gpu GPU`` does
 (the cheapest change that fits included), and prints a line per config: the seconds the
 plan took, its verdict (peak per GPU at its phase, fits or not, the change), or why it
-could not be planned (a checkpoint whose configs the planner does not know, ...).
+could not be planned (a checkpoint whose configs the planner does not know, ...), then the counts (how many
+planned, how many of those do not fit, the median and slowest seconds) and the refusals grouped by reason.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import re
 import time
 from pathlib import Path
 
@@ -85,23 +87,38 @@ def verdict(path: Path, gpu: str) -> str:
     return out + (f"; {len(missing)} call(s) NOT MEASURED" if missing else "") + f"; {plan.seconds_per_epoch:.0f} s/epoch"
 
 
+def refusal(err: Exception) -> str:
+    """Why a plan was refused, in one line: the error's first line, a long list of known names dropped."""
+    first = str(err).splitlines()[0]
+    if len(first) > 160 and " (" in first[:160]:  # "... the planner knows (a, b, c, ...)": the names add nothing here
+        first = first[:first.index(" (")]
+    return f"{type(err).__name__}: {first[:160]}"
+
+
 def plan_each(loaded: list[Path], folder: Path, gpu: str) -> None:
-    """Plan each config that loaded: a line per config with the plan's time and verdict, then the counts."""
-    counts, seconds = collections.Counter(), []
+    """Plan each config that loaded: a line per config with the plan's time and verdict, then the counts
+    and the refusals grouped by reason."""
+    counts, seconds, reasons = collections.Counter(), [], collections.Counter()
     print(f"\nplans ({gpu}):")
     for path in loaded:
         start = time.perf_counter()
         try:
             line, kind = verdict(path, gpu), "planned"
         except Exception as err:  # a plan refused (unknown checkpoint, ...) is a finding, not the end of the list
-            line, kind = f"not planned: {type(err).__name__}: {str(err).splitlines()[0][:160]}", "not planned"
+            line, kind = f"not planned: {refusal(err)}", "not planned"
+            reasons[re.sub(r"'[^']*'", "...", refusal(err))] += 1  # grouped by reason, the names left out
         took = time.perf_counter() - start
         counts[kind] += 1
         if kind == "planned":
             seconds.append(took)
+            counts["does not fit"] += "does not fit" in line
         print(f"  {took:5.1f} s  {path.relative_to(folder)}: {line}", flush=True)
     slowest = f", slowest {max(seconds):.1f} s, median {sorted(seconds)[len(seconds) // 2]:.1f} s" if seconds else ""
-    print(f"{counts['planned']} planned, {counts['not planned']} not planned{slowest}")
+    over = sum(s >= 60 for s in seconds)
+    print(f"{counts['planned']} planned ({counts['does not fit']} do not fit), {counts['not planned']} not planned"
+          f"{slowest}, {over} took a minute or more")
+    for reason, n in reasons.most_common():
+        print(f"  {n:3d}  {reason}")
 
 
 if __name__ == "__main__":
