@@ -126,14 +126,15 @@ OPTIONAL_MODULES = ("deepspeed", "matplotlib", "tensorboard", "torch.utils.tenso
 
 
 @functools.lru_cache(maxsize=None)
-def launch_path_modules() -> list[str]:
+def launch_path() -> dict:
     """``sys.modules`` of a process that has done what ``ff-train`` does before a one-process tiny SD3 run's first
     epoch, short of building the Trainer: the CLI module, the start checks that need no files (no remote
-    reward, logging backend none), the Trainer class and SD3's adapter. One interpreter for the tests below."""
+    reward, logging backend none), the Trainer class and SD3's adapter, and whether its cyclic garbage collector
+    runs (the trainer's import pauses it). One interpreter for the tests below."""
     code = ("import sys, json; import flow_factory.train; from flow_factory import start_checks; "
             "assert start_checks.servers_problem([]) is None and start_checks.backend_problem('none') is None; "
             "from flow_factory.trainer import Trainer; from flow_factory.models import ADAPTERS; ADAPTERS['sd3-5']; "
-            "print(json.dumps(sorted(sys.modules)))")
+            "import gc; print(json.dumps({'modules': sorted(sys.modules), 'gc': gc.isenabled()}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -141,16 +142,21 @@ def launch_path_modules() -> list[str]:
 def test_a_run_imports_only_its_own_models_adapter_and_no_plotting_until_it_draws():
     """The trainer and SD3's adapter load neither another family's adapter (each pulls its diffusers pipeline)
     nor matplotlib."""
-    assert [m for m in launch_path_modules() if m.startswith(("flow_factory.models.", "matplotlib"))
+    assert [m for m in launch_path()["modules"] if m.startswith(("flow_factory.models.", "matplotlib"))
             and m.split(".")[-1] not in SHARED_MODEL_MODULES] == ["flow_factory.models.sd3"]
 
 
 def test_a_run_imports_no_backend_tracker_server_or_planner_it_does_not_use():
     """A lean start (issue 35): DeepSpeed, TensorBoard, matplotlib, the reward server's FastAPI, the planner and
     httpx each cost a process memory and import time; a run that uses none of them loads none of them."""
-    loaded = [m for m in launch_path_modules() if m.startswith(OPTIONAL_MODULES)
+    loaded = [m for m in launch_path()["modules"] if m.startswith(OPTIONAL_MODULES)
               and (m in OPTIONAL_MODULES or m.startswith(tuple(f"{o}." for o in OPTIONAL_MODULES)))]
     assert loaded == []
+
+
+def test_the_trainers_import_gives_the_garbage_collector_back():
+    """``flow_factory.trainer`` pauses the cyclic GC while its ~4000 modules load (a lean start): it is on again."""
+    assert launch_path()["gc"] is True
 
 
 def test_every_adapter_is_reached_through_the_family_table_and_agrees_with_its_line():
