@@ -123,6 +123,39 @@ def test_ff_train_nft_writes_a_loadable_lora(request, tmp_path, model_type, gpu_
     assert not torch.allclose(base, tuned, atol=1e-6), "the trained LoRA does not change the output"
 
 
+def test_a_resumed_full_fine_tune_keeps_the_starting_weights_as_its_kl_reference(tmp_path, tiny_sd3_path):
+    """Invariant 5 with a KL to the reference: the reference of a full fine-tune is the pipeline's weights, copied
+    before a checkpoint loads, so a resumed run pulls toward the same weights as the uninterrupted one (a copy
+    taken after the resume would pull toward epoch 1's weights, and end elsewhere)."""
+    from test_sharded_training import FULL_KL_STEP
+
+    def config(folder, epochs):
+        c = tiny_run_config(folder, "sd3-5", tiny_sd3_path, max_epochs=epochs, group_size=4,
+                            **{**LINEAR_STEP, **FULL_KL_STEP})
+        c["model"]["finetune_type"] = "full"
+        c["eval"]["eval_freq"] = 0
+        c["rewards"] = [{"name": "brightness", "reward_model": "helpers_rewards.MeanBrightness"}]
+        return c
+
+    _run(tmp_path / "a", config(tmp_path / "a", 2))
+    _run(tmp_path / "b", config(tmp_path / "b", 1))
+    resumed = config(tmp_path / "b", 2)
+    resumed["model"]["resume_path"] = str(tmp_path / "b" / "saves" / "run")
+    resumed["log"]["run_name"] = "run"
+    _run(tmp_path / "b", resumed)
+
+    from diffusers import SD3Transformer2DModel
+
+    def weights(folder, epoch):
+        return SD3Transformer2DModel.from_pretrained(
+            folder / "saves" / "run" / "checkpoints" / f"epoch_{epoch}" / "transformer").state_dict()
+
+    straight, again, after_one = weights(tmp_path / "a", 2), weights(tmp_path / "b", 2), weights(tmp_path / "a", 1)
+    assert max(float((straight[k] - after_one[k]).abs().max()) for k in straight) > 1e-4  # epoch 2 moved them
+    for key, value in straight.items():
+        torch.testing.assert_close(again[key], value, atol=1e-6, rtol=0, msg=key)
+
+
 @pytest.mark.parametrize("batched", [False, True], ids=["per-step-bf16", "steps-in-one-call"])
 def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_sd3_path, batched, monkeypatch):
     """Invariant 5, in bf16 autocast with fp16 trajectories (a GPU's precision); also in float32 with the

@@ -34,7 +34,9 @@ class PolicyWeights:
     ema: Any = None  # the EMA weights, when train.ema_decay > 0
     sampling: Any = None  # the weights the rollout sampled with
     snapshots: dict = field(default_factory=dict)  # name -> the algorithm's weight / step snapshots
-    reference: Any = None  # a sharded full fine-tune's starting shards (else the reference is made here)
+    # a full fine-tune's starting weights, taken before any checkpoint loads: a WeightCopy of a sharded model's
+    # shards, or ``frozen_reference``'s copies (None: made at construction, for a policy built without a trainer)
+    reference: Any = None
 
 
 class AdapterPolicy:
@@ -53,14 +55,9 @@ class AdapterPolicy:
         self.sampling_weights = sampling_weights  # WeightCopy of the weights the rollout used
         self.ema = ema  # WeightCopy of the EMA weights, when train.ema_decay > 0
         self.snapshots = snapshots or {}  # name -> WeightCopy: the algorithm's weight / step snapshots
-        if keep_reference and finetune_type == "full" and reference is not None:
-            self.reference = reference  # a WeightCopy of a sharded model's starting shards, swapped in
-        elif keep_reference and finetune_type == "full":
-            # a frozen copy of the starting weights, in the load dtype (the trained ones are kept
-            # float32); "cpu" keeps accelerator memory free
-            device = adapter.device if ref_param_device == "same" else torch.device(ref_param_device)
-            self.reference = {name: frozen_copy(adapter.transformers[name], device, adapter.dtype)
-                              for name in self.components}
+        if keep_reference and finetune_type == "full":
+            self.reference = reference if reference is not None else frozen_reference(adapter, self.components,
+                                                                                       ref_param_device)
 
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
         return self._velocity(latents, sigma, cond, self.guidance_scale)
@@ -127,6 +124,14 @@ class AdapterPolicy:
         finally:
             for module in self.reference.values():
                 module.to(stored_on)
+
+
+def frozen_reference(adapter: FlowAdapter, components: list[str], ref_param_device: str = "same") -> dict:
+    """A frozen copy of each trained network as it is now, in the load dtype (the trained ones are kept float32);
+    ``ref_param_device`` "cpu" keeps accelerator memory free. Taken before a checkpoint loads (``weights.py``):
+    a copy taken after a resume would hold the resumed weights, not the ones the run started from."""
+    device = adapter.device if ref_param_device == "same" else torch.device(ref_param_device)
+    return {name: frozen_copy(adapter.transformers[name], device, adapter.dtype) for name in components}
 
 
 def frozen_copy(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

@@ -21,7 +21,7 @@ from torch import nn
 from ..checkpoint import CheckpointError, check_fits, find_checkpoint, load_checkpoint
 from .ema import EMA_FILE, WeightCopy, ema_decay_at, load_ema
 from .optimizers import make_optimizer
-from .policy import AdapterPolicy, PolicyWeights
+from .policy import AdapterPolicy, PolicyWeights, frozen_reference
 
 logger = logging.getLogger(__name__)
 SCALER_FILE = "grad_scaler.pt"  # fp16's gradient scaler (its loss scale and growth tracker)
@@ -38,7 +38,9 @@ class WeightCopies:
     snapshot_decays: dict[str, Callable] = field(default_factory=dict)
     step_snapshot_decays: dict[str, Callable] = field(default_factory=dict)
     snapshots: dict[str, WeightCopy] = field(default_factory=dict)
-    reference: WeightCopy | None = None  # a sharded full fine-tune's starting weights (of its shards)
+    # a full fine-tune's starting weights, for its KL: a WeightCopy of a sharded model's shards, else frozen copies
+    # of the trained networks (policy.frozen_reference); None with LoRA, whose reference is the base model
+    reference: WeightCopy | dict | None = None
 
     @classmethod
     def make(cls, params: list, train, algorithm, finetune_type: str, before_swap: Callable | None = None,
@@ -182,5 +184,10 @@ class ModelSetup:
 
     def weight_copies(self, params: list, before_swap: Callable | None = None,
                       sharded: bool = False) -> WeightCopies:
-        return WeightCopies.make(params, self.cfg.train, self.algorithm, self.cfg.model.finetune_type,
-                                 before_swap, sharded)
+        copies = WeightCopies.make(params, self.cfg.train, self.algorithm, self.cfg.model.finetune_type,
+                                   before_swap, sharded)
+        if not sharded and self.algorithm.needs_reference and self.cfg.model.finetune_type == "full":
+            # each backend calls this before any checkpoint loads: the reference is the pipeline's weights
+            copies.reference = frozen_reference(self.adapter, self.cfg.model.trained_components,
+                                                self.cfg.train.ref_param_device)
+        return copies
