@@ -292,3 +292,25 @@ def test_public_wan_vaes_carry_a_latent_mean_and_std_per_channel():
         library, class_name, config = index.get("vae", [None, None, {}])
         if class_name == "AutoencoderKLWan" and config.get("z_dim", 16) != 16:
             assert len(config["latents_mean"]) == len(config["latents_std"]) == config["z_dim"], hub_id
+
+
+def test_ltx2_image_to_video_call_planned_as_the_real_one(tiny_ltx2_i2av_path):
+    """LTX-2 image to video with audio: the plan's conditioning has the real encode's and encode_conditions' keys
+    and shapes (the first frame's latents beside the text), and the planned call counts the real call's FLOPs."""
+    from flow_factory.models.conditioning import ConditionMedia
+
+    size, frames, scale = 32, 9, 4.0
+    real = load_adapter("ltx2_i2av", tiny_ltx2_i2av_path)
+    cond = real.encode(PROMPTS, None, scale)
+    cond.update(real.encode_conditions(ConditionMedia(images=[torch.rand(1, 3, size, size)]), size, size, frames))
+    planned_cond = conditioning(real, 1, scale, size, size, frames, text_tokens=real_text_tokens(cond))
+    assert {k: tuple(v.shape) for k, v in planned_cond.items()} == {k: tuple(v.shape) for k, v in cond.items()}
+    latents = real.initial_noise(1, size, size, num_frames=frames)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        real.velocity(latents, torch.tensor([0.9]), cond, scale)
+    meta = build_pipeline("ltx2_i2av", str(tiny_ltx2_i2av_path), torch.float32)
+    meta.adapter.latent_shape(size, size, frames)
+    planned = measure_velocity(meta.adapter, torch.zeros_like(latents), 0.9,
+                               conditioning(meta.adapter, 1, scale, size, size, frames,
+                                            text_tokens=real_text_tokens(cond)), scale, train=False)
+    assert planned.flops == counter.get_total_flops() > 0

@@ -60,7 +60,7 @@ def _text(adapter: FlowAdapter, n: int, text_tokens: int | dict[str, int] | None
                 "prompt_embeds_mask": _mask(n, length, real),
                 "prompt_embeds_2": torch.zeros(n, glyphs, config.text_embed_2_dim),
                 "prompt_embeds_mask_2": _mask(n, glyphs, _real(text_tokens, "prompt_embeds_mask_2", glyphs))}
-    if kind == "ltx2_t2av":
+    if kind in ("ltx2_t2av", "ltx2_i2av"):
         width = adapter.pipeline.connectors.config.caption_channels  # the connectors' output, both modalities
         return {"prompt_embeds": torch.zeros(n, length, width), "audio_prompt_embeds": torch.zeros(n, length, width),
                 "prompt_attention_mask": _mask(n, length, length, torch.int64)}
@@ -85,6 +85,10 @@ def _conditions(adapter: FlowAdapter, n: int, height: int, width: int, num_frame
             states = ((vision.image_size // vision.patch_size) ** 2 + 1) * adapter.images_per_sample
             cond["image_embeds"] = torch.zeros(n, states, config.image_dim)
         return cond
+    if kind == "ltx2_i2av":  # the first frame's latents, one VAE frame at the video's size (B, C, 1, h, w)
+        pipe = adapter.pipeline
+        s = pipe.vae_spatial_compression_ratio
+        return {"image_latents": torch.zeros(n, pipe.vae.config.latent_channels, 1, height // s, width // s)}
     if kind == "qwen-image-edit-plus":
         from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
 
