@@ -369,6 +369,22 @@ def test_the_newest_layout_one_dataset_and_one_optimizer():
         (3e-4, 1e-4, (0.9, 0.99), 1e-8, 0.5)
 
 
+def test_a_reward_routed_to_the_one_dataset_by_name_applies_to_every_sample():
+    """Flow-Factory's TDM example names its one dataset in eval_rewards' applicable_datasets; a routing to another
+    dataset still fails, naming it."""
+    data = run()
+    del data["data"]
+    data["data"] = {"datasets": [{"name": "pick", "dataset_dir": "dataset/pickscore", "train": {"weight": 1}}]}
+    data["eval_rewards"] = [{"name": "clip", "reward_model": "CLIP", "applicable_datasets": ["pick"]},
+                            {"name": "pick", "reward_model": "PickScore", "weight": {"pick": 0.5}}]
+    cfg = parse_config(data)
+    assert [(e.applicable_datasets, e.weight) for e in cfg.eval_rewards] == [(None, 1.0), (None, 0.5)]
+    data["data"] = {"datasets": [{"name": "pick", "dataset_dir": "dataset/pickscore", "train": {"weight": 1}}]}
+    data["eval_rewards"] = [{"name": "clip", "reward_model": "CLIP", "applicable_datasets": ["other"]}]
+    with pytest.raises(ConfigError, match=r"eval_rewards\[0\].applicable_datasets: routes a reward to datasets"):
+        parse_config(data)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"data": {"datasets": [{"name": "a", "dataset_dir": "a", "eval": {"guidance_scale": 3}},
                             {"name": "b", "dataset_dir": "b", "eval": {"guidance_scale": 4}}]}},

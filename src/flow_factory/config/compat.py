@@ -245,7 +245,7 @@ def _read_frozen_dtypes(data: dict) -> None:
 
 
 def _read_dataset(data: dict, dataset: dict) -> None:
-    dataset.pop("name", None)
+    _route_to_the_one_dataset(data, dataset.pop("name", None))
     for part in ("train", "eval"):
         inner = dataset.pop(part, None) or {}
         if not isinstance(inner, dict):
@@ -260,6 +260,20 @@ def _read_dataset(data: dict, dataset: dict) -> None:
                       f"{', '.join(DATASET_KEYS)}, train.weight")
     for key, value in dataset.items():
         _put(data, DATASET_KEYS[key], value, f"data.datasets[0].{key}")
+
+
+def _route_to_the_one_dataset(data: dict, name) -> None:
+    """A reward routed to the run's one dataset by name (``applicable_datasets: [name]``, ``weight: {name: w}``)
+    applies to every sample: read as unrouted, since the run here reads that dataset alone (``data.dataset_dir``).
+    A routing that names another dataset is left for the config to refuse."""
+    for part in ("rewards", "eval_rewards"):
+        for entry in data.get(part) or []:
+            if not isinstance(entry, dict) or name is None:
+                continue
+            if entry.get("applicable_datasets") in ([name], name):
+                del entry["applicable_datasets"]
+            if isinstance(entry.get("weight"), dict) and set(entry["weight"]) == {name}:
+                entry["weight"] = entry["weight"][name]
 
 
 def _upstream_layout(datasets) -> bool:
