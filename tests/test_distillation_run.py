@@ -127,6 +127,22 @@ def test_the_generator_loads_in_plain_diffusers(runs):
     _same({k: v.float() for k, v in loaded.items()}, {k.removeprefix("transformer."): v for k, v in saved.items()})
 
 
+def test_ff_sample_samples_a_checkpoint_with_the_generators_few_steps(runs, capsys):
+    """Issue 39 point 6: ff-sample --checkpoint of a distillation run samples as its eval does, with the
+    generator's own step count (2 here, not ff-sample's plain 10) and its LoRA, at the run's resolution."""
+    from PIL import Image
+
+    from flow_factory.sample import main as ff_sample
+
+    _, finetune, straight, _ = runs
+    out = straight.parent.parent / f"samples_cli_{finetune}"
+    capsys.readouterr()
+    assert ff_sample(["--checkpoint", str(straight), "--prompts", "a red circle", "--out", str(out)]) == 0
+    assert "64x64 px, 2 steps, guidance 1" in capsys.readouterr().err
+    with Image.open(out / "0000.png") as image:
+        assert image.size == (64, 64)
+
+
 class ToyPolicy:
     """Velocities that are constants: the generator's ``theta`` (trained), the teacher's ``real``, the fake
     score's ``fake``; the batch's role is the active one, as ``trainer/roles.RolePolicy`` makes it."""
