@@ -314,3 +314,23 @@ def test_ltx2_image_to_video_call_planned_as_the_real_one(tiny_ltx2_i2av_path):
                                conditioning(meta.adapter, 1, scale, size, size, frames,
                                             text_tokens=real_text_tokens(cond)), scale, train=False)
     assert planned.flops == counter.get_total_flops() > 0
+
+
+def test_public_wan_image_to_video_transformers_are_text_to_videos_plus_their_image_inputs():
+    """Wan I2V's transformers against Wan2.1 T2V 14B's, counted by hand: the patch embedding's 20 more input
+    channels (the first frame's latents and mask) for both; Wan2.1's also a CLIP-state embedder (LayerNorm,
+    1280 -> 1280 -> 5120, LayerNorm) and each block's added key / value projections with their RMSNorm
+    (16.39 B in all, the hub's 16.4 B)."""
+    from flow_factory.plan.pipeline import build_module
+    from flow_factory.plan.public_configs import PUBLIC_PIPELINES
+
+    def params(hub_id: str) -> int:
+        library, class_name, config = PUBLIC_PIPELINES[hub_id]["transformer"]
+        return sum(p.numel() for p in build_module(library, class_name, config, torch.bfloat16).parameters())
+
+    t2v, patch = params("Wan-AI/Wan2.1-T2V-14B-Diffusers"), 20 * 2 * 2 * 5120
+    embedder = 2 * 1280 + (1280 * 1280 + 1280) + (1280 * 5120 + 5120) + 2 * 5120
+    added = 40 * (2 * (5120 * 5120 + 5120) + 5120)
+    assert params("Wan-AI/Wan2.2-I2V-A14B-Diffusers") == t2v + patch
+    assert params("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers") == t2v + patch + embedder + added
+    assert PUBLIC_PIPELINES["Wan-AI/Wan2.2-I2V-A14B-Diffusers"]["boundary_ratio"] == 0.9

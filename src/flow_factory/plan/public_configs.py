@@ -16,7 +16,9 @@ here) and, for Z-Image, its released ``transformer/config.json`` as other projec
 encoders, VAEs, the Wan2.2 and Qwen-Image-Edit variants) are the released configs as we know them, not
 checked against the files: a local folder's own config.json always wins over this table. The undistilled
 bases FLUX.2 [klein] Base 9B and Z-Image share their distilled siblings' networks (the makers' cards); the
-klein base's model_index has ``is_distilled`` false, so the plan counts its CFG pair.
+klein base's model_index has ``is_distilled`` false, so the plan counts its CFG pair. Wan's image-to-video
+transformers are the released configs (Wan2.2 A14B's as diffusers' conversion script writes it; Wan2.1's at
+the hub's 16.4 B, a test counting both against Wan2.1 T2V 14B's by hand), its image encoder CLIP ViT-H/14.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ SD35_MEDIUM = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "num_laye
 WAN_14B = {"patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 16,
            "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
            "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024}
+WAN_14B_I2V = {**WAN_14B, "in_channels": 36}  # the noise, the first frame's latents and its mask, stacked
+WAN21_14B_I2V = {**WAN_14B_I2V, "image_dim": 1280, "added_kv_proj_dim": 5120}  # Wan2.1's: CLIP states too
 WAN_1_3B = {**WAN_14B, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}
 WAN22_5B = {**WAN_14B, "num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30, "in_channels": 48,
             "out_channels": 48}
@@ -154,6 +158,17 @@ def _wan(transformer: dict, vae: dict = WAN_VAE, experts: int = 1, **extra) -> d
     return index
 
 
+def _wan_i2v(transformer: dict, experts: int = 1) -> dict:
+    """WanImageToVideoPipeline: Wan2.1's with the CLIP ViT-H/14 image encoder, Wan2.2 A14B's two experts without
+    (its boundary 0.9)."""
+    index = {**_wan(transformer, experts=experts), "_class_name": "WanImageToVideoPipeline"}
+    if experts == 1:
+        index["image_encoder"] = ["transformers", "CLIPVisionModel", {**CLIP_H_VISION, "projection_dim": 1024}]
+    else:
+        index["boundary_ratio"] = 0.9
+    return index
+
+
 def _qwen_image(pipeline: str) -> dict:
     return {"_class_name": pipeline, "scheduler": _FLOW,
             "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B],
@@ -189,6 +204,9 @@ PUBLIC_PIPELINES: dict[str, dict] = {
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": _wan(WAN_14B),
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": _wan(WAN_1_3B),
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": _wan(WAN_14B, experts=2),
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": _wan_i2v(WAN21_14B_I2V),
+    "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers": _wan_i2v(WAN21_14B_I2V),
+    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": _wan_i2v(WAN_14B_I2V, experts=2),
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": _wan(WAN22_5B, WAN22_VAE, expand_timesteps=True),
     "Qwen/Qwen-Image": _qwen_image("QwenImagePipeline"),
     "Qwen/Qwen-Image-2512": _qwen_image("QwenImagePipeline"),
