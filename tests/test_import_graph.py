@@ -130,11 +130,13 @@ def launch_path() -> dict:
     """``sys.modules`` of a process that has done what ``ff-train`` does before a one-process tiny SD3 run's first
     epoch, short of building the Trainer: the CLI module, the start checks that need no files (no remote
     reward, logging backend none), the Trainer class and SD3's adapter, and whether its cyclic garbage collector
-    runs (the trainer's import pauses it). One interpreter for the tests below."""
+    thresholds before and after the trainer's import (which holds off its full collections). One interpreter for the
+    tests below."""
     code = ("import sys, json; import flow_factory.train; from flow_factory import start_checks; "
             "assert start_checks.servers_problem([]) is None and start_checks.backend_problem('none') is None; "
+            "import gc; before = gc.get_threshold(); "
             "from flow_factory.trainer import Trainer; from flow_factory.models import ADAPTERS; ADAPTERS['sd3-5']; "
-            "import gc; print(json.dumps({'modules': sorted(sys.modules), 'gc': gc.isenabled()}))")
+            "print(json.dumps({'modules': sorted(sys.modules), 'gc': [before, gc.get_threshold(), gc.isenabled()]}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -155,8 +157,10 @@ def test_a_run_imports_no_backend_tracker_server_or_planner_it_does_not_use():
 
 
 def test_the_trainers_import_gives_the_garbage_collector_back():
-    """``flow_factory.trainer`` pauses the cyclic GC while its ~4000 modules load (a lean start): it is on again."""
-    assert launch_path()["gc"] is True
+    """``flow_factory.trainer`` holds off the cyclic GC's full collections while its ~4000 modules load (a lean
+    start): the collector is on, with the thresholds it had."""
+    before, after, enabled = launch_path()["gc"]
+    assert after == before and enabled
 
 
 def test_every_adapter_is_reached_through_the_family_table_and_agrees_with_its_line():
