@@ -37,6 +37,7 @@ def test_public_transformers_at_their_parameter_counts(hub_id, model_type, publi
     ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v", 8.3e9, 0.01),
     ("Lightricks/LTX-2", 19e9, 0.01),
     ("Tongyi-MAI/Z-Image-Turbo", 6e9, 0.03),  # 6.15 B: "6B" is rounded further
+    ("black-forest-labs/FLUX.2-klein-4B", 4e9, 0.04),  # 3.88 B
     ("black-forest-labs/FLUX.2-klein-base-9B", 9e9, 0.01),  # the undistilled bases: their siblings' networks
     ("Tongyi-MAI/Z-Image", 6e9, 0.03),
 ])

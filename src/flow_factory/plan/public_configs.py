@@ -7,16 +7,16 @@ call's cost; scheduler settings, which change neither, are left to the class's d
 is a model_index: ``component: [library, class, config]``, and its plain keys (``boundary_ratio``).
 
 Held by tests (tests/test_plan.py): FLUX.1-dev's transformer at 11.9 B parameters, Qwen-Image's at 20.4 B,
-Wan2.1 14B's at 14.3 B (the hub's counts); FLUX.2 [dev]'s at 32 B, FLUX.2 [klein] 9B's at 9 B,
+Wan2.1 14B's at 14.3 B (the hub's counts); FLUX.2 [dev]'s at 32 B, FLUX.2 [klein] 9B's at 9 B and 4B's at 4 B,
 HunyuanVideo-1.5's at 8.3 B, LTX-2's at 19 B, Z-Image's at 6 B (the makers' rounded figures). Those five
 transformers' configs were checked against diffusers' conversion scripts (``scripts/convert_flux2_to_diffusers.py``
-``flux2-dev`` and ``klein-9b``, ``convert_hunyuan_video1_5_to_diffusers.py`` ``480p_t2v``,
+``flux2-dev``, ``klein-9b`` and ``klein-4b``, ``convert_hunyuan_video1_5_to_diffusers.py`` ``480p_t2v``,
 ``convert_ltx2_to_diffusers.py``, whose connectors, VAEs and vocoder configs are the classes' defaults used
 here) and, for Z-Image, its released ``transformer/config.json`` as other projects quote it. The rest (text
 encoders, VAEs, the Wan2.2 and Qwen-Image-Edit variants) are the released configs as we know them, not
 checked against the files: a local folder's own config.json always wins over this table. The undistilled
-bases FLUX.2 [klein] Base 9B and Z-Image share their distilled siblings' networks (the makers' cards); the
-klein base's model_index has ``is_distilled`` false, so the plan counts its CFG pair. Wan's image-to-video
+bases FLUX.2 [klein] Base 4B and 9B and Z-Image share their distilled siblings' networks (the makers' cards);
+the klein bases' model_index has ``is_distilled`` false, so the plan counts its CFG pair. Wan's image-to-video
 transformers are the released configs (Wan2.2 A14B's as diffusers' conversion script writes it; Wan2.1's at
 the hub's 16.4 B, a test counting both against Wan2.1 T2V 14B's by hand), its image encoder CLIP ViT-H/14.
 """
@@ -110,6 +110,8 @@ FLUX2_DEV = {"in_channels": 128, "num_layers": 8, "num_single_layers": 48, "atte
              "axes_dims_rope": [32, 32, 32, 32], "guidance_embeds": True}
 FLUX2_KLEIN_9B = {**FLUX2_DEV, "num_single_layers": 24, "num_attention_heads": 32, "joint_attention_dim": 12288,
                   "guidance_embeds": False}
+FLUX2_KLEIN_4B = {**FLUX2_KLEIN_9B, "num_layers": 5, "num_single_layers": 20, "num_attention_heads": 24,
+                  "joint_attention_dim": 7680}  # three of Qwen3-4B's layers' states, 3 x 2560
 HUNYUAN15_T2V = {"in_channels": 65, "out_channels": 32, "num_attention_heads": 16, "attention_head_dim": 128,
                  "num_layers": 54, "num_refiner_layers": 2, "mlp_ratio": 4.0, "patch_size": 1, "patch_size_t": 1,
                  "qk_norm": "rms_norm", "text_embed_dim": 3584, "text_embed_2_dim": 1472, "image_embed_dim": 1152,
@@ -183,10 +185,10 @@ def _z_image() -> dict:
             "vae": ["diffusers", "AutoencoderKL", FLUX_VAE]}
 
 
-def _flux2_klein_9b(is_distilled: bool) -> dict:
+def _flux2_klein(transformer: dict, text_encoder: dict, is_distilled: bool) -> dict:
     return {"_class_name": "Flux2KleinPipeline", "scheduler": _FLOW, "is_distilled": is_distilled,
-            "text_encoder": ["transformers", "Qwen3ForCausalLM", QWEN3_8B],
-            "transformer": ["diffusers", "Flux2Transformer2DModel", FLUX2_KLEIN_9B],
+            "text_encoder": ["transformers", "Qwen3ForCausalLM", text_encoder],
+            "transformer": ["diffusers", "Flux2Transformer2DModel", transformer],
             "vae": ["diffusers", "AutoencoderKLFlux2", {}]}
 
 
@@ -219,9 +221,11 @@ PUBLIC_PIPELINES: dict[str, dict] = {
         "text_encoder": ["transformers", "Mistral3ForConditionalGeneration", MISTRAL_SMALL_31],
         "transformer": ["diffusers", "Flux2Transformer2DModel", FLUX2_DEV],
         "vae": ["diffusers", "AutoencoderKLFlux2", {}]},
-    "black-forest-labs/FLUX.2-klein-9B": _flux2_klein_9b(is_distilled=True),
-    # the base: the same networks not step- or guidance-distilled, so sampling runs the CFG pair
-    "black-forest-labs/FLUX.2-klein-base-9B": _flux2_klein_9b(is_distilled=False),
+    "black-forest-labs/FLUX.2-klein-9B": _flux2_klein(FLUX2_KLEIN_9B, QWEN3_8B, is_distilled=True),
+    # the bases: the same networks not step- or guidance-distilled, so sampling runs the CFG pair
+    "black-forest-labs/FLUX.2-klein-base-9B": _flux2_klein(FLUX2_KLEIN_9B, QWEN3_8B, is_distilled=False),
+    "black-forest-labs/FLUX.2-klein-4B": _flux2_klein(FLUX2_KLEIN_4B, QWEN3_4B, is_distilled=True),
+    "black-forest-labs/FLUX.2-klein-base-4B": _flux2_klein(FLUX2_KLEIN_4B, QWEN3_4B, is_distilled=False),
     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": {
         "_class_name": "HunyuanVideo15Pipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler",
                                                                {"shift": 5.0}],
