@@ -123,14 +123,17 @@ def train(cfg, config_path: str) -> int:
     from .rewards.async_pool import RewardError
     from .rewards.http_client import RemoteRewardError
     from .trainer import Trainer
+    from .trainer.backends import end_process_group
     from .checkpoint import CheckpointError
     from .guards import NonFiniteError
     from .trainer.interrupt import TrainingInterrupted
     from .trainer.run_folder import RunFolderError
 
+    trainer = None
     try:
         trainer = Trainer(cfg)
         history = trainer.train()
+        run_dir = trainer.run_dir
     except ConfigError as err:  # what only the model folder tells (preflight)
         return launcher.report(f"ff-train: config error: {err}", 2)
     except (CheckpointError, RunFolderError, PromptFileError) as err:
@@ -143,8 +146,11 @@ def train(cfg, config_path: str) -> int:
         run_dir = Path(stop.checkpoint).parent.parent
         return launcher.report(f"ff-train: {stop}. Resume with:\n  ff-train {config_path} "
                                f"model.resume_path={run_dir} log.run_name={cfg.log.run_name}", 128 + stop.signum)
+    finally:
+        trainer = None  # the run's objects go before the process group they hold
+        end_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
-        print(finished(config_path, trainer.run_dir, history), file=sys.stderr, flush=True)
+        print(finished(config_path, run_dir, history), file=sys.stderr, flush=True)
     return 0
 
 

@@ -19,6 +19,7 @@ experts then run in lockstep (``LockstepExperts``), each process running an expe
 
 from __future__ import annotations
 
+import gc
 import logging
 import shutil
 from dataclasses import dataclass
@@ -103,6 +104,18 @@ def resume_engine_state(engine, checkpoint: Path, resumed: dict, processes: int)
     else:
         logger.warning("model.resume_path %s holds no DeepSpeed state (%s/: saved by another backend or with "
                        "log.save_model_only); the optimizer restarts", checkpoint, DEEPSPEED_DIR)
+
+
+def end_process_group() -> None:
+    """Destroys the process group of a launched run once nothing else of the run holds it (ff-train calls this
+    after its Trainer is gone). DDP's reducer holds the group from C++: left as its last holder, freeing it would
+    destroy the group while holding the GIL, and gloo's destructor joins its worker threads, one of which may
+    still need the GIL to free the last collective's tensors, a deadlock after a finished run (seen as a
+    two-process run that never exited; pytorch issue 56297). Freed from Python, the group's own destructor
+    releases the GIL first."""
+    gc.collect()  # the run's reference cycles, the DDP wrapper's among them
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def make_accelerator(cfg, tracker: str | None) -> tuple[Accelerator, Precision]:

@@ -319,8 +319,7 @@ class Trainer:
                 break
         if self.stop.signum is not None:
             checkpoint = self.save()
-            acc.wait_for_everyone()
-            acc.end_training()
+            self._end_trackers()
             raise TrainingInterrupted(self.stop.signum, checkpoint or checkpoint_dir(self.run_dir, self.epoch))
         if self.test_prompts and not any(e["epoch"] == self.epoch for e in self.eval_history):
             self.evaluate(self.epoch)  # the final weights are always evaluated
@@ -328,10 +327,14 @@ class Trainer:
             self.save()  # the final weights are always saved
         elif acc.is_main_process:
             write_history(self.run_dir, self.history, self.eval_history)  # with the final eval
-        # no process may tear the process group down while another still works (gloo hangs)
-        acc.wait_for_everyone()
-        acc.end_training()
+        self._end_trackers()
         return self.history
+
+    def _end_trackers(self) -> None:
+        """Every process done, the trackers end; the process group outlives this trainer (end_process_group)."""
+        self.accelerator.wait_for_everyone()  # no process may tear the group down while another still works
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
 
     def _save_due(self) -> bool:
         return bool(self.cfg.log.save_freq) and self.epoch % self.cfg.log.save_freq == 0
