@@ -35,6 +35,7 @@ class AlgorithmSpec:
     # all processes together must hold whole groups; the text says why, for the error message
     whole_groups_why: str = ""
     ema_kl: bool = False  # reads train.ema_kl_beta (a KL to its own EMA policy, AWM's): set for another, an error
+    own_sampler: str = ""  # the weights it samples with, when its own copy (CRD's): train.off_policy is refused
 
 
 _LOGIT_NORMAL_ONE_STEP = {"time_sampling_strategy": "logit_normal", "timestep_range": 0.99, "num_train_timesteps": 1}
@@ -53,6 +54,7 @@ ALGORITHM_SPECS = {spec.name: spec for spec in (
                   keys=("dpo_beta", "use_shared_noise", "clip_dsm", "clip_kl", "kl_cfg", "switch_ema_ref",
                         "use_ema_ref", "ema_ref_max_decay", "ema_ref_ramp_rate", "ema_ref_device")),
     AlgorithmSpec("crd", "decoupled", "crd:CRD", defaults={"timestep_range": 0.99, "kl_beta": 0.1, "kl_cfg": 4.5},
+                  own_sampler="its own sampling model (sampling_model_decay)",
                   keys=("crd_beta", "crd_loss_type", "use_old_for_loss", "adaptive_logp", "weight_temp",
                         "old_model_decay", "sampling_model_decay", "reward_adaptive_kl", "kl_cfg")),
     AlgorithmSpec("sft", "offline", "sft:SFT", defaults=_LOGIT_NORMAL_ONE_STEP, time_shift=1.0),
@@ -120,9 +122,9 @@ def trainer_problems(train) -> list[str]:
         named.update(keys)
         if given:
             out.append(f"train: {', '.join(given)} are {owner}'s; {train.trainer_type} does not use them")
-    if train.trainer_type == "crd" and train.off_policy:
-        out.append("train.off_policy: crd samples with its own sampling model (sampling_model_decay), not the EMA; "
-                   "use false")
+    own_sampler = ALGORITHM_SPECS[train.trainer_type].own_sampler
+    if own_sampler and train.off_policy:
+        out.append(f"train.off_policy: {train.trainer_type} samples with {own_sampler}, not the EMA; use false")
     return out
 
 
