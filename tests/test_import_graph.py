@@ -181,9 +181,10 @@ def test_every_adapter_is_reached_through_the_family_table_and_agrees_with_its_l
     for model_type, family in MODEL_FAMILIES.items():
         cls = ADAPTERS[model_type]
         assert (cls.model_type, cls.pixel_factor, cls.is_video, tuple(cls.transformer_names),
-                tuple(cls.condition_inputs), getattr(cls, "frame_factor", family.frame_factor)) == (
+                tuple(cls.condition_inputs), getattr(cls, "frame_factor", family.frame_factor),
+                cls.frame_rate if cls.has_audio else None) == (
             model_type, family.pixel_factor, family.is_video, family.components, family.conditions,
-            family.frame_factor), model_type
+            family.frame_factor, family.audio_fps), model_type
 
 
 def imported_names(path: Path) -> set[str]:

@@ -35,6 +35,9 @@ class ModelFamily:
     conditions: tuple[str, ...] = ()
     # other spellings model.model_type accepts (compared ignoring case and _ vs - vs .)
     aliases: tuple[str, ...] = ()
+    # a family whose samples hold sound beside their video (its adapter's has_audio), played at this one
+    # frame rate (LTX-2: the pipeline's 24 fps)
+    audio_fps: float | None = None
 
     @property
     def is_video(self) -> bool:
@@ -67,10 +70,11 @@ MODEL_FAMILIES = {family.model_type: family for family in (
     ModelFamily("hunyuanvideo15", _M + "hunyuan_video15:HunyuanVideo15Adapter", 16,
                 "VAE x16, then 1x1 transformer patches", frame_factor=4,
                 aliases=("hunyuanvideo1.5", "hunyuan-video-1.5", "hunyuan_video15", "hunyuanvideo-1.5")),
-    ModelFamily("ltx2_t2av", _M + "ltx2:LTX2Adapter", 32, _X32_PATCHES, frame_factor=8, aliases=("ltx2", "ltx-2")),
+    ModelFamily("ltx2_t2av", _M + "ltx2:LTX2Adapter", 32, _X32_PATCHES, frame_factor=8, aliases=("ltx2", "ltx-2"),
+                audio_fps=24.0),
     # LTX-2 image-to-audio-video: the video's first frame from the dataset's rows
     ModelFamily("ltx2_i2av", _M + "ltx2_i2av:LTX2I2AVAdapter", 32, _X32_PATCHES, frame_factor=8,
-                conditions=("images",), aliases=("ltx2-i2av", "ltx-2_i2av", "ltx-2-i2av")),
+                conditions=("images",), aliases=("ltx2-i2av", "ltx-2_i2av", "ltx-2-i2av"), audio_fps=24.0),
     ModelFamily("flux1-kontext", _M + "flux_kontext:FluxKontextAdapter", 16, _X8_PACKING, conditions=("images",),
                 aliases=("flux-kontext", "flux-1-kontext", "kontext", "flux1-kontext-dev")),
     # Wan2.1 I2V (one transformer, CLIP image encoder) and Wan2.2 I2V A14B (two experts)

@@ -207,10 +207,11 @@ class Config(Section):
             rate = section.frame_rate
             if rate is None:
                 continue
-            ltx2 = self.model.model_type in ("ltx2_t2av", "ltx2_i2av")
-            if ltx2 and rate != 24:
-                out.append(f"{part}.frame_rate: {show(rate)}; only 24 here: LTX-2's videos play at the pipeline's "
-                           "default 24 fps here (LTX2Adapter.frame_rate)")
+            own = model_family(self.model.model_type).audio_fps  # a family with sound: its one frame rate
+            ltx2 = own is not None
+            if ltx2 and rate != own:
+                out.append(f"{part}.frame_rate: {show(rate)}; only {own:g} here: LTX-2's videos play at the "
+                           f"pipeline's default {own:g} fps here (LTX2Adapter.frame_rate)")
             elif part == "train" and self.train.trainer_type in OFFLINE_TRAINER_TYPES and self.model.is_video:
                 continue
             elif not ltx2:

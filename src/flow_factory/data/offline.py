@@ -233,14 +233,12 @@ def load_offline_sources(sources, split: str, kind: str, video: VideoOutputs | N
                                        else source.max_dataset_size, dataset=source.name, video=video)]
 
 
-# the families whose samples hold sound (their adapters' has_audio), which read at their own 24 fps
-MODELS_WITH_AUDIO = {"ltx2_t2av": 24.0, "ltx2_i2av": 24.0}
-
-
 def offline_video(cfg) -> VideoOutputs | None:
     """``load_offline``'s ``video`` for a run: a video model's ``train.num_frames`` and ``frame_rate`` (LTX-2: its
     24 fps, its soundtrack too), else None."""
     if not cfg.model.is_video:
         return None
-    own = MODELS_WITH_AUDIO.get(cfg.model.model_type)
+    from ..config.families import model_family
+
+    own = model_family(cfg.model.model_type).audio_fps  # a family with sound reads at its own frame rate
     return VideoOutputs(cfg.train.num_frames, cfg.train.frame_rate or own, audio=own is not None)

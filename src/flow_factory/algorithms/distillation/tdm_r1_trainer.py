@@ -53,10 +53,6 @@ class TDMR1(TDM):
     def units_per_chunk(self, batch_size: int) -> int:
         return max(1, batch_size // self.cfg.group_size)
 
-    @property
-    def real_scale(self) -> float:
-        return self.cfg.real_guidance_scale or self.cfg.guidance_scale
-
     def loss(self, policy, batch: TransitionBatch) -> tuple[Tensor, dict[str, Tensor]]:
         if batch.role == "fake":
             return super().loss(policy, batch)

@@ -72,6 +72,11 @@ class DMD2(Algorithm):
     def phases(self) -> tuple:
         return (("fake", self.cfg.ttur_fake_updates), (GENERATOR, 1))
 
+    @property
+    def real_scale(self) -> float:
+        """The teacher's guidance (``real_guidance_scale``; none given: the rollouts')."""
+        return self.cfg.real_guidance_scale or self.cfg.guidance_scale
+
     def kept_states(self, num_steps: int, sde_steps: list[int] | None) -> list[int]:
         return list(range(num_steps + 1))  # the generator trains at any of its own steps; the fake score on the last
 
@@ -105,9 +110,8 @@ class DMD2(Algorithm):
         v = policy.velocity(batch.x, batch.sigma, batch.cond)  # at the rollout's own guidance
         x0_gen = clean_from_velocity(batch.x, v, batch.sigma)
         x_t = add_noise(x0_gen.detach(), batch.noise, batch.noise_sigma)
-        real_scale = self.cfg.real_guidance_scale or self.cfg.guidance_scale
         x0_real = clean_from_velocity(x_t, policy.reference_velocity(x_t, batch.noise_sigma, batch.cond,
-                                                                     guidance_scale=real_scale), batch.noise_sigma)
+                                                                     guidance_scale=self.real_scale), batch.noise_sigma)
         x0_fake = clean_from_velocity(x_t, policy.role_velocity("fake", x_t, batch.noise_sigma, batch.cond),
                                       batch.noise_sigma)
         loss = dmd2_generator_loss(x0_gen, x0_real, x0_fake)
@@ -190,9 +194,8 @@ class TDM(DMD2):
             loss = tdm_fake_loss(clean_from_velocity(x_t, v_fake, batch.sigma_t), x0, batch.sigma_t, importance,
                                  cfg.tdm_snr_gamma)
             return loss, {"fake_score_loss": loss.detach(), "importance_mean": importance.mean()}
-        real_scale = cfg.real_guidance_scale or cfg.guidance_scale
         x0_real = clean_from_velocity(x_t, policy.reference_velocity(x_t, batch.sigma_t, batch.cond,
-                                                                     guidance_scale=real_scale), batch.sigma_t)
+                                                                     guidance_scale=self.real_scale), batch.sigma_t)
         x0_fake = clean_from_velocity(x_t, policy.role_velocity("fake", x_t, batch.sigma_t, batch.cond),
                                       batch.sigma_t)
         loss = tdm_generator_loss(x0, x0_real, x0_fake, cfg.use_huber, cfg.huber_c)
