@@ -26,7 +26,7 @@ import yaml
 
 from flow_factory.config import ConfigError, load_config
 from flow_factory.config.families import MODEL_TYPE_ALIASES
-from flow_factory.config.train import TRAINER_TYPES
+from flow_factory.config.algorithms import TRAINER_TYPES
 
 
 def main() -> None:

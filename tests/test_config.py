@@ -528,7 +528,8 @@ def test_the_torch_free_config_agrees_with_the_classes_it_names():
     from flow_factory.algorithms import ALGORITHMS, KL_TYPES
     from flow_factory.config.schema import STOCHASTIC
     from flow_factory.config.sections import SchedulerConfig
-    from flow_factory.config.train import COUPLED_TRAINER_TYPES, TrainConfig
+    from flow_factory.config.algorithms import COUPLED_TRAINER_TYPES
+    from flow_factory.config.train import TrainConfig
     from flow_factory.dynamics import DYNAMICS
 
     assert set(get_args(TrainConfig.model_fields["trainer_type"].annotation)) == set(ALGORITHMS)

@@ -211,7 +211,7 @@ def test_algorithm_guide_example_weights_better_samples_more(monkeypatch):
 
     from flow_factory.algorithms import ALGORITHMS, DecoupledAlgorithm, make_algorithm
     from flow_factory.config import TrainConfig
-    from flow_factory.config.train import ALGORITHM_SPECS, AlgorithmSpec
+    from flow_factory.config.algorithms import ALGORITHM_SPECS, AlgorithmSpec
     from flow_factory.dynamics import ODE
 
     code, registration = python_blocks(DOCS / "guides" / "adding-an-algorithm.md")

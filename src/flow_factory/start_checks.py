@@ -81,7 +81,7 @@ def check_prompt_counts(cfg, items: list | None = None) -> None:
     """``ConfigError`` when the epoch draws more distinct prompts than the training split holds, or than a
     dataset of several holds for its weight (``items``: the prompts already loaded; else read here). An offline
     run's records are read (each row checked) and not counted."""
-    from .config.train import OFFLINE_TRAINER_TYPES
+    from .config.algorithms import OFFLINE_TRAINER_TYPES
     from .data import epoch_sampler, load_sources
 
     if cfg.train.trainer_type in OFFLINE_TRAINER_TYPES:  # an epoch is a pass over the records: read them (checked)

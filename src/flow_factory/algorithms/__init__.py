@@ -1,13 +1,13 @@
 """Training objectives: each algorithm is what its rollout records and a loss over a micro-batch.
 
 The config's ``train.trainer_type`` chooses here: ``ALGORITHMS`` holds the class each ``AlgorithmSpec``
-(``config/train.py``) names; the algorithm reads its settings from the ``train`` section.
+(``config/algorithms.py``) names; the algorithm reads its settings from the ``train`` section.
 """
 
 from importlib import import_module
 from pathlib import Path
 
-from ..config.train import ALGORITHM_SPECS
+from ..config.algorithms import ALGORITHM_SPECS
 
 from .awm import AWM, AWM_WEIGHTINGS, awm_log_prob
 from .base import Algorithm, Policy, TrainBatch

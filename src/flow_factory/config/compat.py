@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import DTYPE_NAMES, problem, show
-from .train import ALGORITHM_SPECS, DISTILLATION_TRAINER_TYPES
+from .algorithms import ALGORITHM_SPECS, DISTILLATION_TRAINER_TYPES
 
 # Flow-Factory's spellings (its guides' and its earlier layouts') -> ours, with the same meaning
 # (step indices count from 0 in both)

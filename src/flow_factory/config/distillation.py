@@ -1,5 +1,5 @@
 """What the torch-free config knows of the few-step distillation trainers (issue 39): DMD2, TDM and TDM-R1,
-with Flow-Factory's keys and defaults, each registered in ``config/train.py``'s ``ALGORITHM_SPECS`` (their
+with Flow-Factory's keys and defaults, each registered in ``config/algorithms.py``'s ``ALGORITHM_SPECS`` (their
 trainers ``algorithms/distillation/trainers.py`` and ``tdm_r1_trainer.py``, their roles ``trainer/roles.py``).
 
 Each ``DistillationSpec`` names its trainable roles (each with upstream's default optimiser when a
@@ -182,16 +182,18 @@ def distillation_problems(name: str, values: dict) -> list[str]:
 
 # ------------------------------------------------------------------ per-role optimisers
 # an ``optimizers:`` entry's keys (Flow-Factory's: name, learning_rate, weight_decay, betas, eps, max_grad_norm;
-# ``optimizer`` and the muon_* keys are ours, as the train section spells them) -> the role's setting
+# ``optimizer`` and the muon_* keys are ours, as the train section spells them) -> the role's setting; and
+# ``ema_decay``, ours: an EMA of that role (upstream's train.ema_* keys are the generator's EMA alone, its other
+# roles' copies made by the trainers, not asked for: Jayce-Ping/Flow-Factory-Draft models/roles.py at 34319d5c)
 ROLE_OPTIMIZER_KEYS = ("name", "optimizer", "learning_rate", "weight_decay", "betas", "eps", "max_grad_norm",
-                       "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr")
+                       "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr", "ema_decay")
 OPTIMIZER_KINDS = ("adamw", "muon")
 
 
 @dataclass(frozen=True)
 class RoleOptimizerSettings:
     """One role's optimiser, resolved: the entry's keys over upstream's default for the role (learning rate,
-    betas) over the train section's (the rest)."""
+    betas) over the train section's (the rest); and its EMA's decay (0: none; the generator's is train.ema_decay)."""
 
     role: str
     optimizer: str = "adamw"
@@ -204,6 +206,7 @@ class RoleOptimizerSettings:
     muon_nesterov: bool = True
     muon_ns_steps: int = 5
     muon_adjust_lr: str = "match_rms_adamw"
+    ema_decay: float = 0.0
 
 
 def _entry_problems(where: str, entry) -> list[str]:
@@ -224,6 +227,11 @@ def _entry_problems(where: str, entry) -> list[str]:
         out.append(f"{where}.muon_ns_steps: an integer >= 1, got {steps!r}")
     if entry.get("muon_adjust_lr", "match_rms_adamw") not in ("match_rms_adamw", "original"):
         out.append(f"{where}.muon_adjust_lr: 'match_rms_adamw' or 'original', got {entry['muon_adjust_lr']!r}")
+    if "ema_decay" in entry and entry.get("name") == GENERATOR:  # one home: what eval and off_policy read
+        out.append(f"{where}.ema_decay: the generator's EMA is train.ema_decay (with train.ema_decay_schedule, "
+                   "ema_update_interval and ema_device); ema_decay here is for the other roles")
+    elif "ema_decay" in entry and not (_finite(entry["ema_decay"], 0.0) and entry["ema_decay"] < 1):
+        out.append(f"{where}.ema_decay: in [0, 1) (0: no EMA of this role), got {entry['ema_decay']!r}")
     return out
 
 
@@ -255,7 +263,7 @@ def role_optimizer_problems(name: str, entries) -> list[str]:
 def role_optimizers(name: str, entries: list[dict], train) -> dict[str, RoleOptimizerSettings]:
     """Each trainable role's optimiser (checked entries, ``role_optimizer_problems``): its entry, else upstream's
     default for the role (learning rate, betas), the train section's ``adam_*``, ``muon_*``, ``max_grad_norm``
-    and ``optimizer`` for what neither gives."""
+    and ``optimizer`` for what neither gives; its ``ema_decay``, else no EMA of it."""
     spec, given = DISTILLATION_SPECS[name], {e["name"]: e for e in entries}
     out = {}
     for role in spec.roles:
@@ -267,7 +275,8 @@ def role_optimizers(name: str, entries: list[dict], train) -> dict[str, RoleOpti
             float(entry.get("max_grad_norm", train.max_grad_norm)),
             float(entry.get("muon_momentum", train.muon_momentum)),
             bool(entry.get("muon_nesterov", train.muon_nesterov)),
-            int(entry.get("muon_ns_steps", train.muon_ns_steps)), entry.get("muon_adjust_lr", train.muon_adjust_lr))
+            int(entry.get("muon_ns_steps", train.muon_ns_steps)), entry.get("muon_adjust_lr", train.muon_adjust_lr),
+            float(entry.get("ema_decay", 0.0)))
     return out
 
 

@@ -9,7 +9,7 @@ Torch-free, as the rest of ``config/``.
 
 from __future__ import annotations
 
-from .train import ALGORITHM_SPECS, OFFLINE_TRAINER_TYPES
+from .algorithms import ALGORITHM_SPECS, OFFLINE_TRAINER_TYPES
 
 KEY = "train.reward_optimization_overlap"
 

@@ -36,8 +36,8 @@ from .overlap import overlap_notes, overlap_problems
 from .rewards import RewardConfig, as_entry_list, duplicate_names
 from .sections import DEFAULT_STRENGTH, DataConfig, EvalConfig, LogConfig, ModelConfig, SchedulerConfig, strength_steps
 from .distillation import DISTILLATION_SPECS, distillation_contradictions, micro_steps_per_sample
-from .train import (ALGORITHM_SPECS, COUPLED_TRAINER_TYPES, DISTILLATION_TRAINER_TYPES, OFFLINE_TRAINER_TYPES,
-                    TrainConfig, fill_trainer_defaults, resolve_num_train_timesteps, trainer_problems)
+from .algorithms import ALGORITHM_SPECS, COUPLED_TRAINER_TYPES, DISTILLATION_TRAINER_TYPES, OFFLINE_TRAINER_TYPES
+from .train import TrainConfig, fill_trainer_defaults, resolve_num_train_timesteps, trainer_problems
 
 STOCHASTIC = ("Flow-SDE", "Dance-SDE", "CPS")
 DEFAULT_LEARNING_RATE = {"lora": 1e-4, "full": 1e-5}

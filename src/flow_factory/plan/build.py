@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config.base import resolution_pair
-from ..config.train import ALGORITHM_SPECS, COUPLED_TRAINER_TYPES, OFFLINE_TRAINER_TYPES
+from ..config.algorithms import ALGORITHM_SPECS, COUPLED_TRAINER_TYPES, OFFLINE_TRAINER_TYPES
 from ..precision import Precision
 from . import memory
 from .blocks import measure_scaled

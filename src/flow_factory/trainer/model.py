@@ -9,7 +9,7 @@ import logging
 import torch
 
 from ..config import ConfigError
-from ..config.train import COUPLED_TRAINER_TYPES
+from ..config.algorithms import COUPLED_TRAINER_TYPES
 from ..guards import check_pipeline_finite
 from ..models import load_adapter
 from ..models.preflight import check_experts

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ConfigError
-from ..config.train import OFFLINE_TRAINER_TYPES
+from ..config.algorithms import OFFLINE_TRAINER_TYPES
 from ..data import MissingPromptFile, epoch_sampler
 from ..data.offline import OFFLINE_KINDS, load_offline_sources, offline_video
 from ..data.sources import source_indices
