@@ -22,6 +22,7 @@ from helpers_runs import write_config
 from test_roles import dmd2_config
 
 TTUR = 2
+FAKE_EMA_DECAY = 0.5
 FAKE_WEIGHTS = {"lora": "fake_lora.pt", "full": "fake_transformer.pt"}  # the fake score's, in a checkpoint
 
 
@@ -33,10 +34,13 @@ def runs(request, tmp_path_factory, tiny_pipeline):
     (trainer, finetune), model = request.param, tiny_pipeline("sd3-5")
     tmp = tmp_path_factory.mktemp(f"{trainer}-{finetune}")
     lr = 1e-3 if finetune == "lora" else 1e-4
+    # the fake score keeps an EMA (its entry's ema_decay), moved after each epoch at a constant 0.5
     config = dmd2_config(tmp, model, [{"name": "generator", "optimizer": "muon", "learning_rate": lr},
-                                      {"name": "fake", "learning_rate": 2 * lr, "betas": [0.0, 0.999]}],
+                                      {"name": "fake", "learning_rate": 2 * lr, "betas": [0.0, 0.999],
+                                       "ema_decay": FAKE_EMA_DECAY}],
                          trainer_type=trainer, max_epochs=2, ttur_fake_updates=TTUR,
-                         unique_sample_num_per_epoch=2, real_guidance_scale=2.0, ema_decay=0)
+                         unique_sample_num_per_epoch=2, real_guidance_scale=2.0, ema_decay=0,
+                         ema_decay_schedule="constant", ema_update_interval=1)
     config["model"]["finetune_type"] = finetune
     if trainer == "tdm-r1":  # rewards, and whole groups for its surrogate's preference
         config["train"]["group_size"] = 2
@@ -74,11 +78,31 @@ def _same(a, b):
 def test_a_resumed_run_ends_with_every_role_exactly_as_the_straight_one(runs):
     _, finetune, straight, resumed = runs
     _same(generator_weights(straight), generator_weights(resumed))
-    others = ["optimizer.pt", FAKE_WEIGHTS[finetune], "fake_optimizer.pt"]
+    others = ["optimizer.pt", FAKE_WEIGHTS[finetune], "fake_optimizer.pt", "fake_ema.pt"]
     if (straight / "surrogate_lora.pt").is_file():  # tdm-r1: the surrogate, its optimizer and its slow copy
         others += ["surrogate_lora.pt", "surrogate_optimizer.pt", "surrogate_slow.pt"]
     for name in others:
         _same(torch.load(straight / name, weights_only=True), torch.load(resumed / name, weights_only=True))
+
+
+def test_a_roles_ema_moves_after_each_epoch_at_its_own_decay(runs):
+    """The fake score's EMA after 2 epochs at decay d = 0.5 (constant): d (d w0 + (1 - d) w1) + (1 - d) w2, with
+    w_k its weights after epoch k; a LoRA's B starts at 0, so its EMA is d (1 - d) w1 + (1 - d) w2. (A resume that
+    restarted it from w1 would hold d w1 + (1 - d) w2: the resume test compares the files.)"""
+    _, finetune, straight, _ = runs
+    d = FAKE_EMA_DECAY
+    state = json.loads((straight / "trainer_state.json").read_text())
+    assert [r["train/fake/ema_decay"] for r in state["history"]] == [d, d]
+    ema = torch.load(straight / "fake_ema.pt", weights_only=True)["weights"]
+    if finetune == "full":  # a full copy starts at the base weights, not 0: its file is compared on resume
+        return
+    w2 = torch.load(straight / "fake_lora.pt", weights_only=True)
+    w1 = torch.load(straight.parent / "epoch_1" / "fake_lora.pt", weights_only=True)
+    assert len(ema) == len(w2)  # one tensor per trained weight, in the state dict's order
+    for (key, now), before, average in zip(w2.items(), w1.values(), ema):
+        assert average.shape == now.shape, key
+        if "lora_B" in key:
+            torch.testing.assert_close(average, d * (1 - d) * before.float() + (1 - d) * now.float())
 
 
 def test_each_role_trains_with_its_own_optimizer_in_its_phase(runs):

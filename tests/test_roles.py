@@ -130,6 +130,9 @@ def test_tdm_r1s_per_role_defaults_are_upstreams(tmp_path, tiny_sd3_path):
     ({"train.trainer_type": "tdm-r1", "train.group_size": 2, "train.tdm_weight": 1.0,
       "rewards": [{"reward_model": "jpeg_compressibility"}]}, "tdm_weight"),
     ({"optimizers": [{"name": "surrogate"}]}, r"'surrogate' is not a trainable role of dmd2"),
+    ({"optimizers": [{"name": "generator", "ema_decay": 0.9}]},
+     r"optimizers\[0\].ema_decay: the generator's EMA is train.ema_decay"),
+    ({"optimizers": [{"name": "fake", "ema_decay": 1.0}]}, r"optimizers\[0\].ema_decay: in \[0, 1\)"),
 ])
 def test_what_the_roles_cannot_take_is_a_config_error(tmp_path, tiny_sd3_path, change, message):
     config = dmd2_config(tmp_path, tiny_sd3_path)

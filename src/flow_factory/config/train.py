@@ -163,8 +163,10 @@ class TrainConfig(Section):
     role_optimizers: list[dict] = setting(
         default_factory=list, description="dmd2, tdm: one optimizer per trainable role (generator, fake), "
         "Flow-Factory's top-level optimizers: list read here: [{name: <role>, optimizer, learning_rate, betas, weight_decay, eps, "
-        "max_grad_norm, muon_*}]; a role without an entry takes Flow-Factory's default for it (learning_rate, "
-        "betas) and this section's other optimizer keys")
+        "max_grad_norm, muon_*, ema_decay}]; a role without an entry takes Flow-Factory's default for it (learning_rate, "
+        "betas) and this section's other optimizer keys; ema_decay (ours; not the generator's, whose EMA is "
+        "ema_decay here) keeps an EMA of that role, moved as the generator's (ema_decay_schedule, "
+        "ema_update_interval, ema_device) and saved as <role>_ema.pt")
     ttur_fake_updates: PositiveInt = setting(
         5, "dmd2, tdm: fake-score optimizer steps before each generator step (the two time-scale update rule)")
     perturbation_timestep_range: list[float] = setting(

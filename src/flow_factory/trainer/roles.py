@@ -16,12 +16,16 @@ no-grad query inside it (the generator's loss reads the fake score). Outside the
 
 Each trainable role but the generator has its optimizer here (the generator's is the backend's, built from the
 generator's entry: ``generator_optimizer``), its weights and optimizer state saved beside the checkpoint
-(``<role>_lora.pt`` or ``<role>_transformer.pt``, ``<role>_optimizer.pt``) and restored on resume.
+(``<role>_lora.pt`` or ``<role>_transformer.pt``, ``<role>_optimizer.pt``) and restored on resume. A role whose
+``optimizers:`` entry gives ``ema_decay`` keeps an EMA of its weights (``<role>_ema.pt``), moved after each epoch as
+the generator's (``train.ema_*``: schedule, interval, device) but at its own decay; nothing samples with it, it is
+the checkpoint's. The generator's EMA is the trainer's (``train.ema_decay``), as without roles.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -35,9 +39,11 @@ from ..config import ConfigError
 from ..config.distillation import DISTILLATION_SPECS, GENERATOR, RoleOptimizerSettings, role_optimizers
 from ..models.lora import ADAPTER_NAME, lora_disabled
 from ..algorithms.distillation.tdm_r1 import slow_surrogate_decay
-from .ema import WeightCopy, load_ema
+from .ema import WeightCopy, ema_decay_at, load_ema
 from .optimizers import make_role_optimizer
 from .policy import frozen_copy
+
+logger = logging.getLogger(__name__)
 
 
 def optimizer_file(role: str) -> str:
@@ -46,6 +52,10 @@ def optimizer_file(role: str) -> str:
 
 def slow_file(role: str) -> str:
     return f"{role}_slow.pt"
+
+
+def ema_file(role: str) -> str:
+    return f"{role}_ema.pt"
 
 
 class Roles:
@@ -61,6 +71,8 @@ class Roles:
         self.optimizers: dict[str, torch.optim.Optimizer] = {}  # the roles' but the generator's (``start``)
         self.slow_decays: dict = {}  # role -> decay(step) of its slow copy (TDM-R1's surrogate)
         self.slow: dict[str, WeightCopy] = {}  # role -> its slow copy (``start``)
+        self.emas: dict[str, WeightCopy] = {}  # role -> its EMA, where its entry asks (``start``)
+        self.train = None  # the config's train section: the EMAs' schedule, interval and device
 
     @staticmethod
     def of(cfg, adapter, master_dtype: torch.dtype) -> "Roles | None":
@@ -73,6 +85,7 @@ class Roles:
         ordered = {GENERATOR: settings[GENERATOR], **{r: s for r, s in settings.items() if r != GENERATOR}}
         kind = LoraRoles if cfg.model.finetune_type == "lora" else CopiedRoles
         roles = kind(adapter, ordered, master_dtype)
+        roles.train = cfg.train
         if "surrogate" in roles.names:  # TDM-R1's trust region: a slow copy of the surrogate, moved after its steps
             low, high = cfg.train.surrogate_slow_decay_min, cfg.train.surrogate_slow_decay_max
             roles.slow_decays["surrogate"] = lambda step: slow_surrogate_decay(step, low, high)
@@ -121,8 +134,24 @@ class Roles:
         self.optimizers = {role: make_role_optimizer(self.params[role], self.settings[role])
                            for role in self.names if role != GENERATOR}
         self.slow = {role: WeightCopy(self.params[role]) for role in self.slow_decays}  # from the starting weights
+        device = None if self.train.ema_device == "same" else self.train.ema_device
+        self.emas = {role: WeightCopy(self.params[role], device) for role in self.names
+                     if role != GENERATOR and self.settings[role].ema_decay > 0}
         if resume_from is not None:
             self.load(Path(resume_from))
+
+    def after_epoch(self, epoch: int) -> dict[str, float]:
+        """Each role's EMA moved after ``epoch`` (every ``ema_update_interval`` epochs, ``ema_decay_at`` of its own
+        decay); the decays, as metrics."""
+        train, metrics = self.train, {}
+        if (epoch + 1) % train.ema_update_interval:
+            return metrics
+        for role, ema in self.emas.items():
+            decay = ema_decay_at(train.ema_decay_schedule, epoch, self.settings[role].ema_decay, train.max_epochs,
+                                 train.flat_steps, train.ramp_rate)
+            ema.update(decay)
+            metrics[f"train/{role}/ema_decay"] = decay
+        return metrics
 
     def state_files(self, with_optimizers: bool) -> dict:
         """File name -> state, for a checkpoint: each other role's weights (and its optimizer's state)."""
@@ -136,6 +165,7 @@ class Roles:
             if with_optimizers:
                 files[optimizer_file(role)] = optimizer.state_dict()
         files.update({slow_file(role): slow.state_dict() for role, slow in self.slow.items()})
+        files.update({ema_file(role): ema.state_dict() for role, ema in self.emas.items()})
         return files
 
     def step_snapshots(self, role: str) -> dict:
@@ -157,6 +187,11 @@ class Roles:
             if not load_ema(slow, checkpoint, slow_file(role)):
                 raise CheckpointError(f"model.resume_path: {checkpoint} holds no {slow_file(role)} (the {role} "
                                       "role's slow copy)")
+        for role, ema in self.emas.items():
+            if not load_ema(ema, checkpoint, ema_file(role)):  # a run that asked for it only now
+                ema.copy_from_params()
+                logger.warning("model.resume_path %s holds no %s; the %s role's EMA restarts from its resumed "
+                               "weights", checkpoint, ema_file(role), role)
 
 
 class LoraRoles(Roles):

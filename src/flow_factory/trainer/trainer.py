@@ -232,6 +232,7 @@ class Trainer:
         for transformer in self.trained.values():
             transformer.eval()
         metrics.update(self.copies.after_epoch(epoch, self.global_step, self.cfg.train))
+        metrics.update(self.roles.after_epoch(epoch) if self.roles else {})  # the other roles' EMAs
         return metrics
 
     @torch.no_grad()
