@@ -22,6 +22,7 @@ from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import make_dynamics
 from flow_factory.dynamics.ode import ODE
 from flow_factory.models import apply_lora, load_adapter
+from flow_factory.sampling import Rollouts
 from flow_factory.trajectory import sample_trajectory
 from flow_factory.trainer.policy import AdapterPolicy
 
@@ -127,6 +128,30 @@ def test_the_transformer_always_sees_the_image_in_the_first_frame(adapter):
         v = adapter.velocity(noise, torch.tensor(0.6), cond, GUIDANCE)
         assert torch.equal(v, adapter.velocity(start, torch.tensor(0.6), cond, GUIDANCE))
     assert torch.equal(v[:, given], torch.zeros_like(v[:, given])) and v[:, ~given].abs().max() > 0.1
+
+
+def test_the_decoupled_losses_average_over_the_generated_elements_only(adapter):
+    """The given first frame is the condition, not a prediction: its velocity is 0 against a target ``eps - x0``, an
+    error no weight changes. The rollouts name the generated elements (the other frames and the audio) and the
+    flow-matching loss is their mean alone, not diluted by the frame's share of the latent."""
+    cond = _conditioning(adapter, PROMPTS, [_image(8), _image(9)], GUIDANCE)
+    noise = adapter.initial_noise(2, SIZE, SIZE, torch.Generator().manual_seed(4), num_frames=FRAMES)
+    x0 = adapter.start_latents(noise, None, cond)
+    generated = adapter.generated(x0)
+    assert torch.equal(generated, ~adapter.given(adapter.geometry(x0)))
+    sigmas = adapter.sigmas(STEPS, SIZE, SIZE, FRAMES)
+    rollouts = Rollouts(prompts=PROMPTS, group_ids=torch.arange(2), latents=x0.unsqueeze(1),
+                        log_probs=torch.zeros(2, STEPS), sigmas=sigmas, sde_steps=[], cond=cond, media=torch.empty(0),
+                        latent_steps=[STEPS], generated=generated)
+    algorithm = make_algorithm("sft", TrainConfig(trainer_type="sft", num_train_timesteps=1), ODE())
+    batch = next(algorithm.micro_batches(rollouts, torch.zeros(2), torch.arange(2)[:, None],
+                                         torch.Generator().manual_seed(5)))
+    policy = AdapterPolicy(adapter, 1.0, "lora", keep_reference=False)
+    with torch.no_grad():
+        loss, _ = algorithm.loss(policy, batch)
+        error = (policy.velocity(batch.x_t, batch.sigma, batch.cond) - batch.target).float() ** 2
+    torch.testing.assert_close(loss, error[:, generated].mean(), rtol=1e-6, atol=0)
+    assert error[:, ~generated].min() > 0 and (loss - error.mean()).abs() > 0.01 * loss
 
 
 # --------------------------------------------------------------------------------- ff-train

@@ -122,6 +122,9 @@ class Rollouts(KeptStates):
     # (N,) each sample's index in the epoch's draw (its noise seed): the distillation trainers key their training
     # draws by it, so that one process and several draw alike for the same sample
     sample_ids: Tensor | None = None
+    # bool (*latent): the latent elements the model generates, the rest being a condition it is given (ltx2_i2av's
+    # first frame; ``FlowAdapter.generated``); None: every element. The decoupled losses average over these only
+    generated: Tensor | None = None
 
 
 @dataclass
@@ -254,6 +257,7 @@ class _RolloutBatches:
             means=torch.cat([t.means for t in trajs]) if self.settings.record_means else None,
             latent_steps=trajs[0].latent_steps,
             conditions=ConditionMedia.concat([c.conditions for c in chunks]) if self.adapter.condition_inputs else None,
+            generated=self.adapter.generated(trajs[0].latents[:1, -1]) if keep else None,
         )
         if self.keep_audio:
             rollouts.audio = torch.cat([c.audio["audios"] for c in chunks])

@@ -55,21 +55,21 @@ class AWM(DecoupledAlgorithm):
 
     def loss(self, policy, batch: NoisedBatch) -> tuple[Tensor, dict[str, Tensor]]:
         cfg = self.cfg
-        x_t, target = batch.x_t, batch.target
-        v = policy.velocity(x_t, batch.sigma, batch.cond)
+        x_t, target = batch.x_t, batch.part(batch.target)
+        v = batch.part(policy.velocity(x_t, batch.sigma, batch.cond))
         with torch.no_grad():
-            v_old = policy.sampling_velocity(x_t, batch.sigma, batch.cond)
+            v_old = batch.part(policy.sampling_velocity(x_t, batch.sigma, batch.cond))
             old_log_prob = awm_log_prob(v_old, target, batch.sigma, cfg.awm_weighting, cfg.ghuber_power)
         log_prob = awm_log_prob(v, target, batch.sigma, cfg.awm_weighting, cfg.ghuber_power)
         loss, metrics = clipped_surrogate(log_prob - old_log_prob, batch.advantages, cfg.clip_range,
                                           cfg.adv_clip_range)
         metrics.update(policy_loss=loss.detach(), **self.advantage_metrics(batch.advantages))
         if cfg.kl_beta > 0:
-            kl = v_based_kl(v, policy.reference_velocity(x_t, batch.sigma, batch.cond)).mean()
+            kl = v_based_kl(v, batch.part(policy.reference_velocity(x_t, batch.sigma, batch.cond))).mean()
             loss = loss + cfg.kl_beta * kl
             metrics["kl"] = kl.detach()
         if cfg.ema_kl_beta > 0:
-            ema_kl = v_based_kl(v, policy.ema_velocity(x_t, batch.sigma, batch.cond)).mean()
+            ema_kl = v_based_kl(v, batch.part(policy.ema_velocity(x_t, batch.sigma, batch.cond))).mean()
             loss = loss + cfg.ema_kl_beta * ema_kl
             metrics["ema_kl"] = ema_kl.detach()
         return loss, metrics

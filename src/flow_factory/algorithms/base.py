@@ -52,6 +52,7 @@ class RolloutsLike(Protocol):
     sde_steps: list[int]
     cond: Conditioning
     means: Tensor | None
+    generated: Tensor | None  # bool (*latent): the elements the model generates; None: every one
 
     def latents_at(self, idx: Tensor, step: int | Tensor) -> Tensor:
         """(len(idx), *latent): sample ``idx[j]``'s latent before step ``step`` (one, or one per row)."""

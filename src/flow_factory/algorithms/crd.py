@@ -119,11 +119,11 @@ class CRD(DecoupledAlgorithm):
 
     def loss(self, policy, batch: NoisedBatch) -> tuple[Tensor, dict[str, Tensor]]:
         cfg = self.cfg
-        x_t, target = batch.x_t, batch.target
-        v = policy.velocity(x_t, batch.sigma, batch.cond)
+        x_t, target = batch.x_t, batch.part(batch.target)
+        v = batch.part(policy.velocity(x_t, batch.sigma, batch.cond))
         with torch.no_grad():
-            v_old = (policy.snapshot_velocity(self.OLD, x_t, batch.sigma, batch.cond) if cfg.use_old_for_loss
-                     else policy.reference_velocity(x_t, batch.sigma, batch.cond))
+            v_old = batch.part(policy.snapshot_velocity(self.OLD, x_t, batch.sigma, batch.cond) if cfg.use_old_for_loss
+                               else policy.reference_velocity(x_t, batch.sigma, batch.cond))
         r = implicit_reward(v, v_old, target, cfg.adaptive_logp)
         q = optimality_probability(batch.advantages, cfg.adv_clip_range)
         # centred over one timestep's batch (on every process): one part at a time
@@ -135,7 +135,7 @@ class CRD(DecoupledAlgorithm):
                        (v.detach().float() - v_old.float()) ** 2).mean(), **self.advantage_metrics(batch.advantages)}
         if cfg.kl_beta > 0:
             with torch.no_grad():
-                v_ref = policy.reference_velocity(x_t, batch.sigma, batch.cond, **reference_guidance(cfg))
+                v_ref = batch.part(policy.reference_velocity(x_t, batch.sigma, batch.cond, **reference_guidance(cfg)))
             kl = v_based_kl(v, v_ref)
             if cfg.reward_adaptive_kl:
                 m = 1e-4 / cfg.kl_beta

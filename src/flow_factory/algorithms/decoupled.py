@@ -32,6 +32,9 @@ class NoisedBatch:
     advantages: Tensor  # (B,)
     cond: Conditioning
     parts: int = 1  # per-timestep batches this one joins (``base.merge_batches``)
+    # (B, *latent) bool: the elements the model generates, which the losses average over (``Rollouts.generated``);
+    # None: all of them
+    generated: Tensor | None = None
 
     @property
     def x_t(self) -> Tensor:
@@ -42,6 +45,16 @@ class NoisedBatch:
     def target(self) -> Tensor:
         """The flow-matching velocity target ``eps - x0``."""
         return self.noise - self.x0
+
+    def part(self, t: Tensor) -> Tensor:
+        """(B, n): ``t``'s elements that the model generates, which are what a loss compares (all of ``t``,
+        flattened, without ``generated``)."""
+        return t.flatten(1) if self.generated is None else t[self.generated].reshape(len(t), -1)
+
+
+def generated_rows(rollouts: RolloutsLike, x0: Tensor) -> Tensor | None:
+    """``rollouts.generated`` for each row of ``x0`` (None when the model generates every element)."""
+    return None if rollouts.generated is None else rollouts.generated.to(x0.device).expand_as(x0)
 
 
 def reference_guidance(cfg) -> dict:
@@ -77,7 +90,7 @@ class DecoupledAlgorithm(Algorithm):
             if self.noise_shared_within_unit:
                 noise = noise.repeat(k, *([1] * (noise.ndim - 1)))
             yield NoisedBatch(x0=x0, noise=noise.to(x0.device), sigma=sigma.expand(len(idx)).to(x0.device),
-                              advantages=advantages[idx], cond=cond)
+                              advantages=advantages[idx], cond=cond, generated=generated_rows(rollouts, x0))
 
     @staticmethod
     def advantage_metrics(advantages: Tensor) -> dict[str, Tensor]:

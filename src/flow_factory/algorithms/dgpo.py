@@ -49,7 +49,7 @@ from ..models.conditioning import index_cond
 from ..seeding import generator as seeded
 from .across_processes import gather, rank_and_world, sum_over_processes
 from .base import mean_over_parts
-from .decoupled import DecoupledAlgorithm, NoisedBatch, reference_guidance
+from .decoupled import DecoupledAlgorithm, NoisedBatch, generated_rows, reference_guidance
 from .kl import v_based_kl
 from .timesteps import draw_training_sigmas
 
@@ -149,22 +149,22 @@ class DGPO(DecoupledAlgorithm):
                 noise = torch.randn((world * n, *x0.shape[1:]), generator=generator)[rank * n:(rank + 1) * n]
             yield GroupBatch(x0=x0, noise=noise.to(x0.device), sigma=sigma.expand(n).to(x0.device),
                              advantages=advantages[idx], cond=cond, group=group.to(x0.device),
-                             group_size=self.cfg.group_size)
+                             group_size=self.cfg.group_size, generated=generated_rows(rollouts, x0))
 
     def loss(self, policy, batch: GroupBatch) -> tuple[Tensor, dict[str, Tensor]]:
         cfg = self.cfg
-        x_t, target = batch.x_t, batch.target
+        x_t, target = batch.x_t, batch.part(batch.target)
         adv = batch.advantages.float().clamp(-cfg.adv_clip_range, cfg.adv_clip_range)
 
         def error(v: Tensor) -> Tensor:
             return mean_over_sample((v.float() - target.float()) ** 2)
 
-        v = policy.velocity(x_t, batch.sigma, batch.cond)
+        v = batch.part(policy.velocity(x_t, batch.sigma, batch.cond))
         err = error(v)
         with torch.no_grad():
-            v_ref = (policy.reference_velocity(x_t, batch.sigma, batch.cond, **reference_guidance(cfg))
+            v_ref = (batch.part(policy.reference_velocity(x_t, batch.sigma, batch.cond, **reference_guidance(cfg)))
                      if self.needs_reference else None)
-            err_old = (error(policy.snapshot_velocity(EMA_REF, x_t, batch.sigma, batch.cond))
+            err_old = (error(batch.part(policy.snapshot_velocity(EMA_REF, x_t, batch.sigma, batch.cond)))
                        if self.clips or cfg.use_ema_ref else None)
         err_pref = err_old if cfg.use_ema_ref else error(v_ref)
         clip = dsm_clip_mask(err, err_old, adv, cfg.clip_range) if self.clips else None

@@ -64,9 +64,9 @@ class DPO(DecoupledAlgorithm):
 
     def loss(self, policy, batch: NoisedBatch) -> tuple[Tensor, dict[str, Tensor]]:
         x_t = batch.x_t
-        v = policy.velocity(x_t, batch.sigma, batch.cond)
-        v_ref = policy.reference_velocity(x_t, batch.sigma, batch.cond)
-        target, adv = batch.target, batch.advantages
+        v = batch.part(policy.velocity(x_t, batch.sigma, batch.cond))
+        v_ref = batch.part(policy.reference_velocity(x_t, batch.sigma, batch.cond))
+        target, adv = batch.part(batch.target), batch.advantages
 
         def pairs_of(rows: slice):  # each timestep's rows are its winners, then its losers
             p = len(adv[rows]) // 2

@@ -62,8 +62,8 @@ def flow_error(u: Tensor, x0: Tensor, noise: Tensor, sigma: Tensor, weighting: s
 def nft_loss(v: Tensor, v_old: Tensor, batch: NoisedBatch, beta: float, adv_clip_range: float,
              weighting: str = "adaptive") -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar NFT policy loss (batch mean) and detached metrics; ``batch`` gives x0, the noise, sigma and the
-    advantages (its ``cond`` is not read)."""
-    x0, noise, sigma, advantages = batch.x0, batch.noise, batch.sigma, batch.advantages
+    advantages (its ``cond`` is not read); ``v`` and ``v_old`` are ``batch.part`` of the velocities."""
+    x0, noise, sigma, advantages = batch.part(batch.x0), batch.part(batch.noise), batch.sigma, batch.advantages
     v_old = v_old.detach().float()
     v_pos = beta * v.float() + (1 - beta) * v_old
     v_neg = (1 + beta) * v_old - beta * v.float()
@@ -82,12 +82,12 @@ class NFT(DecoupledAlgorithm):
 
     def loss(self, policy, batch: NoisedBatch) -> tuple[Tensor, dict[str, Tensor]]:
         x_t = batch.x_t
-        v = policy.velocity(x_t, batch.sigma, batch.cond)
-        v_old = policy.sampling_velocity(x_t, batch.sigma, batch.cond)
+        v = batch.part(policy.velocity(x_t, batch.sigma, batch.cond))
+        v_old = batch.part(policy.sampling_velocity(x_t, batch.sigma, batch.cond))
         loss, metrics = nft_loss(v, v_old, batch, self.cfg.nft_beta, self.cfg.adv_clip_range, self.cfg.nft_weighting)
         metrics.update(policy_loss=loss.detach(), **self.advantage_metrics(batch.advantages))
         if self.cfg.kl_beta > 0:
-            kl = v_based_kl(v, policy.reference_velocity(x_t, batch.sigma, batch.cond)).mean()
+            kl = v_based_kl(v, batch.part(policy.reference_velocity(x_t, batch.sigma, batch.cond))).mean()
             loss = loss + self.cfg.kl_beta * kl
             metrics["kl"] = kl.detach()
         return loss, metrics

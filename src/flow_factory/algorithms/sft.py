@@ -25,5 +25,5 @@ class SFT(DecoupledAlgorithm):
 
     def loss(self, policy, batch: NoisedBatch) -> tuple[Tensor, dict[str, Tensor]]:
         v = policy.velocity(batch.x_t, batch.sigma, batch.cond)
-        loss = flow_matching_loss(v, batch.target)
+        loss = flow_matching_loss(batch.part(v), batch.part(batch.target))
         return loss, {"flow_matching_loss": loss.detach()}

@@ -306,6 +306,11 @@ class FlowAdapter:
         """Waveforms (B, channels, T), float32 in [-1, 1], and their sample rate: a model with ``has_audio``."""
         raise NotImplementedError(f"{self.model_type} makes no audio")
 
+    def generated(self, latents: Tensor) -> Tensor | None:
+        """Bool (*latent) over one sample of ``latents`` (B, *latent): the elements the model generates, where the
+        rest is a condition it is given and keeps (ltx2_i2av's first frame); None: every element."""
+        return None
+
     def sampling_dynamics(self, dynamics: Dynamics) -> Dynamics:
         """The dynamics this model samples and trains with: the configured one, unless part of the latent
         must stay on the ODE (LTX-2's audio: ``dynamics.partial.PartlyStochastic``)."""

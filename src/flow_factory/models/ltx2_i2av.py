@@ -16,8 +16,9 @@ conditions on it:
   frames 1: only, here the velocity there is 0 and the SDE's noise reaches neither it nor the
   audio (``explored``), so a step's log-probability is that of the generated frames. ``velocity``
   puts the image in the first frame of whatever it is given, so the decoupled algorithms, which
-  noise a rollout's whole final latent, show the transformer the frame it was conditioned on
-  (their loss there is a constant: a velocity of 0 against ``eps - x0``).
+  noise a rollout's whole final latent, show the transformer the frame it was conditioned on; their losses
+  average over the generated elements only (``generated``: the other frames and the audio), as the frame's
+  error there, a velocity of 0 against ``eps - x0``, is no prediction of the model's.
 
 The audio is not conditioned on the image. The ODE rollout equals ``LTX2ImageToVideoPipeline(image=...,
 stg_scale=0, modality_scale=1, guidance_rescale=0)`` for the same noise (its generator's draws: the
@@ -81,6 +82,9 @@ class LTX2I2AVAdapter(LTX2Adapter):
         """The latent's elements of the first frame, (numel,) bool: the image's, never stepped."""
         tokens = self.given_tokens(g).bool().repeat_interleave(g.video_tokens[1])
         return torch.cat([tokens, torch.zeros(g.numel - g.video_numel, dtype=torch.bool)])
+
+    def generated(self, latents: Tensor) -> Tensor:
+        return ~self.given(self.geometry(latents))
 
     def explored(self, g: Geometry) -> Tensor:
         return super().explored(g) & ~self.given(g)

@@ -60,7 +60,7 @@ class OfflineEpochs:
                             sde_steps=[], media=torch.empty(0),
                             cond=index_cond(cat_cond(conds), [i for i in range(len(rows)) for _ in range(outputs)])
                             if conds else {},
-                            latent_steps=[final], rewards={})
+                            latent_steps=[final], rewards={}, generated=self.adapter.generated(x0[:1]) if mine else None)
         signs = torch.tensor([1.0] if outputs == 1 else [1.0, -1.0])  # chosen, rejected
         return rollouts, signs.repeat(len(mine)).to(self.adapter.device)
 
