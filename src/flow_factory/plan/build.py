@@ -23,9 +23,9 @@ from .blocks import measure_scaled
 from .conditioning import conditioning
 from .gpus import GPUS, UTILISATION
 from .measure import Measured, measure_call, measure_velocity
+from .memory import OPTIMIZER_STATE
 from .pipeline import build_model, build_pipeline
-
-OPTIMIZER_STATE = {"adamw": 2, "muon": 1}  # float32 values per trained parameter (AdamW's two moments)
+from .roles import Call, add_phase_calls, generator_optimizer, phase_passes, role_memory, training_peak
 
 
 @dataclass
@@ -151,10 +151,9 @@ def reward_models(cfg, notes: list[str]) -> tuple[int, list]:
 def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: str = "cuda",
               text_tokens: int | dict[str, int] | None = None, utilisation: float = UTILISATION,
               calls: dict[str, Measured] | None = None) -> Plan:
-    """The plan of ``cfg`` on ``num_processes`` (the config's by default) GPUs of kind ``gpu``; ``device``
-    "cpu" plans a CPU run (float32, as ``precision.run_mixed_precision`` makes it). ``calls``: measured calls
-    to take as they are (another plan's, for a change that leaves them as they were: where rollouts or copies
-    are kept); the others (rollout, training, decode) are measured."""
+    """The plan of ``cfg`` on ``num_processes`` (the config's by default) GPUs of kind ``gpu``; ``device`` "cpu"
+    plans a CPU run (float32, as ``precision.run_mixed_precision`` makes it). ``calls``: measured calls to take as
+    they are (another plan's, for a change that keeps them: where rollouts or copies are kept); the rest measured."""
     n = num_processes or cfg.num_processes
     mixed = cfg.mixed_precision if device == "cuda" else "no"
     precision = Precision.of(mixed, device, cfg.model.master_weight_dtype, cfg.train.latent_storage_dtype)
@@ -181,6 +180,7 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
                           ("training", lambda: call(rows * per_call, loss_scale, True)),
                           ("decode", lambda: decode(adapter, b, latent, precision, notes))):
         calls[name] = calls[name] if name in calls else measure()
+    add_phase_calls(cfg, adapter, call, calls, Call(rows * per_call, float(loss_scale), True))  # distillation
 
     networks = denoisers(adapter, trained, precision, calls["training"])
     trained_bytes = sum(net.trained * net.master_bytes for net in networks)
@@ -197,11 +197,11 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
         text_encoders=sum(c.bytes for c in roles("text_encoder").values()),
         other_networks=sum(c.bytes for c in [*roles("vae").values(), *roles("image_encoder").values()]),
         rewards=reward_bytes,
-        optimizer_bytes=OPTIMIZER_STATE[getattr(train, "optimizer", "adamw")] * 4,
+        optimizer_bytes=OPTIMIZER_STATE[generator_optimizer(cfg)] * 4,
         copies=copies, sharded_copies=sharded, trajectories=epoch, trajectory_batch=batch,
         offload_samples=train.offload_samples_to_cpu, text_encoders_stay=not cfg.data.enable_preprocess,
         rollout_activations=calls["rollout"].peak, decode_activations=calls["decode"].peak,
-        train_activations=calls["training"].peak)
+        train_activations=training_peak(cfg, calls), **role_memory(cfg, networks, precision, notes))
     plan = Plan(cfg, gpu, n, memory.backend_of(cfg.config_file), precision, meta.source,
                 {name: {"class": c.class_name, "params": c.params, "bytes": c.bytes, "role": c.role}
                  for name, c in meta.components.items()}, trained, sizes, calls, notes=notes + meta.notes,
@@ -259,6 +259,10 @@ def epoch_flops(cfg, n: int, calls: dict[str, Measured], rewards: list, per_call
     training = micro_calls * calls["training"].flops
     if train.kl_beta > 0:  # one reference forward per micro-batch: about a third of a forward and backward
         training += micro_calls * calls["training"].flops / 3
+    passes = phase_passes(cfg)
+    if passes:  # every phase's passes over every chunk of the epoch (plan/roles.py)
+        chunks = cfg.optimize_batches_per_epoch * train.num_inner_epochs
+        training = chunks * sum(n * calls[f"{role} pass"].flops for role, n in passes)
     flops = {"rollout": rollout, "decode": batches * calls["decode"].flops, "training": training}
     flops["rewards"] = reward_flops(cfg, rewards, batches * train.per_device_batch_size)
     return flops

@@ -6,8 +6,10 @@ The phases of a run, each a sum of what a GPU holds through it:
   weights exist (the trainer caches every prompt first, then moves the text encoders off the device);
 - ``rollout``: the networks, the trained weights' optimizer state and copies (EMA, reference, snapshots),
   the reward models, the epoch's trajectories as they grow, and the largest of one sampling call's and one
-  VAE decode's own tensors (measured, plan/measure.py);
-- ``training``: the same, with the gradients and one training micro-batch's activations (measured).
+  VAE decode's own tensors (measured, plan/measure.py); a distillation run's other roles too (their weights,
+  optimizer state and copies: plan/roles.py);
+- ``training``: the same, with the gradients and one training micro-batch's activations (measured; a
+  distillation run's: the largest phase's pass, plan/roles.py).
 
 The backends differ in what is split over the ``n`` processes (docs/scaling.md): ``multi_gpu`` (DDP) keeps
 everything whole and a bucket copy of the gradients; ``zero1`` splits the optimizer state, ``zero2`` the
@@ -30,6 +32,7 @@ GiB = 2 ** 30
 RESERVE = 2 * GiB  # left free on every GPU: CUDA context, NCCL, the caching allocator's fragmentation
 BACKENDS = ("multi_gpu", "fsdp2", "fsdp2_offload", "zero2", "zero3")
 PHASES = ("prompt cache", "rollout", "training")
+OPTIMIZER_STATE = {"adamw": 2, "muon": 1}  # float32 values per trained parameter (AdamW's two moments)
 
 
 @dataclass
@@ -72,6 +75,10 @@ class Sizes:
     rollout_activations: int = 0
     decode_activations: int = 0
     train_activations: int = 0
+    # a distillation run's other roles (plan/roles.py): part -> (bytes, where), never split; and the largest
+    # other role's gradients (one role's at a time)
+    roles: dict[str, tuple[int, str]] = field(default_factory=dict)
+    role_gradients: int = 0
 
     @property
     def trained(self) -> int:
@@ -147,8 +154,9 @@ def per_gpu(s: Sizes, backend: str, n: int) -> dict[str, dict[str, int]]:
              "optimizer state": int(s.graded * s.optimizer_bytes * part["optimizer"]), "weight copies": copies}
     if s.text_encoders_stay:
         fixed["text encoders"] = s.text_encoders
+    fixed.update({name: size for name, (size, where) in s.roles.items() if where == "gpu"})
     trajectories = s.trajectory_batch if s.offload_samples else s.trajectories
-    grads = int(s.gradient_bytes * part["grads"])
+    grads = max(int(s.gradient_bytes * part["grads"]), s.role_gradients)
     return {
         "prompt cache": {"networks": frozen, "text encoders": s.text_encoders, "VAE and other encoders": s.other_networks,
                          "reward models": s.rewards},

@@ -9,6 +9,7 @@ from . import memory
 from .build import Plan, make_plan
 from .fit import cheapest_fit
 from .gpus import GPUS
+from .roles import phase_passes
 
 GB = 1e9
 NOT_COUNTED = ("the CUDA context, NCCL buffers and allocator fragmentation (2 GiB kept free for them)",
@@ -106,6 +107,11 @@ def as_text(plan: Plan, changes: list[str], fitted: Plan | None) -> str:
     lines.append(f"  one sampling call {calls['rollout'].flops / 1e12:.1f} TFLOP, one training micro-batch "
                  f"{calls['training'].flops / 1e12:.1f} TFLOP (FlopCounterMode on the model's code, meta device; "
                  "each stack of alike blocks run at 2 and 3 blocks and scaled to its depth)")
+    passes = phase_passes(cfg)
+    if passes:
+        lines.append("  an optimizer step's phases, per micro-batch: " + ", ".join(
+            f"{role} {calls[f'{role} pass'].flops / 1e12:.1f} TFLOP x {n}" for role, n in passes) +
+            " (each pass's calls: the trained role's forward and backward, the teacher's and other roles' forwards)")
     lines += ["", "not counted: " + "; ".join([*plan.notes, *NOT_COUNTED])]
     return "\n".join(lines)
 
