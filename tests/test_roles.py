@@ -90,8 +90,8 @@ def test_each_role_has_its_entry_or_upstreams_default(roles):
     assert type(fake) is torch.optim.AdamW
     assert fake.param_groups[0]["lr"] == 1e-5 and fake.param_groups[0]["betas"] == (0.9, 0.999)
     assert {id(p) for p in fake.param_groups[0]["params"]} == {id(p) for p in roles.params["fake"]}
-    with pytest.raises(ConfigError, match="fsdp"):
-        roles.start("fsdp", None)
+    with pytest.raises(ConfigError, match="the deepspeed backend does not train LoraRoles"):
+        roles.start("deepspeed", None)
 
 
 def test_tdm_r1s_per_role_defaults_are_upstreams(tmp_path, tiny_sd3_path):
@@ -110,8 +110,11 @@ def test_tdm_r1s_per_role_defaults_are_upstreams(tmp_path, tiny_sd3_path):
     ({"optimizers": [{"name": "fake"}, {"name": "fake"}]}, "'fake' is named twice"),
     ({"optimizers": [{"name": "fake", "optimizer": "sgd"}]}, r"optimizers\[0\].optimizer: one of \['adamw', 'muon'\]"),
     ({"optimizers": [{"name": "fake", "betas": [0.9]}]}, r"optimizers\[0\].betas"),
-    ({"config_file": "fsdp2"}, "config_file: fsdp2 runs FSDP, which would neither shard nor gather dmd2's"),
-    ({"config_file": "zero2"}, "runs DEEPSPEED"),
+    ({"config_file": "fsdp2", "model.finetune_type": "full"},
+     "config_file: fsdp2 runs FSDP: without LoRA dmd2's other roles and its teacher are whole copies"),
+    ({"config_file": "fsdp2", "optimizers": [{"name": "fake", "optimizer": "muon"}]},
+     "the fake role's optimizer is muon, which updates each weight matrix whole"),
+    ({"config_file": "zero2"}, "runs DEEPSPEED: DeepSpeed's engine steps the one optimizer it was built with"),
     ({"train.trainer_type": "tdm-r1", "train.group_size": 2, "num_processes": 3,
       "rewards": [{"reward_model": "jpeg_compressibility"}]}, "each of the 3 processes must hold whole groups"),
     ({"mixed_precision": "fp16"}, "mixed_precision: fp16"),

@@ -294,6 +294,29 @@ def _launch_kind(config_file) -> str | None:
         return None
 
 
+def _sharded_role_problems(cfg, kind: str, others: str) -> list[str]:
+    """What FSDP2 (``kind`` FSDP) and DeepSpeed cannot train of a run with roles (``trainer/roles.py``): FSDP2
+    shards LoRA roles, adapters of the one transformer it shards, each role's optimizer over its own shards."""
+    train, name, where = cfg.train, cfg.train.trainer_type, f"config_file: {cfg.config_file} runs {kind}"
+    if kind == "DEEPSPEED":
+        return [f"{where}: DeepSpeed's engine steps the one optimizer it was built with at every accumulation "
+                f"boundary, whichever role's phase it is, and {name}'s {others} would train outside its partitioned "
+                "fp32 state with optimizers of their own; use fsdp2 (with LoRA), multi_gpu (DDP) or one process"]
+    if len(DISTILLATION_SPECS[name].roles) == 1:
+        return [f"{where}, which would neither shard nor gather {name}'s {others}; use multi_gpu (DDP) or one "
+                "process"]
+    if cfg.model.finetune_type != "lora":
+        return [f"{where}: without LoRA {name}'s other roles and its teacher are whole copies of the transformer, "
+                "which FSDP2 does not shard (every process would hold each of them whole); use finetune_type: lora "
+                "(each role an adapter of the one sharded transformer), multi_gpu (DDP) or one process"]
+    if role_optimizer_problems(name, train.role_optimizers):
+        return []  # reported already
+    return [f"optimizers: the {role} role's optimizer is muon, which updates each weight matrix whole, but {where} "
+            "and shards them; use adamw for it, or multi_gpu (DDP)"
+            for role, chosen in role_optimizers(name, train.role_optimizers, train).items()
+            if chosen.optimizer == "muon"]
+
+
 def distillation_contradictions(cfg) -> list[str]:
     """What a run of a distillation trainer (or its ``optimizers:`` entries under another trainer) cannot be,
     checked before anything loads: upstream's rule checks, the entries, and what the roles do not do yet."""
@@ -311,8 +334,7 @@ def distillation_contradictions(cfg) -> list[str]:
     # what the roles (trainer/roles.py) do not do yet, refused rather than done wrong
     kind = _launch_kind(cfg.config_file)
     if kind in ("FSDP", "DEEPSPEED"):
-        out.append(f"config_file: {cfg.config_file} runs {kind}, which would neither shard nor gather {name}'s "
-                   "other roles (LoRA adapters or copies beside the generator); use multi_gpu (DDP) or one process")
+        out += _sharded_role_problems(cfg, kind, "other roles (LoRA adapters or copies beside the generator)")
     if spec.rewards and train.unique_sample_num_per_epoch % cfg.num_processes:
         out.append(f"train.unique_sample_num_per_epoch: {name}'s surrogate compares a group's samples within one "
                    f"micro-batch, so each of the {cfg.num_processes} processes must hold whole groups: make it a "

@@ -177,7 +177,9 @@ def lora_module_state(transformer: nn.Module, lora_dir, weight_name: str = LORA_
     if not path.is_file():
         raise FileNotFoundError(f"no LoRA weights at {path}")
     _check_same_config(transformer, path)
-    names = {n.replace(f".{ADAPTER_NAME}", ""): n for n, _ in transformer.named_parameters() if "lora_" in n}
+    # this adapter's alone: a distillation run's other roles are adapters beside it (trainer/roles.py)
+    names = {n.replace(f".{ADAPTER_NAME}", ""): n for n, _ in transformer.named_parameters()
+             if "lora_" in n and f".{ADAPTER_NAME}." in n}
     prefix = "transformer."
     saved = {k[len(prefix):]: v for k, v in load_file(str(path)).items() if k.startswith(prefix)}
     unexpected, missing = sorted(set(saved) - set(names)), sorted(set(names) - set(saved))

@@ -147,9 +147,11 @@ def _role_runs(stepper: Stepper, settings: OptimizeSettings, epoch: int, steps_b
     for role in roles.names:
         own = settings if role not in roles.settings else replace(settings,
                                                                   max_grad_norm=roles.settings[role].max_grad_norm)
-        # the other roles run outside DDP's wrapper (``Roles.active``): this loop averages their gradients
+        # the other roles run outside DDP's wrapper (``Roles.active``): this loop averages their gradients; under
+        # FSDP2 they are shards of the one sharded module, whose backward reduce-scatters every role's gradients
+        syncing = stepper.syncing_module if roles.sharded else None
         mine = stepper if role == GENERATOR else replace(stepper, optimizer=roles.optimizers[role],
-                                                          params=roles.params[role], syncing_module=None,
+                                                          params=roles.params[role], syncing_module=syncing,
                                                           step_snapshots=roles.step_snapshots(role))
         runs[role] = _EpochSteps(mine, own, epoch, steps_before)
     return runs

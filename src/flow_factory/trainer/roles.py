@@ -38,6 +38,7 @@ from ..checkpoint import CheckpointError
 from ..config import ConfigError
 from ..config.distillation import DISTILLATION_SPECS, GENERATOR, RoleOptimizerSettings, role_optimizers
 from ..models.lora import ADAPTER_NAME, lora_disabled
+from ..sharding import full_optimizer_state, load_full_optimizer_state, load_full_state_dict, reshard_all
 from ..algorithms.distillation.tdm_r1 import slow_surrogate_decay
 from .ema import WeightCopy, ema_decay_at, load_ema
 from .optimizers import make_role_optimizer
@@ -63,6 +64,7 @@ class Roles:
     how a role runs (``active``, ``switched``, ``teacher``) and what its weights are (``weights``, ``load_weights``)."""
 
     weights_file = "{role}.pt"
+    backends: tuple[str, ...] = ("ddp",)  # the training backends these roles train under (``backends.py``'s names)
 
     def __init__(self, adapter, settings: dict[str, RoleOptimizerSettings]):
         self.adapter, self.transformer, self.settings = adapter, adapter.transformers["transformer"], settings
@@ -73,6 +75,7 @@ class Roles:
         self.slow: dict[str, WeightCopy] = {}  # role -> its slow copy (``start``)
         self.emas: dict[str, WeightCopy] = {}  # role -> its EMA, where its entry asks (``start``)
         self.train = None  # the config's train section: the EMAs' schedule, interval and device
+        self.sharded = False  # under FSDP2 (``start``): every role's weights are shards of the one sharded module
 
     @staticmethod
     def of(cfg, adapter, master_dtype: torch.dtype) -> "Roles | None":
@@ -106,10 +109,15 @@ class Roles:
     def teacher(self):
         raise NotImplementedError
 
-    def weights(self, role: str) -> dict:
+    def weights(self, role: str, full: dict | None = None) -> dict:
+        """``role``'s weights (``full``: read from this full state dict of the transformer, under FSDP2)."""
         raise NotImplementedError
 
     def load_weights(self, role: str, weights: dict, path: Path) -> None:
+        raise NotImplementedError
+
+    def _collect(self) -> dict[str, list]:
+        """Each role's trained parameters, as the modules hold them now."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ optimizers and checkpoints
@@ -127,10 +135,14 @@ class Roles:
         return RolePolicy(policy, roles)
 
     def start(self, backend: str, resume_from: Path | None) -> None:
-        """The other roles' optimizers, and on resume their weights and state from the checkpoint."""
-        if backend != "ddp":  # the config refuses fsdp2 / DeepSpeed configs; this, a launch it could not read
-            raise ConfigError(f"config_file: the roles {', '.join(self.names)} would be neither sharded nor "
-                              f"gathered by the {backend} backend; run it without fsdp2 or DeepSpeed")
+        """The other roles' optimizers, and on resume their weights and state from the checkpoint. Under FSDP2
+        (``backend`` fsdp) the backend has sharded the transformer, every role's adapters with it, and replaced
+        each parameter with its shard: the roles' parameters are taken again, and their optimizers hold shards."""
+        if backend not in self.backends:  # the config refuses these launches; this, a launch it could not read
+            raise ConfigError(f"config_file: the {backend} backend does not train {type(self).__name__} (the roles "
+                              f"{', '.join(self.names)}); use {' or '.join(self.backends)}")
+        self.sharded = backend == "fsdp"
+        self.params = self._collect()
         self.optimizers = {role: make_role_optimizer(self.params[role], self.settings[role])
                            for role in self.names if role != GENERATOR}
         self.slow = {role: WeightCopy(self.params[role]) for role in self.slow_decays}  # from the starting weights
@@ -153,17 +165,20 @@ class Roles:
             metrics[f"train/{role}/ema_decay"] = decay
         return metrics
 
-    def state_files(self, with_optimizers: bool) -> dict:
-        """File name -> state, for a checkpoint: each other role's weights (and its optimizer's state)."""
+    def state_files(self, with_optimizers: bool, full: dict | None = None) -> dict:
+        """File name -> state, for a checkpoint: each other role's weights (and its optimizer's state), its slow
+        copy and EMA. On every process: under FSDP2 each is gathered (a collective), the weights from ``full``,
+        the transformer's full state dict the backend gathered for the generator's file."""
         files = {}
         for role, optimizer in self.optimizers.items():
-            weights = self.weights(role)
+            weights = self.weights(role, full)
             bad = [k for k, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
             if bad:  # the loop skips non-finite steps: reaching here is a bug, never a checkpoint
                 raise FloatingPointError(f"refusing to save the {role} role: {len(bad)} tensors hold NaN or inf")
             files[self.weights_file.format(role=role)] = {k: t.detach().cpu().clone() for k, t in weights.items()}
             if with_optimizers:
-                files[optimizer_file(role)] = optimizer.state_dict()
+                files[optimizer_file(role)] = (full_optimizer_state(self.transformer, optimizer) if self.sharded
+                                               else optimizer.state_dict())
         files.update({slow_file(role): slow.state_dict() for role, slow in self.slow.items()})
         files.update({ema_file(role): ema.state_dict() for role, ema in self.emas.items()})
         return files
@@ -182,7 +197,12 @@ class Roles:
             self.load_weights(role, torch.load(path, map_location="cpu", weights_only=True), path)
             state = checkpoint / optimizer_file(role)
             if state.is_file():
-                optimizer.load_state_dict(torch.load(state, map_location="cpu", weights_only=True))
+                state = torch.load(state, map_location="cpu", weights_only=True)
+                if self.sharded:  # saved gathered, keyed by parameter name: each process keeps its shards' state
+                    with self.active(role):  # torch makes the state to fill by a step of the weights with gradients
+                        load_full_optimizer_state(self.transformer, optimizer, state)
+                else:
+                    optimizer.load_state_dict(state)
         for role, slow in self.slow.items():
             if not load_ema(slow, checkpoint, slow_file(role)):
                 raise CheckpointError(f"model.resume_path: {checkpoint} holds no {slow_file(role)} (the {role} "
@@ -198,6 +218,7 @@ class LoraRoles(Roles):
     """Each role a LoRA adapter on the one transformer; the teacher the base, every adapter off."""
 
     weights_file = "{role}_lora.pt"
+    backends = ("ddp", "fsdp")  # FSDP2 shards every role's adapters with the transformer they sit in
 
     def __init__(self, adapter, settings: dict[str, RoleOptimizerSettings], master_dtype: torch.dtype):
         super().__init__(adapter, settings)
@@ -209,12 +230,15 @@ class LoraRoles(Roles):
                 with warnings.catch_warnings():  # peft warns that a second adapter is added: that is the point
                     warnings.filterwarnings("ignore", message=".*multiple adapters.*")
                     transformer.add_adapter(config, adapter_name=name)  # same rank, alpha and targets
-        self.params = {role: [p for n, p in transformer.named_parameters() if _of_adapter(n, name)]
-                       for role, name in self.adapters.items()}
+        self.params = self._collect()
         for params in self.params.values():
             for p in params:
                 p.data = p.data.to(master_dtype)
         self._activate(GENERATOR)
+
+    def _collect(self) -> dict[str, list]:
+        return {role: [p for n, p in self.transformer.named_parameters() if _of_adapter(n, name)]
+                for role, name in self.adapters.items()}
 
     def _layers(self) -> list[BaseTunerLayer]:
         return [m for m in self.transformer.modules() if isinstance(m, BaseTunerLayer)]
@@ -226,6 +250,8 @@ class LoraRoles(Roles):
             layer._active_adapter = adapter_name
 
     def _activate(self, role: str) -> None:
+        if self.sharded:  # FSDP2 copies a shard's requires_grad to its gathered weight when it gathers: free them
+            reshard_all([self.transformer])
         self._run(self.adapters[role])
         for other, params in self.params.items():
             for p in params:
@@ -259,11 +285,20 @@ class LoraRoles(Roles):
     def teacher(self):
         return lora_disabled(self.transformer)
 
-    def weights(self, role: str) -> dict:
-        return get_peft_model_state_dict(self.transformer, adapter_name=self.adapters[role])
+    def weights(self, role: str, full: dict | None = None) -> dict:
+        return get_peft_model_state_dict(self.transformer, state_dict=full, adapter_name=self.adapters[role])
 
     def load_weights(self, role: str, weights: dict, path: Path) -> None:
         name = self.adapters[role]
+        if self.sharded:  # full tensors (on every process) into the shards, under the parameters' own names
+            names = {n.replace(f".{name}.", "."): n for n, _ in self.transformer.named_parameters()
+                     if _of_adapter(n, name)}
+            if set(weights) != set(names):
+                raise CheckpointError(f"model.resume_path: {path} does not fit the {role} role: unexpected "
+                                      f"{sorted(set(weights) - set(names))[:3]}, missing "
+                                      f"{sorted(set(names) - set(weights))[:3]}")
+            load_full_state_dict(self.transformer, {names[k]: v for k, v in weights.items()}, strict=False)
+            return
         result = set_peft_model_state_dict(self.transformer, weights, adapter_name=name)
         missing = [k for k in result.missing_keys if f".{name}." in k]
         if result.unexpected_keys or missing:
@@ -281,9 +316,7 @@ class CopiedRoles(Roles):
         super().__init__(adapter, settings)
         self.copies = {role: copy.deepcopy(self.transformer) for role in self.names if role != GENERATOR}
         self.frozen_teacher = frozen_copy(self.transformer, adapter.device, adapter.dtype)
-        self.params = {GENERATOR: [p for p in self.transformer.parameters() if p.requires_grad],
-                       **{role: [p for p in module.parameters() if p.requires_grad]
-                          for role, module in self.copies.items()}}
+        self.params = self._collect()
 
     def _running(self, role: str):
         return nullcontext() if role == GENERATOR and self.adapter.transformer is self.transformer else \
@@ -297,10 +330,14 @@ class CopiedRoles(Roles):
     def switched(self, role: str):
         return self._running(role)
 
+    def _collect(self) -> dict[str, list]:
+        return {GENERATOR: [p for p in self.transformer.parameters() if p.requires_grad],
+                **{role: [p for p in module.parameters() if p.requires_grad] for role, module in self.copies.items()}}
+
     def teacher(self):
         return self.adapter.swapped_transformers({"transformer": self.frozen_teacher})
 
-    def weights(self, role: str) -> dict:
+    def weights(self, role: str, full: dict | None = None) -> dict:
         return self.copies[role].state_dict()
 
     def load_weights(self, role: str, weights: dict, path: Path) -> None:

@@ -379,6 +379,9 @@ class Trainer:
         acc = self.accelerator
         contents = self.backend.checkpoint_contents(self.trained, self.optimizer, self.copies, self.run_dir,
                                                     self.epoch)
+        if self.roles is not None:  # the other roles' files, gathered under FSDP2 by every process
+            contents.extra.update(self.roles.state_files(contents.optimizer is not None,
+                                                         (contents.weights or {}).get("transformer")))
         if not acc.is_main_process:
             return None
         out = checkpoint_dir(self.run_dir, self.epoch)
@@ -392,7 +395,6 @@ class Trainer:
                      "sharding": {"backend": self.backend.name, "processes": acc.num_processes,
                                   "trained_values_per_process": self.held_per_process,
                                   "by_component": self.held_per_component, **self.backend.record}}
-            contents.extra.update(self.roles.state_files(contents.optimizer is not None) if self.roles else {})
             if acc.scaler is not None and contents.optimizer is not None:  # fp16: the loss scale resumes too
                 contents.extra[SCALER_FILE] = acc.scaler.state_dict()
             save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, state, contents,
