@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "flow_factory"
 
@@ -118,8 +120,8 @@ SHARED_MODEL_MODULES = ('base', 'conditioning', 'vae', 'schedule', 'text', 'lora
 
 
 # what a run whose config asks for none of them never uses, so never imports before its first epoch: the other
-# training backends, the trackers, plotting (until a curve is drawn), the reward server, the planner, and httpx
-# (only remote rewards and VLM judges need it)
+# training backends, the trackers, plotting (never: the reward curve is drawn in a process of its own), the reward
+# server, the planner, and httpx (only remote rewards and VLM judges need it)
 OPTIONAL_MODULES = ("deepspeed", "matplotlib", "tensorboard", "torch.utils.tensorboard", "wandb", "swanlab",
                     "fastapi", "starlette", "uvicorn", "httpx", "flow_factory.reward_server", "flow_factory.plan",
                     "flow_factory.shapebench")
@@ -141,11 +143,34 @@ def launch_path() -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_a_run_imports_only_its_own_models_adapter_and_no_plotting_until_it_draws():
+def test_a_run_imports_only_its_own_models_adapter_and_no_plotting():
     """The trainer and SD3's adapter load neither another family's adapter (each pulls its diffusers pipeline)
-    nor matplotlib."""
+    nor matplotlib (the reward curve is drawn in a process of its own)."""
     assert [m for m in launch_path()["modules"] if m.startswith(("flow_factory.models.", "matplotlib"))
             and m.split(".")[-1] not in SHARED_MODEL_MODULES] == ["flow_factory.models.sd3"]
+
+
+def test_the_reward_curve_is_drawn_in_a_process_of_its_own_and_matplotlib_never_loads_here(tmp_path):
+    """A lean run (issue 35): matplotlib's import and first figure add about 33 MB to the process that holds them,
+    and a trainer's save, where the curve is drawn, comes after its epochs' busiest moment: it was the run's peak.
+    ``plot_curves`` draws in a child process, the same pixels as drawn here; a child that has ended is started
+    again, and a failure there is raised here with its traceback."""
+    from flow_factory.media.curves import plot_curves, render
+
+    series = {"reward/r/mean": [(e, (e % 3) / 2) for e in range(40)], "eval/reward/r": [(0, 0.2), (20, 0.6)]}
+    code = ("import json, sys; from PIL import Image; from flow_factory.media.curves import DRAWER, plot_curves; "
+            f"series = json.loads({json.dumps(json.dumps(series))}); first = plot_curves(series, 'reward per epoch'); "
+            "DRAWER.process.kill(); DRAWER.process.wait(); again = plot_curves(series, 'reward per epoch'); "
+            f"first.save({str(tmp_path / 'first.png')!r}); again.save({str(tmp_path / 'again.png')!r}); "
+            "print(json.dumps('matplotlib' in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) is False
+    here = render({k: [tuple(p) for p in v] for k, v in series.items()}, "reward per epoch").tobytes()
+    from PIL import Image
+
+    assert all(Image.open(tmp_path / name).tobytes() == here for name in ("first.png", "again.png"))
+    with pytest.raises(RuntimeError, match=r"(?s)failed in its process.*figure size must be positive"):
+        plot_curves(series, "t", size=(-640, 400))
 
 
 def test_a_run_imports_no_backend_tracker_server_or_planner_it_does_not_use():

@@ -4,10 +4,20 @@
 ``plot_curves`` renders it as an image for the run folder's ``reward_curve.png``. The
 figure is drawn by matplotlib's Agg canvas directly, without pyplot: no display, and no
 global state that a user's own plotting could see.
+
+``plot_curves`` draws in a process of its own (``CurveDrawer``), started at the first curve
+and kept for the next: matplotlib's import and first drawing add about 33 MB to the process
+that holds them, and in a trainer that is the run's peak RSS (its save comes after the
+epochs' busiest moment). This file is that process's program too (``serve``).
 """
 
 from __future__ import annotations
 
+import atexit
+import json
+import subprocess
+import sys
+import threading
 from typing import TYPE_CHECKING
 
 from PIL import Image
@@ -62,8 +72,86 @@ def curve_figure(series: dict[str, list[tuple[int, float]]], title: str, size=(6
     return fig
 
 
-def plot_curves(series: dict[str, list[tuple[int, float]]], title: str, size=(640, 400)) -> Image.Image:
-    """``curve_figure``, drawn: an RGB image of ``size`` pixels."""
+def render(series: dict[str, list[tuple[int, float]]], title: str, size=(640, 400)) -> Image.Image:
+    """``curve_figure``, drawn in this process: an RGB image of ``size`` pixels."""
     fig = curve_figure(series, title, size)
     fig.canvas.draw()
     return Image.frombuffer("RGBA", fig.canvas.get_width_height(), fig.canvas.buffer_rgba()).convert("RGB")
+
+
+def plot_curves(series: dict[str, list[tuple[int, float]]], title: str, size=(640, 400)) -> Image.Image:
+    """``render``, in the drawing process: matplotlib is never imported by this one."""
+    return DRAWER.draw(series, title, size)
+
+
+class CurveDrawer:
+    """A child process that runs ``serve``: a request is a line of JSON (series, title, size), the reply a header
+    line (``rgb WIDTH HEIGHT LENGTH``, or ``error LENGTH`` with the child's traceback) and that many bytes. It
+    starts at the first request, again if it has ended, in a session of its own (a Ctrl-C or a job's SIGTERM to
+    the trainer's process group is the trainer's to handle, with a checkpoint that draws the curve), and ends when
+    its stdin closes: at this process's exit, whichever way it ends."""
+
+    def __init__(self):
+        self.process: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+
+    def draw(self, series: dict[str, list[tuple[int, float]]], title: str, size) -> Image.Image:
+        request = json.dumps({"series": series, "title": title, "size": list(size)}).encode() + b"\n"
+        with self.lock:
+            if self.process is None or self.process.poll() is not None:
+                self.process = self._start()
+            try:
+                self.process.stdin.write(request)
+                self.process.stdin.flush()
+                kind, *fields = self.process.stdout.readline().decode().split()
+                body = self.process.stdout.read(int(fields[-1]))
+            except (BrokenPipeError, ValueError) as err:  # ValueError: no header, the child has ended
+                raise RuntimeError(f"the reward curve's drawing process ended (exit status "
+                                   f"{self.process.wait()})") from err
+        if kind == "error":
+            raise RuntimeError(f"drawing the reward curve failed in its process:\n{body.decode()}")
+        width, height, _ = map(int, fields)
+        return Image.frombytes("RGB", (width, height), body)
+
+    def _start(self) -> subprocess.Popen:
+        # this file run by path (its package's __init__ would import torch), seeing the modules this process sees
+        code = "import runpy, sys; sys.path[:] = sys.argv[2:]; runpy.run_path(sys.argv[1], run_name='__main__')"
+        process = subprocess.Popen([sys.executable, "-c", code, __file__, *sys.path], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, start_new_session=True)
+        atexit.register(self._close, process)
+        return process
+
+    @staticmethod
+    def _close(process: subprocess.Popen) -> None:
+        if process.poll() is None:
+            process.stdin.close()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+DRAWER = CurveDrawer()
+
+
+def serve() -> None:
+    """The drawing process's loop: ``render`` each request until stdin closes."""
+    import traceback
+
+    replies = sys.stdout.buffer
+    for line in sys.stdin.buffer:
+        try:
+            request = json.loads(line)
+            image = render({k: [tuple(p) for p in v] for k, v in request["series"].items()}, request["title"],
+                           tuple(request["size"]))
+            body = image.tobytes()
+            header = f"rgb {image.width} {image.height} {len(body)}"
+        except Exception:  # noqa: BLE001 - the trainer raises it, with this traceback
+            body = traceback.format_exc().encode()
+            header = f"error {len(body)}"
+        replies.write(header.encode() + b"\n" + body)
+        replies.flush()
+
+
+if __name__ == "__main__":
+    serve()
