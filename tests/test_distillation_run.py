@@ -196,7 +196,9 @@ def test_the_generator_moves_towards_the_teacher_and_away_from_the_fake_score(tm
                                    use_huber=False) if name == "tdm" else
                        dmd2_config(tmp_path, tiny_sd3_path, num_inference_steps=3)).train
     algorithm = make_algorithm(name, cfg, ODE())
-    states = torch.randn(4, 4, 2, 3, generator=torch.Generator().manual_seed(0))  # (N, K + 1, *latent)
+    # (N, K + 1, *latent): the toy generator's own ODE rollouts (theta = 0: every state the first), which its
+    # losses replay (algorithms/distillation/replay.py)
+    states = torch.randn(4, 1, 2, 3, generator=torch.Generator().manual_seed(0)).expand(4, 4, 2, 3)
     rollouts = SimpleNamespace(sigmas=torch.tensor([1.0, 0.7, 0.3, 0.0]), cond={"text": torch.arange(4)},
                                latents_at=lambda idx, step: states[idx, step])
     units = torch.tensor([[1], [3]])

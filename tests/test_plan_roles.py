@@ -15,6 +15,7 @@ from flow_factory.plan.measure import Measured
 from flow_factory.sampling import Rollouts
 from flow_factory.trainer.policy import AdapterPolicy
 from flow_factory.trainer.roles import Roles
+from flow_factory.trajectory import sample_trajectory
 
 from helpers_runs import tiny_run_config
 
@@ -35,14 +36,14 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def real_rollouts(adapter, n: int, steps: int, group_size: int) -> Rollouts:
-    g = torch.Generator().manual_seed(0)
-    latent = adapter.latent_shape(64, 64)
-    return Rollouts(prompts=["a red circle"] * n, group_ids=torch.arange(n) // group_size,
-                    latents=torch.randn((n, steps + 1, *latent), generator=g), log_probs=torch.zeros(n, steps),
-                    sigmas=torch.linspace(1.0, 0.0, steps + 1), sde_steps=[],
-                    cond=adapter.encode(["a red circle"] * n, None, 2.0), media=torch.zeros(n, 3, 64, 64),
-                    sample_ids=torch.arange(n))
+def real_rollouts(adapter, n: int, steps: int, group_size: int, guidance: float) -> Rollouts:
+    """The generator's own ODE rollouts of ``n`` samples (the losses replay their steps)."""
+    cond = adapter.encode(["a red circle"] * n, None, 2.0)
+    noise = adapter.initial_noise(n, 64, 64, torch.Generator().manual_seed(0))
+    traj = sample_trajectory(adapter, ODE(), cond, noise, adapter.sigmas(steps, 64, 64), guidance)
+    return Rollouts(prompts=["a red circle"] * n, group_ids=torch.arange(n) // group_size, latents=traj.latents,
+                    log_probs=traj.log_probs, sigmas=traj.sigmas, sde_steps=[], cond=cond,
+                    media=torch.zeros(n, 3, 64, 64), sample_ids=torch.arange(n))
 
 
 @pytest.mark.parametrize("name, finetune, train", [
@@ -58,7 +59,7 @@ def test_the_plan_counts_the_roles_as_the_run_holds_and_calls_them(tmp_path, tin
     policy = Roles.started(roles, AdapterPolicy(adapter, cfg.train.loss_guidance_scale, finetune, False), "ddp", None)
     algorithm = make_algorithm(name, cfg.train, ODE())
     n, steps = cfg.train.per_device_batch_size, cfg.train.num_inference_steps
-    rollouts = real_rollouts(adapter, n, steps, cfg.train.group_size)
+    rollouts = real_rollouts(adapter, n, steps, cfg.train.group_size, cfg.train.guidance_scale)
     advantages = torch.linspace(-1.0, 1.0, n)
     units = algorithm.training_units(rollouts.group_ids, advantages)[:algorithm.units_per_chunk(n)]
 

@@ -126,6 +126,7 @@ def train(cfg, config_path: str) -> int:
     from .trainer.backends import end_process_group
     from .checkpoint import CheckpointError
     from .guards import NonFiniteError
+    from .algorithms.distillation.replay import ReplayMismatch
     from .trainer.interrupt import TrainingInterrupted
     from .trainer.run_folder import RunFolderError
 
@@ -138,7 +139,7 @@ def train(cfg, config_path: str) -> int:
         return launcher.report(f"ff-train: config error: {err}", 2)
     except (CheckpointError, RunFolderError, PromptFileError) as err:
         return launcher.report(f"ff-train: error: {err}", 2)
-    except NonFiniteError as err:
+    except (NonFiniteError, ReplayMismatch) as err:  # ReplayMismatch: a distillation run's rollout check
         return launcher.report(f"ff-train: stopped: {err}", 1)
     except (RewardError, RemoteRewardError) as err:  # they name the reward, or the server's URL
         return launcher.report(f"ff-train: reward failed: {err}", 1)

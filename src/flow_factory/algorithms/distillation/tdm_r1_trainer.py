@@ -58,8 +58,8 @@ class TDMR1(TDM):
             return super().loss(policy, batch)
         if batch.role == "surrogate":
             return self._surrogate_loss(policy, batch)
-        v = policy.velocity(batch.x, batch.sigma, batch.cond)  # at the rollout's own guidance
-        x0, noise = student_prediction(batch.x, v, batch.sigma)
+        v = self.replayed(batch, policy.velocity(batch.x, batch.sigma, batch.cond), "tdm-r1's generator loss")
+        x0, noise = student_prediction(batch.x, v, batch.sigma)  # v: at the rollout's own guidance
         x_t, _, _ = conditional_renoise(x0, noise, batch.sigma_next, batch.sigma_t, self.cfg.tdm_importance_clip,
                                         fresh=batch.fresh)
         s_t, cond, scale = batch.sigma_t, batch.cond, self.real_scale

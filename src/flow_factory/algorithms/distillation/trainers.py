@@ -15,8 +15,9 @@ every state kept), then each optimizer step runs two phases over the same chunks
   away from the fake score's (``dmd2_generator_loss``).
 
 The rollout's states are the generator's own under the weights of this epoch, which the fake phases do not
-change, so ``x0_i`` is what the rollout computed there (upstream replays the step and checks it against
-``replay_rtol`` / ``replay_atol``; here nothing is replayed, so those keys are read and checked only).
+change, so ``x0_i`` is what the rollout computed there: each live velocity of the generator at a rollout state is
+checked to step onto the next state the rollout stored, within ``replay_rtol`` / ``replay_atol`` (``replay.py``,
+upstream's replay; no extra transformer call).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..base import Algorithm, RolloutsLike
 from .dmd2 import dmd2_generator_loss, sample_boundary_index
 from .fake_score import fake_score_loss, sample_perturbation_sigma
 from .flow import add_noise, clean_from_velocity
+from .replay import check_replay
 from .tdm import (conditional_renoise, query_interval, sample_query_sigma, student_prediction, tdm_fake_loss,
                   tdm_generator_loss)
 
@@ -60,6 +62,9 @@ class RoleBatch:
     noise_sigma: Tensor  # (B,)
     advantages: Tensor  # (B,) unused: distillation trains on no reward
     cond: Conditioning
+    x_next: Tensor | None = None  # (B, *latent) the generator's phase: the rollout's state after ``x``'s step
+    sigma_next: Tensor | None = None  # (B,) its noise level
+    stored_in: torch.dtype = torch.float32  # the dtype the rollout stored its states in (a micro-batch's are float32)
     parts: int = 1  # per-step batches this one joins (``base.merge_batches``)
 
 
@@ -80,6 +85,13 @@ class DMD2(Algorithm):
     def kept_states(self, num_steps: int, sde_steps: list[int] | None) -> list[int]:
         return list(range(num_steps + 1))  # the generator trains at any of its own steps; the fake score on the last
 
+    def replayed(self, batch, v: Tensor, what: str) -> Tensor:
+        """``v``, the generator's velocity at ``batch.x``, once its step is checked to land on ``batch.x_next``
+        (``replay.check_replay``, at ``train.replay_rtol`` / ``replay_atol``)."""
+        check_replay(self.dynamics, batch.x, v, batch.sigma, batch.sigma_next, batch.x_next, batch.stored_in,
+                     (self.cfg.replay_rtol, self.cfg.replay_atol), what)
+        return v
+
     def micro_steps_per_chunk(self, rollouts: RolloutsLike) -> int:
         """The micro-steps (``gradient_accumulation_steps``' units) one chunk's micro-batch stands for: one drawn
         step of each rollout (``config.distillation.micro_steps_per_sample``)."""
@@ -97,9 +109,12 @@ class DMD2(Algorithm):
         noise_sigma = torch.cat([sample_perturbation_sigma(1, sigma_range, generator=g) for g in draws])
         noise = torch.cat([torch.randn((1, *x0.shape[1:]), generator=g, dtype=torch.float32) for g in draws])
         x = x0 if role != GENERATOR else rollouts.latents_at(idx, step.to(rollouts.sigmas.device))
+        x_next = rollouts.latents_at(idx, (step + 1).to(rollouts.sigmas.device)) if role == GENERATOR else None
+        following = {} if x_next is None else dict(  # what the generator's step is replayed against
+            x_next=x_next, sigma_next=rollouts.sigmas.cpu()[step + 1].to(x0.device), stored_in=x_next.dtype)
         yield RoleBatch(role=role, x=x, sigma=rollouts.sigmas.cpu()[step].to(x0.device), x0=x0,
                         noise=noise.to(x0.device), noise_sigma=noise_sigma.to(x0.device), advantages=advantages[idx],
-                        cond=index_cond(rollouts.cond, idx))
+                        cond=index_cond(rollouts.cond, idx), **following)
 
     def loss(self, policy, batch: RoleBatch) -> tuple[Tensor, dict[str, Tensor]]:
         if batch.role == "fake":
@@ -107,8 +122,8 @@ class DMD2(Algorithm):
             v_fake = policy.velocity(x_t, batch.noise_sigma, batch.cond, guidance_scale=1.0)
             loss = fake_score_loss(v_fake, batch.x0, batch.noise)
             return loss, {"fake_score_loss": loss.detach()}
-        v = policy.velocity(batch.x, batch.sigma, batch.cond)  # at the rollout's own guidance
-        x0_gen = clean_from_velocity(batch.x, v, batch.sigma)
+        v = self.replayed(batch, policy.velocity(batch.x, batch.sigma, batch.cond), "dmd2's generator loss")
+        x0_gen = clean_from_velocity(batch.x, v, batch.sigma)  # v: at the rollout's own guidance
         x_t = add_noise(x0_gen.detach(), batch.noise, batch.noise_sigma)
         x0_real = clean_from_velocity(x_t, policy.reference_velocity(x_t, batch.noise_sigma, batch.cond,
                                                                      guidance_scale=self.real_scale), batch.noise_sigma)
@@ -135,8 +150,9 @@ class TransitionBatch:
     fresh: Tensor  # (R, *latent)
     advantages: Tensor  # (R,) unused by TDM
     cond: Conditioning
-    x_next: Tensor | None = None  # (R, *latent) the rollout's state after the transition (TDM-R1's surrogate)
+    x_next: Tensor | None = None  # (R, *latent) the rollout's state after the transition (the replay; TDM-R1's surrogate)
     group: Tensor | None = None  # (R,) long: each row's group id in the epoch (TDM-R1's preference)
+    stored_in: torch.dtype = torch.float32  # the dtype the rollout stored its states in
     parts: int = 1
 
 
@@ -173,9 +189,9 @@ class TDM(DMD2):
         fresh = torch.stack([torch.randn((steps, *x.shape[1:]), generator=g, dtype=torch.float32) for g in draws],
                             dim=1).reshape(x.shape)
         device = x.device
-        extra = {} if not self.needs_groups else dict(
-            x_next=torch.cat([rollouts.latents_at(idx, step + 1) for step in range(steps)]),
-            group=rollouts.group_ids[rows.to(rollouts.group_ids.device)].cpu())
+        extra = {} if not self.needs_groups else dict(group=rollouts.group_ids[rows.to(rollouts.group_ids.device)].cpu())
+        extra["x_next"] = torch.cat([rollouts.latents_at(idx, step + 1) for step in range(steps)])
+        extra["stored_in"] = extra["x_next"].dtype
         yield TransitionBatch(role=role, x=x, sigma=sigmas[k].to(device), sigma_next=sigmas[k + 1].to(device),
                               sigma_t=sigma_t.to(device), fresh=fresh.to(device), advantages=advantages[rows],
                               cond=index_cond(rollouts.cond, rows), parts=steps, **extra)
@@ -186,7 +202,8 @@ class TDM(DMD2):
             v = policy.role_velocity(GENERATOR, batch.x, batch.sigma, batch.cond, cfg.loss_guidance_scale)
         else:
             v = policy.velocity(batch.x, batch.sigma, batch.cond)  # at the rollout's own guidance
-        x0, noise = student_prediction(batch.x, v, batch.sigma)
+        x0, noise = student_prediction(batch.x, self.replayed(batch, v, f"{self.name}'s {batch.role} loss"),
+                                       batch.sigma)
         x_t, _, importance = conditional_renoise(x0, noise, batch.sigma_next, batch.sigma_t,
                                                  cfg.tdm_importance_clip, fresh=batch.fresh)
         if batch.role == "fake":
