@@ -175,10 +175,12 @@ class TrainConfig(Section):
         "inside each stage instead)", expects="[lower, upper]")
     real_guidance_scale: float | None = setting(
         None, "dmd2, tdm: the CFG scale of the frozen teacher's score; null = guidance_scale", ge=1)
-    replay_rtol: float = setting(1e-4, "dmd2, tdm: Flow-Factory's tolerance of its rollout replay; read and checked, "
-                                 "but nothing is replayed here (the generator's step is recomputed from the "
-                                 "rollout's own state)", ge=0)
-    replay_atol: float = setting(1e-4, "dmd2, tdm: as replay_rtol, the absolute tolerance", ge=0)
+    replay_rtol: float = setting(1e-4, "dmd2, tdm, tdm-r1: the rollout replay's relative tolerance: the generator's "
+                                 "step recomputed from a rollout state with its live velocity must land within "
+                                 "replay_atol + replay_rtol |x_next| (and half a spacing of latent_storage_dtype) "
+                                 "of the state the rollout stored, else the run stops", ge=0)
+    replay_atol: float = setting(1e-4, "dmd2, tdm, tdm-r1: the rollout replay's absolute tolerance (replay_rtol)",
+                                 ge=0)
     use_huber: bool = setting(True, "tdm: the generator's revised-x0 loss is pseudo-Huber (else squared)")
     huber_c: float = setting(1e-3, "tdm: the pseudo-Huber loss's c, sqrt(d^2 + c^2) - c", gt=0)
     tdm_snr_gamma: float = setting(5.0, "tdm: the fake score's loss weight min(SNR, gamma)", gt=0)
