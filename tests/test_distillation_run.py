@@ -220,11 +220,14 @@ LINEAR_STEP = {"learning_rate": 1e9, "eps": 1e8, "weight_decay": 0.0}  # AdamW's
 
 def test_two_processes_make_one_processs_update(tmp_path, tiny_pipeline):
     """tdm-r1 (all three roles, rewards, groups) on 1 process (one chunk of 2 groups of 2) and on 2 (each one
-    chunk of one group) under DDP: the same generator, fake score and surrogate after an epoch (each sample's
-    training draws are keyed by its id, not by the process; DDP averages the generator's gradients, the loop the
-    other roles'; the advantages are the gathered batch's), up to float32 rounding: measured 3e-5, 3e-5 and 3e-6
-    of how far each moved (dmd2 alike: 9e-6, 1e-6), bound 1e-3; with the other roles' gradients left unaveraged
-    the generator's differ by 6e-3. A smooth reward (mean brightness): JPEG sizes jump with rounding."""
+    chunk of one group) under DDP and under FSDP2: the same generator, fake score and surrogate after 2 epochs
+    (each sample's training draws are keyed by its id, not by the process; DDP averages the generator's gradients,
+    the loop the other roles', FSDP2 reduce-scatters every role's; the advantages are the gathered batch's), up to
+    float32 rounding: measured 1.2e-5, 1.3e-5 and 2.5e-6 of how far each moved, both backends (dmd2 alike: 9e-6,
+    1e-6), bound 1e-3; with the other roles' gradients left unaveraged the generator's differ by 6e-3. The slow
+    surrogate copy lags (decay 0.9) and its trust region clips half the samples of epoch 2: a slow copy not
+    swapped into FSDP2's shards clips none, and the generator differs by 2.5e-2. A smooth reward (mean
+    brightness): JPEG sizes jump with rounding."""
     import os
 
     from helpers_launch import ff_train_forked
@@ -232,34 +235,43 @@ def test_two_processes_make_one_processs_update(tmp_path, tiny_pipeline):
     from test_train_cli import _free_port
 
     model, runs = tiny_pipeline("sd3-5"), {}
-    for processes in (1, 2):
-        folder = tmp_path / f"p{processes}"
+    for processes, backend in ((1, None), (2, None), (2, "fsdp2")):
+        folder = tmp_path / f"p{processes}{backend or ''}"
         config = dmd2_config(folder, model, [{"name": r, **LINEAR_STEP} for r in ("generator", "fake", "surrogate")],
-                             trainer_type="tdm-r1", max_epochs=1, ttur_fake_updates=TTUR, group_size=2,
+                             trainer_type="tdm-r1", max_epochs=2, ttur_fake_updates=TTUR, group_size=2,
                              unique_sample_num_per_epoch=2, per_device_batch_size=4 // processes,
-                             real_guidance_scale=2.0, ema_decay=0)
+                             real_guidance_scale=2.0, ema_decay=0, surrogate_slow_decay_min=0.9,
+                             surrogate_slow_decay_max=0.9, surrogate_clip_range=1e-6)  # the slow copy clips samples
         config["rewards"] = [{"name": "brightness", "reward_model": "helpers_rewards.MeanBrightness"}]
         config["eval"]["eval_freq"] = 0
         config["log"] |= {"logging_backend": "none"}
+        if backend:
+            config["config_file"] = backend
         argv = [str(write_config(folder, config)), "--num_processes", str(processes), "--main_process_port",
                 str(_free_port())]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
         (_, err), code = ff_train_in_this_process(argv) if processes == 1 else ff_train_forked(argv, env)
         assert code == 0, err[-3000:]
-        checkpoint = folder / "saves" / "run" / "checkpoints" / "epoch_1"
+        checkpoint = folder / "saves" / "run" / "checkpoints" / "epoch_2"
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        assert state["history"][-1]["train/surrogate/clip_fraction"] > 0  # the slow copy counted
+        sharding = state["sharding"]
+        assert (sharding["backend"], sharding["processes"]) == ("fsdp" if backend else "ddp", processes)
         others = (torch.load(checkpoint / f"{role}_lora.pt", weights_only=True) for role in ("fake", "surrogate"))
-        runs[processes] = [generator_weights(checkpoint), *others]
-    for one, two in zip(runs[1], runs[2]):
-        one = {k.removeprefix("transformer."): v for k, v in one.items()}
-        two = {k.removeprefix("transformer."): v for k, v in two.items()}
-        moved = max(float(v.abs().max()) for k, v in one.items() if "lora_B" in k)
-        difference = max(float((two[k].double() - v.double()).abs().max()) for k, v in one.items())
-        assert moved > 1e-4 and difference <= 1e-3 * moved, (difference / moved, moved)
+        runs[processes, backend] = [generator_weights(checkpoint), *others]
+    for backend in (None, "fsdp2"):
+        for role, one, two in zip(("generator", "fake", "surrogate"), runs[1, None], runs[2, backend]):
+            one = {k.removeprefix("transformer."): v for k, v in one.items()}
+            two = {k.removeprefix("transformer."): v for k, v in two.items()}
+            moved = max(float(v.abs().max()) for k, v in one.items() if "lora_B" in k)
+            difference = max(float((two[k].double() - v.double()).abs().max()) for k, v in one.items())
+            assert moved > 1e-4 and difference <= 1e-3 * moved, (backend, role, difference / moved, moved)
 
 
-def _dmd2_launch(folder, model, processes: int, config_file=None, resume_from=None, run_name="run") -> Path:
-    """dmd2 with LoRA roles for 2 epochs (a step linear in the gradient, the fake score's EMA at 0.5), on one
-    process here or forked on ``processes`` (``config_file``: their backend); its last checkpoint."""
+def _dmd2_launch(folder, model, finetune: str, processes: int, config_file=None, resume_from=None,
+                 run_name="run") -> Path:
+    """dmd2 for 2 epochs (a step linear in the gradient, the fake score's EMA at 0.5), on one process here or
+    forked on ``processes`` (``config_file``: their backend); its last checkpoint."""
     import os
 
     from helpers_launch import ff_train_forked
@@ -272,7 +284,7 @@ def _dmd2_launch(folder, model, processes: int, config_file=None, resume_from=No
                          ema_decay_schedule="constant", ema_update_interval=1)
     config["eval"]["eval_freq"] = 0
     config["log"] |= {"logging_backend": "none", "save_freq": 1, "run_name": run_name}
-    config["model"]["resume_path"] = resume_from and str(resume_from)
+    config["model"] |= {"finetune_type": finetune, "resume_path": resume_from and str(resume_from)}
     if config_file:
         config["config_file"] = config_file
     argv = [str(write_config(folder, config, f"{run_name}.yaml")), "--num_processes", str(processes),
@@ -283,43 +295,56 @@ def _dmd2_launch(folder, model, processes: int, config_file=None, resume_from=No
     return folder / "saves" / run_name / "checkpoints" / "epoch_2"
 
 
-def _role_files(checkpoint) -> dict:
-    """The generator's LoRA, the fake score's and its EMA (as name -> tensor, keys without the file's prefix)."""
+def _role_files(checkpoint, finetune: str, names: list[str]) -> dict:
+    """The generator's weights, the fake score's and its EMA (``names``: the trained parameters' names, in the
+    EMA's order), as name -> tensor, keys without the LoRA file's prefix."""
     ema = torch.load(checkpoint / "fake_ema.pt", weights_only=True)["weights"]
-    fake = torch.load(checkpoint / "fake_lora.pt", weights_only=True)
     return {"generator": {k.removeprefix("transformer."): v for k, v in generator_weights(checkpoint).items()},
-            "fake": fake, "fake_ema": dict(zip(fake, ema))}
+            "fake": torch.load(checkpoint / FAKE_WEIGHTS[finetune], weights_only=True), "fake_ema": dict(zip(names, ema))}
 
 
-def test_under_fsdp2_the_lora_roles_are_sharded_gathered_and_resumed(tmp_path, tiny_pipeline):
-    """dmd2's roles under FSDP2 on 2 processes: every role's adapters are shards of the one sharded transformer,
-    each role's optimizer over its own shards. The generator, the fake score and its EMA end as one process's run
-    ends, to float32 rounding: measured 4e-6, 6e-7 and 6e-7 of how far each moved, bound 1e-3 as the DDP test's
-    (the fake score's gradients left to this loop's all-reduce instead of FSDP2's reduce-scatter crash). A run resumed from the first epoch's gathered checkpoint ends as the straight one, every role's file
-    and optimizer state alike, and the generator's LoRA loads in diffusers."""
-    from diffusers import StableDiffusion3Pipeline
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_under_fsdp2_the_roles_are_sharded_gathered_and_resumed(tmp_path, tiny_pipeline, finetune):
+    """dmd2's roles under FSDP2 on 2 processes, each role's optimizer over its own shards: with LoRA every role's
+    adapters are shards of the one sharded transformer; without, the fake score's copy and the teacher are sharded
+    too. The generator, the fake score and its EMA end as one process's run ends, to float32 rounding: measured
+    (LoRA) 4e-6, 6e-7 and 6e-7 of how far each moved, (full) 2e-6, 3e-6 and 3e-6; bound 1e-3 as the DDP test's
+    (the fake score's gradients left to this loop's all-reduce instead of FSDP2's reduce-scatter crash). A run
+    resumed from the first epoch's gathered checkpoint ends as the straight one, every role's file and optimizer
+    state alike, and the generator loads in diffusers."""
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
     from peft.utils import get_peft_model_state_dict
 
     model = tiny_pipeline("sd3-5")
-    one = _role_files(_dmd2_launch(tmp_path / "one", model, 1))
-    straight = _dmd2_launch(tmp_path / "fsdp", model, 2, "fsdp2")
+    base = SD3Transformer2DModel.from_pretrained(f"{model}/transformer")
+    start = {"generator": {} if finetune == "lora" else base.state_dict()}
+    start["fake"] = start["fake_ema"] = start["generator"]
+    one_checkpoint = _dmd2_launch(tmp_path / "one", model, finetune, 1)
+    names = list(torch.load(one_checkpoint / FAKE_WEIGHTS[finetune], weights_only=True)) if finetune == "lora" \
+        else [n for n, _ in base.named_parameters()]
+    one = _role_files(one_checkpoint, finetune, names)
+    straight = _dmd2_launch(tmp_path / "fsdp", model, finetune, 2, "fsdp2")
     state = json.loads((straight / "trainer_state.json").read_text())["sharding"]
     assert (state["backend"], state["processes"]) == ("fsdp", 2)
     assert all(0 < n < sum(state["trained_values_per_process"]) for n in state["trained_values_per_process"])
-    sharded = _role_files(straight)
-    for role, weights in one.items():
-        moved = max(float(v.abs().max()) for k, v in weights.items() if "lora_B" in k)
+    sharded = _role_files(straight, finetune, names)
+    for role, weights in one.items():  # a LoRA's B starts at 0; a copy at the base weights
+        moved = max(float((v - start[role].get(k, 0 * v)).abs().max()) for k, v in weights.items()
+                    if finetune == "full" or "lora_B" in k)
         difference = max(float((sharded[role][k].double() - v.double()).abs().max()) for k, v in weights.items())
         assert moved > 1e-4 and difference <= 1e-3 * moved, (role, difference / moved, moved)
     # the fake score's optimizer state was gathered from its shards (keyed by parameter name, as FSDP2's)
-    fake_state = torch.load(straight / "fake_optimizer.pt", weights_only=True)["state"]
-    assert all(isinstance(k, str) and ".fake." in k for k in fake_state)
+    assert all(isinstance(k, str) for k in torch.load(straight / "fake_optimizer.pt", weights_only=True)["state"])
 
-    resumed = _dmd2_launch(tmp_path / "fsdp", model, 2, "fsdp2", straight.parent / "epoch_1", "resumed")
-    _same(_role_files(straight), _role_files(resumed))
+    resumed = _dmd2_launch(tmp_path / "fsdp", model, finetune, 2, "fsdp2", straight.parent / "epoch_1", "resumed")
+    _same(_role_files(straight, finetune, names), _role_files(resumed, finetune, names))
     for name in ("optimizer.pt", "fake_optimizer.pt"):
         _same(torch.load(straight / name, weights_only=True), torch.load(resumed / name, weights_only=True))
 
+    if finetune == "full":  # the user's call for a full fine-tune's transformer
+        transformer = SD3Transformer2DModel.from_pretrained(straight / "transformer")
+        _same({k: v for k, v in transformer.state_dict().items() if k in sharded["generator"]}, sharded["generator"])
+        return
     pipe = StableDiffusion3Pipeline.from_pretrained(model)
     pipe.load_lora_weights(straight)
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=pipe.transformer.active_adapters()[0])

@@ -110,8 +110,6 @@ def test_tdm_r1s_per_role_defaults_are_upstreams(tmp_path, tiny_sd3_path):
     ({"optimizers": [{"name": "fake"}, {"name": "fake"}]}, "'fake' is named twice"),
     ({"optimizers": [{"name": "fake", "optimizer": "sgd"}]}, r"optimizers\[0\].optimizer: one of \['adamw', 'muon'\]"),
     ({"optimizers": [{"name": "fake", "betas": [0.9]}]}, r"optimizers\[0\].betas"),
-    ({"config_file": "fsdp2", "model.finetune_type": "full"},
-     "config_file: fsdp2 runs FSDP: without LoRA dmd2's other roles and its teacher are whole copies"),
     ({"config_file": "fsdp2", "optimizers": [{"name": "fake", "optimizer": "muon"}]},
      "the fake role's optimizer is muon, which updates each weight matrix whole"),
     ({"config_file": "zero2"}, "runs DEEPSPEED: DeepSpeed's engine steps the one optimizer it was built with"),

@@ -296,7 +296,8 @@ def _launch_kind(config_file) -> str | None:
 
 def _sharded_role_problems(cfg, kind: str, others: str) -> list[str]:
     """What FSDP2 (``kind`` FSDP) and DeepSpeed cannot train of a run with roles (``trainer/roles.py``): FSDP2
-    shards LoRA roles, adapters of the one transformer it shards, each role's optimizer over its own shards."""
+    shards every role (LoRA: adapters of the one transformer it shards; full: each copy and the teacher sharded
+    too), each role's optimizer over its own shards."""
     train, name, where = cfg.train, cfg.train.trainer_type, f"config_file: {cfg.config_file} runs {kind}"
     if kind == "DEEPSPEED":
         return [f"{where}: DeepSpeed's engine steps the one optimizer it was built with at every accumulation "
@@ -305,10 +306,6 @@ def _sharded_role_problems(cfg, kind: str, others: str) -> list[str]:
     if len(DISTILLATION_SPECS[name].roles) == 1:
         return [f"{where}, which would neither shard nor gather {name}'s {others}; use multi_gpu (DDP) or one "
                 "process"]
-    if cfg.model.finetune_type != "lora":
-        return [f"{where}: without LoRA {name}'s other roles and its teacher are whole copies of the transformer, "
-                "which FSDP2 does not shard (every process would hold each of them whole); use finetune_type: lora "
-                "(each role an adapter of the one sharded transformer), multi_gpu (DDP) or one process"]
     if role_optimizer_problems(name, train.role_optimizers):
         return []  # reported already
     return [f"optimizers: the {role} role's optimizer is muon, which updates each weight matrix whole, but {where} "

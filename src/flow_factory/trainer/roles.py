@@ -38,7 +38,8 @@ from ..checkpoint import CheckpointError
 from ..config import ConfigError
 from ..config.distillation import DISTILLATION_SPECS, GENERATOR, RoleOptimizerSettings, role_optimizers
 from ..models.lora import ADAPTER_NAME, lora_disabled
-from ..sharding import full_optimizer_state, load_full_optimizer_state, load_full_state_dict, reshard_all
+from ..sharding import (full_optimizer_state, full_state_dict, load_full_optimizer_state, load_full_state_dict,
+                        reshard_all, shard_on_cpu)
 from ..algorithms.distillation.tdm_r1 import slow_surrogate_decay
 from .ema import WeightCopy, ema_decay_at, load_ema
 from .optimizers import make_role_optimizer
@@ -120,6 +121,13 @@ class Roles:
         """Each role's trained parameters, as the modules hold them now."""
         raise NotImplementedError
 
+    def module(self, role: str) -> torch.nn.Module:
+        """The module that holds ``role``'s weights."""
+        raise NotImplementedError
+
+    def _shard(self) -> None:
+        """Under FSDP2, shard what the backend did not (the backend sharded the transformer)."""
+
     # ------------------------------------------------------------------ optimizers and checkpoints
     def generator_optimizer(self, params: list) -> torch.optim.Optimizer:
         """The generator's optimizer over ``params`` (the backend's call: ``weights.ModelSetup``)."""
@@ -142,12 +150,17 @@ class Roles:
             raise ConfigError(f"config_file: the {backend} backend does not train {type(self).__name__} (the roles "
                               f"{', '.join(self.names)}); use {' or '.join(self.backends)}")
         self.sharded = backend == "fsdp"
+        if self.sharded:
+            self._shard()
         self.params = self._collect()
         self.optimizers = {role: make_role_optimizer(self.params[role], self.settings[role])
                            for role in self.names if role != GENERATOR}
-        self.slow = {role: WeightCopy(self.params[role]) for role in self.slow_decays}  # from the starting weights
+        # a copy swapped into shards frees the weights FSDP2 gathered, so that the next forward gathers the swapped
+        swap = {role: (lambda m=self.module(role): reshard_all([m])) if self.sharded else None for role in self.names}
+        self.slow = {role: WeightCopy(self.params[role], before_swap=swap[role])  # from the starting weights
+                     for role in self.slow_decays}
         device = None if self.train.ema_device == "same" else self.train.ema_device
-        self.emas = {role: WeightCopy(self.params[role], device) for role in self.names
+        self.emas = {role: WeightCopy(self.params[role], device, before_swap=swap[role]) for role in self.names
                      if role != GENERATOR and self.settings[role].ema_decay > 0}
         if resume_from is not None:
             self.load(Path(resume_from))
@@ -177,7 +190,7 @@ class Roles:
                 raise FloatingPointError(f"refusing to save the {role} role: {len(bad)} tensors hold NaN or inf")
             files[self.weights_file.format(role=role)] = {k: t.detach().cpu().clone() for k, t in weights.items()}
             if with_optimizers:
-                files[optimizer_file(role)] = (full_optimizer_state(self.transformer, optimizer) if self.sharded
+                files[optimizer_file(role)] = (full_optimizer_state(self.module(role), optimizer) if self.sharded
                                                else optimizer.state_dict())
         files.update({slow_file(role): slow.state_dict() for role, slow in self.slow.items()})
         files.update({ema_file(role): ema.state_dict() for role, ema in self.emas.items()})
@@ -200,7 +213,7 @@ class Roles:
                 state = torch.load(state, map_location="cpu", weights_only=True)
                 if self.sharded:  # saved gathered, keyed by parameter name: each process keeps its shards' state
                     with self.active(role):  # torch makes the state to fill by a step of the weights with gradients
-                        load_full_optimizer_state(self.transformer, optimizer, state)
+                        load_full_optimizer_state(self.module(role), optimizer, state)
                 else:
                     optimizer.load_state_dict(state)
         for role, slow in self.slow.items():
@@ -239,6 +252,9 @@ class LoraRoles(Roles):
     def _collect(self) -> dict[str, list]:
         return {role: [p for n, p in self.transformer.named_parameters() if _of_adapter(n, name)]
                 for role, name in self.adapters.items()}
+
+    def module(self, role: str) -> torch.nn.Module:
+        return self.transformer
 
     def _layers(self) -> list[BaseTunerLayer]:
         return [m for m in self.transformer.modules() if isinstance(m, BaseTunerLayer)]
@@ -311,6 +327,7 @@ class CopiedRoles(Roles):
     generator's), the teacher a frozen copy in the load dtype; both copied from the starting weights."""
 
     weights_file = "{role}_transformer.pt"
+    backends = ("ddp", "fsdp")  # FSDP2: each copy, and the teacher, sharded as a frozen network is (``_shard``)
 
     def __init__(self, adapter, settings: dict[str, RoleOptimizerSettings], master_dtype: torch.dtype):
         super().__init__(adapter, settings)
@@ -330,6 +347,16 @@ class CopiedRoles(Roles):
     def switched(self, role: str):
         return self._running(role)
 
+    def module(self, role: str) -> torch.nn.Module:
+        return self.transformer if role == GENERATOR else self.copies[role]
+
+    def _shard(self) -> None:
+        """Each other role's copy and the frozen teacher sharded over the processes, every block a unit, as the
+        backend shards a frozen network (``backends.FSDP2.shard_frozen``): each process holds 1/N of each. Their
+        forwards are collectives, run alike on every process (the phases and their micro-batches are)."""
+        for module in (*self.copies.values(), self.frozen_teacher):
+            shard_on_cpu(module)
+
     def _collect(self) -> dict[str, list]:
         return {GENERATOR: [p for p in self.transformer.parameters() if p.requires_grad],
                 **{role: [p for p in module.parameters() if p.requires_grad] for role, module in self.copies.items()}}
@@ -338,11 +365,15 @@ class CopiedRoles(Roles):
         return self.adapter.swapped_transformers({"transformer": self.frozen_teacher})
 
     def weights(self, role: str, full: dict | None = None) -> dict:
-        return self.copies[role].state_dict()
+        module = self.copies[role]
+        return full_state_dict(module, None, "fsdp") if self.sharded else module.state_dict()  # gathered: collective
 
     def load_weights(self, role: str, weights: dict, path: Path) -> None:
         try:
-            self.copies[role].load_state_dict(weights)
+            if self.sharded:  # full tensors (on every process) into the shards
+                load_full_state_dict(self.copies[role], weights)
+            else:
+                self.copies[role].load_state_dict(weights)
         except RuntimeError as e:
             raise CheckpointError(f"model.resume_path: {path} does not fit the {role} role: {e}") from None
 
