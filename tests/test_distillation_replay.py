@@ -2,6 +2,8 @@
 algorithms/distillation/replay.py): the generator's step recomputed from its rollout's stored state must land on
 the rollout's next state, else the loss stops with an error naming the keys."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -21,7 +23,8 @@ LANDS = torch.tensor([[0.5, -3.0]])  # x + v (0.25 - 0.5), by hand
 
 
 def replay(x_next, stored_in=torch.float32, v=V, tolerances=(1e-4, 1e-4)):
-    check_replay(ODE(), X, v, SIGMA, SIGMA_NEXT, x_next, stored_in, tolerances, "test")
+    batch = SimpleNamespace(x=X, sigma=SIGMA, sigma_next=SIGMA_NEXT, x_next=x_next, stored_in=stored_in)
+    check_replay(ODE(), batch, v, tolerances, "test")
 
 
 def test_the_step_must_land_within_the_tolerances_of_the_stored_state():

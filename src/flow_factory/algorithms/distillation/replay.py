@@ -26,12 +26,13 @@ class ReplayMismatch(RuntimeError):
 
 
 @torch.no_grad()
-def check_replay(dynamics, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, x_next: Tensor,
-                 stored_in: torch.dtype, tolerances: tuple[float, float], what: str) -> None:
-    """Raise ``ReplayMismatch`` unless ``dynamics``' step from each row's stored ``x`` at ``sigma`` with velocity
-    ``v`` lands on its stored ``x_next`` at ``sigma_next``, the rollout's states rounded to ``stored_in``, within
-    ``tolerances`` (rtol, atol; see the module's docstring); ``what`` names the loss."""
+def check_replay(dynamics, batch, v: Tensor, tolerances: tuple[float, float], what: str) -> None:
+    """Raise ``ReplayMismatch`` unless ``dynamics``' step from each row's stored state ``batch.x`` at
+    ``batch.sigma`` with velocity ``v`` lands on its stored ``batch.x_next`` at ``batch.sigma_next``, the rollout's
+    states rounded to ``batch.stored_in``, within ``tolerances`` (rtol, atol; see the module's docstring); ``what``
+    names the loss."""
     rtol, atol = tolerances
+    x, sigma, sigma_next, x_next, stored_in = batch.x, batch.sigma, batch.sigma_next, batch.x_next, batch.stored_in
     recomputed = dynamics.step(x, v.detach(), sigma, sigma_next).sample
     stored = x_next.float()
     error = (recomputed - stored).abs()

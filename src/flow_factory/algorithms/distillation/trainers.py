@@ -88,8 +88,7 @@ class DMD2(Algorithm):
     def replayed(self, batch, v: Tensor, what: str) -> Tensor:
         """``v``, the generator's velocity at ``batch.x``, once its step is checked to land on ``batch.x_next``
         (``replay.check_replay``, at ``train.replay_rtol`` / ``replay_atol``)."""
-        check_replay(self.dynamics, batch.x, v, batch.sigma, batch.sigma_next, batch.x_next, batch.stored_in,
-                     (self.cfg.replay_rtol, self.cfg.replay_atol), what)
+        check_replay(self.dynamics, batch, v, (self.cfg.replay_rtol, self.cfg.replay_atol), what)
         return v
 
     def micro_steps_per_chunk(self, rollouts: RolloutsLike) -> int:
