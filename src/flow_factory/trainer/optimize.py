@@ -112,28 +112,33 @@ def optimize_epoch(algorithm, policy, rollouts, advantages, settings: OptimizeSe
         order = (torch.randperm(len(units), generator=generator("shuffle", settings.seed, epoch, inner, rank))
                  if settings.shuffle else torch.arange(len(units)))
         chunks = [units[order[start:start + batch_size]] for start in range(0, len(units), batch_size)]
-        # several phases take turns over the chunks of one optimizer step (as many as its micro-steps hold); a
-        # single phase runs over them all
-        span = max(1, settings.accumulation // algorithm.micro_steps_per_chunk(rollouts)) if len(phases) > 1 \
-            else len(chunks)
-        for first in range(0, len(chunks), span):
-            for p, (role, passes) in enumerate(phases):
-                run = runs[role]
-                with stepper.roles.active(role) if role is not None else nullcontext():
-                    for again in range(passes):
-                        for b in range(first, min(first + span, len(chunks))):
-                            if streamed is not None and not streamed.ready(chunks[b]):  # waits for their rewards
-                                run.abandon(f"epoch {epoch}: {streamed.problem}; the rest of the epoch's update is "
-                                            "skipped")
-                                return _results(runs)
-                            # training noise / timesteps: seeded per micro-batch, so a resumed run draws the same
-                            # ones; with roles per phase and pass, and by sample (not rank and micro-batch: the
-                            # algorithm keys its draws by each sample's id), so several processes draw as one
-                            draws = (generator("train", settings.seed, epoch, inner, rank, b) if role is None
-                                     else generator("train", settings.seed, epoch, inner, "roles", p, again))
-                            run.train_chunk(algorithm, policy, algorithm.micro_batches(
-                                rollouts, advantages, chunks[b], draws, **({} if role is None else {"role": role})))
+        # several phases take turns over the chunks of one optimizer step (as many as its micro-steps hold)
+        span = max(1, settings.accumulation // algorithm.micro_steps_per_chunk(rollouts)) if len(phases) > 1 else 0
+        for p, role, turn in _phase_turns(phases, len(chunks), span):
+            run = runs[role]
+            with stepper.roles.active(role) if role is not None else nullcontext():
+                for again, b in turn:
+                    if streamed is not None and not streamed.ready(chunks[b]):  # waits for their rewards
+                        run.abandon(f"epoch {epoch}: {streamed.problem}; the rest of the epoch's update is skipped")
+                        return _results(runs)
+                    # training noise / timesteps: seeded per micro-batch, so a resumed run draws the same ones;
+                    # with roles per phase and pass, and by sample (not rank and micro-batch: the algorithm keys
+                    # its draws by each sample's id), so several processes draw as one
+                    draws = (generator("train", settings.seed, epoch, inner, rank, b) if role is None
+                             else generator("train", settings.seed, epoch, inner, "roles", p, again))
+                    run.train_chunk(algorithm, policy, algorithm.micro_batches(
+                        rollouts, advantages, chunks[b], draws, **({} if role is None else {"role": role})))
     return _results(runs)
+
+
+def _phase_turns(phases, num_chunks: int, span: int):
+    """(phase index, role, [(pass, chunk index), ...]) in the order they train: several phases take turns over the
+    ``span`` chunks of each optimizer step, each its passes over them; a single phase (``span`` 0) takes every chunk
+    in one turn."""
+    span = span or max(1, num_chunks)
+    for first in range(0, num_chunks, span):
+        for p, (role, passes) in enumerate(phases):
+            yield p, role, [(again, b) for again in range(passes) for b in range(first, min(first + span, num_chunks))]
 
 
 def _role_runs(stepper: Stepper, settings: OptimizeSettings, epoch: int, steps_before: int) -> dict:
