@@ -1,6 +1,8 @@
 """ff-train --plan of a distillation run (plan/roles.py): the other roles' weights, optimizer state, gradients and
 copies, and each phase's transformer calls, against the real roles built on tiny SD3 and the real losses run."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -84,7 +86,7 @@ def test_the_plan_counts_the_roles_as_the_run_holds_and_calls_them(tmp_path, tin
     if finetune == "full":
         held["teacher: frozen copy"] = nbytes(roles.frozen_teacher.parameters())
 
-    assert {part: size for part, (size, where) in plan.sizes.roles.items()} == held
+    assert {part: size for part, (size, where, _) in plan.sizes.roles.items()} == held
     assert plan.sizes.role_gradients == max(grads[:-1]) and grads[-1] == plan.sizes.gradient_bytes
     for role, _ in algorithm.phases:
         assert plan.calls[f"{role} pass"].flops == flops[role] > 0, role
@@ -94,3 +96,6 @@ def test_the_plan_counts_the_roles_as_the_run_holds_and_calls_them(tmp_path, tin
     assert plan.flops["training"] == expected
     training = plan.memory("multi_gpu")["training"]
     assert all(training[part] == size for part, size in held.items())
+    if finetune == "lora":  # under fsdp2 each role's adapters are shards of the one sharded transformer
+        sharded = dataclasses.replace(plan, num_processes=2).memory("fsdp2")["training"]
+        assert all(sharded[part] == size // 2 for part, size in held.items())

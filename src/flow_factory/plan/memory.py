@@ -75,9 +75,9 @@ class Sizes:
     rollout_activations: int = 0
     decode_activations: int = 0
     train_activations: int = 0
-    # a distillation run's other roles (plan/roles.py): part -> (bytes, where), never split; and the largest
-    # other role's gradients (one role's at a time)
-    roles: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # a distillation run's other roles (plan/roles.py): part -> (bytes, where, split as: weights, optimizer or
+    # copies); and the largest other role's gradients (one role's at a time)
+    roles: dict[str, tuple[int, str, str]] = field(default_factory=dict)
     role_gradients: int = 0
 
     @property
@@ -154,9 +154,9 @@ def per_gpu(s: Sizes, backend: str, n: int) -> dict[str, dict[str, int]]:
              "optimizer state": int(s.graded * s.optimizer_bytes * part["optimizer"]), "weight copies": copies}
     if s.text_encoders_stay:
         fixed["text encoders"] = s.text_encoders
-    fixed.update({name: size for name, (size, where) in s.roles.items() if where == "gpu"})
+    fixed.update({name: int(size * part[kind]) for name, (size, where, kind) in s.roles.items() if where == "gpu"})
     trajectories = s.trajectory_batch if s.offload_samples else s.trajectories
-    grads = max(int(s.gradient_bytes * part["grads"]), s.role_gradients)
+    grads = int(max(s.gradient_bytes, s.role_gradients) * part["grads"])
     return {
         "prompt cache": {"networks": frozen, "text encoders": s.text_encoders, "VAE and other encoders": s.other_networks,
                          "reward models": s.rewards},

@@ -8,7 +8,9 @@ fine-tuning a whole copy of the transformer, in ``master_weight_dtype``) and its
 copies, ``trainer/ema.WeightCopy``), and with full fine-tuning the teacher's frozen copy in the load dtype (with
 LoRA the teacher is the base with the adapters off: nothing more). Gradients: one role's at a time, since each
 role's optimizer step sets its gradients to None before the next phase (``optimize._EpochSteps._step``), so the
-largest role's, which is the generator's size. None of it is sharded: fsdp2 and DeepSpeed refuse the roles.
+largest role's, which is the generator's size. Under fsdp2 a LoRA role's adapters are shards of the one sharded
+transformer, each role's optimizer state, slow copy and EMA of its shards: split as the generator's are. DeepSpeed
+refuses the roles, and fsdp2 refuses full copies: those columns count them split alike, for a run that is refused.
 
 Work: one optimizer step runs every phase (``Algorithm.phases``: DMD2's ``ttur_fake_updates`` fake-score passes,
 then the generator's) over the same chunks, and each pass's loss calls the transformer several times (the
@@ -157,14 +159,15 @@ def training_peak(cfg, calls: dict[str, Measured]) -> int:
 
 
 def role_memory(cfg, networks: list, precision, notes: list[str]) -> dict:
-    """``plan.memory.Sizes``' ``roles`` (part -> (bytes, where: gpu or cpu) the roles add beside the generator's
-    trained transformer, in ``networks`` as ``plan.memory.Network``) and ``role_gradients`` (the largest other
-    role's gradient bytes); nothing without roles."""
+    """``plan.memory.Sizes``' ``roles`` (part -> (bytes, where: gpu or cpu, what it is split as: weights, optimizer
+    or copies) the roles add beside the generator's trained transformer, in ``networks`` as
+    ``plan.memory.Network``) and ``role_gradients`` (the largest other role's gradient bytes); nothing without
+    roles."""
     train, lora = cfg.train, cfg.model.finetune_type == "lora"
     if train.trainer_type not in DISTILLATION_SPECS:
         return {"roles": {}, "role_gradients": 0}
-    notes.append(f"the sharded backends' figures for {train.trainer_type}: its other roles whole (fsdp2 and "
-                 "DeepSpeed refuse them: they would neither shard nor gather them)")
+    notes.append(f"{train.trainer_type} under DeepSpeed (zero2, zero3)" + ("" if lora else " or fsdp2") +
+                 ": refused (its other roles would not be sharded); those columns split them as the generator's")
     network = next(net for net in networks if net.trained)
     settings = role_optimizers(train.trainer_type, train.role_optimizers, train)
     weights = network.trained * network.master_bytes if lora else network.weight_bytes  # an adapter, or a copy
@@ -172,15 +175,16 @@ def role_memory(cfg, networks: list, precision, notes: list[str]) -> dict:
     for role, setting in settings.items():
         if role == GENERATOR:
             continue
-        parts[f"{role}: weights"] = (weights, "gpu")
-        parts[f"{role}: optimizer state"] = (network.graded * OPTIMIZER_STATE[setting.optimizer] * 4, "gpu")
+        parts[f"{role}: weights"] = (weights, "gpu", "weights")
+        parts[f"{role}: optimizer state"] = (network.graded * OPTIMIZER_STATE[setting.optimizer] * 4, "gpu",
+                                             "optimizer")
         if setting.ema_decay > 0:
-            parts[f"{role}: EMA"] = (network.trained * 4, "cpu" if train.ema_device == "cpu" else "gpu")
+            parts[f"{role}: EMA"] = (network.trained * 4, "cpu" if train.ema_device == "cpu" else "gpu", "copies")
         grads = max(grads, network.graded * network.master_bytes)
     if "surrogate" in settings:
-        parts["surrogate: slow copy"] = (network.trained * 4, "gpu")
+        parts["surrogate: slow copy"] = (network.trained * 4, "gpu", "copies")
     if not lora:
-        parts["teacher: frozen copy"] = (network.params * precision.load.itemsize, "gpu")
+        parts["teacher: frozen copy"] = (network.params * precision.load.itemsize, "gpu", "copies")
     return {"roles": parts, "role_gradients": grads}
 
 
