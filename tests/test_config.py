@@ -313,7 +313,7 @@ def test_reward_extra_keys_are_constructor_options():
     ("train.group_size=2.5", "train.group_size: expected a positive integer, got 2.5"),
     ("train.group_size=true", "train.group_size: expected a positive integer, got true"),
     ("train.trainer_type=gpro",
-     "train.trainer_type: expected one of 'grpo', 'grpo-guard', 'dppo', 'nft', 'awm', 'dpo', 'dgpo', 'crd', 'sft', 'offline-dpo', 'dmd2', 'tdm', 'tdm-r1', got 'gpro'; did you mean 'grpo'?"),
+     "train.trainer_type: expected one of 'grpo', 'grpo-guard', 'dppo', 'nft', 'awm', 'dpo', 'dgpo', 'crd', 'sft', 'offline-dpo', 'dmd2', 'tdm', 'tdm-r1', 'diffusion-opd', got 'gpro'; did you mean 'grpo'?"),
     ("scheduler.dynamics_type=Flow-SDF",
      "scheduler.dynamics_type: expected one of 'Flow-SDE', 'Dance-SDE', 'CPS', 'ODE', 'DPM-Solver++2M', got 'Flow-SDF'; "
      "did you mean 'Flow-SDE'?"),

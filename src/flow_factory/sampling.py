@@ -125,6 +125,8 @@ class Rollouts(KeptStates):
     # bool (*latent): the latent elements the model generates, the rest being a condition it is given (ltx2_i2av's
     # first frame; ``FlowAdapter.generated``); None: every element. The decoupled losses average over these only
     generated: Tensor | None = None
+    # each sample's dataset (``data.datasets``' name; ``default`` for ``data.dataset_dir``): diffusion-opd's teacher
+    datasets: list[str | None] | None = None
 
 
 @dataclass
@@ -247,6 +249,7 @@ class _RolloutBatches:
         trajs, keep = [c.traj for c in chunks], self.settings.keep_trajectory
         rollouts = Rollouts(
             prompts=[it.prompt for it in items],
+            datasets=[it.dataset for it in items],
             group_ids=group_ids,
             latents=torch.cat([t.latents for t in trajs]) if keep else torch.empty(0),
             log_probs=torch.cat([t.log_probs for t in trajs]),

@@ -67,6 +67,10 @@ ALGORITHM_SPECS = {spec.name: spec for spec in (
                   keys=tuple(k for k in DISTILLATION_SPECS["tdm-r1"].keys if k != "advantage_clip_range"),
                   defaults={"num_train_timesteps": 1, "num_inference_steps": 4, "use_huber": False,
                             "global_std": True, "advantage_aggregation": "gdpo"}),
+    AlgorithmSpec("diffusion-opd", "distillation", "flow_factory.algorithms.distillation.opd:DiffusionOPD",
+                  keys=DISTILLATION_SPECS["diffusion-opd"].keys,
+                  defaults={k: v for k, v in DISTILLATION_SPECS["diffusion-opd"].defaults.items()
+                            if k in ("timestep_range", "group_size")}),
 )}
 TRAINER_TYPES = tuple(ALGORITHM_SPECS)
 COUPLED_TRAINER_TYPES = tuple(n for n, a in ALGORITHM_SPECS.items() if a.family == "coupled")

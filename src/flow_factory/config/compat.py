@@ -15,6 +15,7 @@ from typing import Any
 
 from .base import DTYPE_NAMES, problem, show
 from .algorithms import ALGORITHM_SPECS, DISTILLATION_TRAINER_TYPES
+from .distillation import DISTILLATION_SPECS
 
 # Flow-Factory's spellings (its guides' and its earlier layouts') -> ours, with the same meaning
 # (step indices count from 0 in both)
@@ -35,7 +36,9 @@ SPELLINGS = {
 }
 # keys Flow-Factory has whose only value here is its default: (path, the value)
 FIXED = {"train.logit_mean": (0, "the logit-normal timesteps are the standard one, mean 0"),
-         "train.logit_std": (1, "the logit-normal timesteps are the standard one, std 1")}
+         "train.logit_std": (1, "the logit-normal timesteps are the standard one, std 1"),
+         "train.teacher_param_device": ("cuda", "diffusion-opd's teachers are LoRA adapters of the transformer, on "
+                                        "its device")}
 # LTX-2's sampling keys, at the values of Flow-Factory's LTX-2 examples (models/ltx2.py)
 _LTX2_GUIDANCE = "LTX-2 samples with classifier-free guidance alone here, as Flow-Factory's LTX-2 examples set it"
 _LTX2_FIXED = {
@@ -115,7 +118,8 @@ def read_flow_factory_spellings(data: dict) -> dict:
         _put(data, "model.resume_type", "state", "model.resume_training_state: true")
     found, optimizers = _pop(data, "optimizers")
     trainer_type = (data.get("train") or {}).get("trainer_type") if isinstance(data.get("train"), dict) else None
-    if found and trainer_type in DISTILLATION_TRAINER_TYPES:  # one entry per role, by name (checked with the trainer)
+    # one entry per role, by name (checked with the trainer); a trainer of one role (diffusion-opd) has the one
+    if found and trainer_type in DISTILLATION_TRAINER_TYPES and len(DISTILLATION_SPECS[trainer_type].roles) > 1:
         _put(data, "train.role_optimizers", optimizers, "optimizers")
     elif found:
         optimizer = _only_entry(optimizers, "optimizers", "one optimizer trains the transformer here; several, "
@@ -263,11 +267,13 @@ def _read_dataset(data: dict, dataset: dict) -> None:
 
 
 def _route_to_the_one_dataset(data: dict, name) -> None:
-    """A reward routed to the run's one dataset by name (``applicable_datasets: [name]``, ``weight: {name: w}``)
-    applies to every sample: read as unrouted, since the run here reads that dataset alone (``data.dataset_dir``).
-    A routing that names another dataset is left for the config to refuse."""
-    for part in ("rewards", "eval_rewards"):
-        for entry in data.get(part) or []:
+    """A reward (or diffusion-opd's teacher) routed to the run's one dataset by name (``applicable_datasets:
+    [name]``, ``weight: {name: w}``) applies to every sample: read as unrouted, since the run here reads that dataset
+    alone (``data.dataset_dir``). A routing that names another dataset is left for the config to refuse."""
+    train = data.get("train") if isinstance(data.get("train"), dict) else {}
+    teachers = train.get("teachers") if isinstance(train.get("teachers"), list) else []  # diffusion-opd's teachers
+    for entries in (data.get("rewards") or [], data.get("eval_rewards") or [], teachers):
+        for entry in entries:
             if not isinstance(entry, dict) or name is None:
                 continue
             if entry.get("applicable_datasets") in ([name], name):
@@ -295,6 +301,9 @@ def _read_datasets(data: dict, datasets: list) -> list[dict]:
     for i, dataset in enumerate(datasets):
         if not isinstance(dataset, dict):
             raise problem(f"data.datasets[{i}]: expected a mapping, got {show(dataset)}")
+        if "train" in dataset and dataset["train"] is None:  # upstream's eval-only dataset: never trained on
+            raise problem(f"data.datasets[{i}].train: null makes {dataset.get('name')!r} an eval-only dataset, "
+                          "which this version does not have (each dataset here trains, at its weight); remove it")
         flat = {}
         for key, value in dataset.items():
             if key in ("train", "eval"):

@@ -68,6 +68,13 @@ _TDM_R1_DEFAULTS = {**_TDM_DEFAULTS, "use_huber": False, "global_std": True, "ad
                     "surrogate_clip_range": 1e-3, "surrogate_slow_decay_min": 1e-3, "surrogate_slow_decay_max": 0.3,
                     "cfg_reward_scale": 3.5, "use_time_weighting": True}
 
+# DiffusionOPD (hparams/training_args/opd.py of the PeterWangyi/Flow-Factory fork at 091df9df): the student alone
+# trains, with the run's one optimizer (train section's keys); its teachers are frozen LoRAs (``train.teachers``)
+_OPD_KEYS = ("teachers", "loss_target", "self_normalize")
+_OPD_DEFAULTS = {"timestep_range": 0.99, "group_size": 1, "loss_target": "xt", "self_normalize": False}
+LOSS_TARGETS = ("xt", "v", "x0")
+OPD_DYNAMICS = ("ODE", "Flow-SDE", "Dance-SDE", "CPS")  # a step's mean a function of its state and velocity alone
+
 DISTILLATION_SPECS = {spec.name: spec for spec in (
     DistillationSpec("dmd2", ("generator", "fake"), (("fake", "ttur_fake_updates"), ("generator", 1)),
                      _DMD2_OPTIMIZERS, _DMD2_KEYS, _DMD2_DEFAULTS),
@@ -78,12 +85,24 @@ DISTILLATION_SPECS = {spec.name: spec for spec in (
                      {"generator": RoleOptimizer(7.5e-5, (0.0, 0.999)), "fake": RoleOptimizer(3e-4, (0.0, 0.999)),
                       "surrogate": RoleOptimizer(3e-4, (0.9, 0.999))},
                      _TDM_R1_KEYS, _TDM_R1_DEFAULTS, rewards=True),
+    DistillationSpec("diffusion-opd", ("generator",), (("generator", 1),), {}, _OPD_KEYS, _OPD_DEFAULTS),
 )}
 
 
-def micro_steps_per_sample(name: str, num_inference_steps: int) -> int:
+def distilled_steps(num_steps: int, timestep_range) -> range:
+    """DiffusionOPD's distilled rollout steps: ``[int(T lo), max(lo + 1, int(T hi)))`` of the ``T`` steps,
+    ``timestep_range`` ``f`` meaning ``(lo, hi) = (0, f)`` (upstream's ``resolve_distill_step_band``)."""
+    lo, hi = (0.0, float(timestep_range)) if isinstance(timestep_range, (int, float)) else timestep_range
+    first = int(num_steps * lo)
+    return range(first, min(num_steps, max(first + 1, int(num_steps * hi))))
+
+
+def micro_steps_per_sample(name: str, num_inference_steps: int, timestep_range=1.0) -> int:
     """What one sample's rollout counts in the epoch's micro-steps (``gradient_accumulation_steps``), as upstream
-    counts its replay units: DMD2 trains one drawn step of it, TDM and TDM-R1 every transition."""
+    counts its replay units: DMD2 trains one drawn step of it, TDM and TDM-R1 every transition, DiffusionOPD each
+    distilled step (``timestep_range``)."""
+    if name == "diffusion-opd":
+        return len(distilled_steps(num_inference_steps, timestep_range))
     return 1 if name == "dmd2" else num_inference_steps
 
 
@@ -166,12 +185,70 @@ def _tdm_r1_problems(v: dict) -> list[str]:
     return out
 
 
+def _opd_problems(v: dict) -> list[str]:
+    """DiffusionOPD's checks: its dynamics and target space, and its teachers (each a LoRA, named once)."""
+    out, dynamics, target = [], v.get("dynamics_type", "ODE"), v["loss_target"]
+    if dynamics not in OPD_DYNAMICS:
+        out.append(f"scheduler.dynamics_type: diffusion-opd matches one step's mean at a time, which "
+                   f"{dynamics}'s multistep history does not have; use one of {list(OPD_DYNAMICS)}")
+    if target not in LOSS_TARGETS:
+        out.append(f"train.loss_target: one of {list(LOSS_TARGETS)}, got {target!r}")
+    elif target != "xt" and dynamics != "ODE":
+        out.append(f"train.loss_target: {target!r} compares velocities, defined for ODE rollouts only; use "
+                   "scheduler.dynamics_type: ODE, or loss_target: xt (the step's mean, over its variance)")
+    if not isinstance(v["self_normalize"], bool):
+        out.append(f"train.self_normalize: true or false, got {v['self_normalize']!r}")
+    teachers = v["teachers"] or []
+    if not teachers:
+        out.append("train.teachers: diffusion-opd distils at least one teacher: [{name, path, "
+                   "applicable_datasets, guidance_scale}], each path a LoRA of the base model")
+    names = [t.name for t in teachers]
+    for i, teacher in enumerate(teachers):
+        if names.index(teacher.name) != i:
+            out.append(f"train.teachers[{i}].name: {teacher.name!r} is used twice; each teacher's name is its own")
+        if not teacher.applicable_datasets and len(teachers) > 1:
+            out.append(f"train.teachers[{i}].applicable_datasets: with several teachers each names the datasets "
+                       "whose samples it scores (data.datasets' names)")
+    return out
+
+
+def teacher_routing_problems(teachers, datasets: list[str] | None) -> list[str]:
+    """Each teacher names datasets of the run (``datasets``: data.datasets' names; None: the one dataset of
+    ``data.dataset_dir``), and each dataset has exactly one teacher."""
+    out, owner = [], {}
+    for i, teacher in enumerate(teachers):
+        for name in teacher.applicable_datasets:
+            if datasets is None:
+                out.append(f"train.teachers[{i}].applicable_datasets: names {name!r}, but the run reads one dataset "
+                           "(data.dataset_dir), which its one teacher serves: leave applicable_datasets out, or "
+                           "name the datasets in data.datasets")
+            elif name not in datasets:
+                out.append(f"train.teachers[{i}].applicable_datasets: {name!r} is not a dataset of the run; "
+                           f"data.datasets names {datasets}")
+            elif name in owner:
+                out.append(f"train.teachers[{i}].applicable_datasets: {name!r} is teachers[{owner[name]}]'s "
+                           "already; one teacher per dataset")
+            else:
+                owner[name] = i
+    serves_all = len(teachers) == 1 and not teachers[0].applicable_datasets
+    orphans = [] if serves_all or datasets is None else [d for d in datasets if d not in owner]
+    if teachers and orphans:
+        out.append(f"train.teachers: no teacher serves the datasets {orphans}; name each in one teacher's "
+                   "applicable_datasets")
+    if datasets is None and len(teachers) > 1:
+        out.append(f"train.teachers: {len(teachers)} teachers and one dataset (data.dataset_dir); give each "
+                   "teacher its datasets in data.datasets")
+    return out
+
+
 def distillation_problems(name: str, values: dict) -> list[str]:
     """Upstream's rule checks (its training arguments' ``__post_init__`` and trainers' constructors) on
     ``values`` (the train keys a config gives; the rest take the defaults), as messages."""
     if name not in DISTILLATION_SPECS:
         return [f"train.trainer_type: {name!r} is not a distillation trainer; valid: {list(DISTILLATION_SPECS)}"]
     v = resolved(name, values)
+    if name == "diffusion-opd":
+        return _opd_problems(v)
     out = _dmd2_problems(v, name)
     if name in ("tdm", "tdm-r1"):
         out += _tdm_problems(v)
@@ -267,7 +344,9 @@ def role_optimizers(name: str, entries: list[dict], train) -> dict[str, RoleOpti
     spec, given = DISTILLATION_SPECS[name], {e["name"]: e for e in entries}
     out = {}
     for role in spec.roles:
-        entry, default = given.get(role, {}), spec.optimizers[role]
+        # a trainer with no default of its own for a role (diffusion-opd's one) takes the train section's
+        entry = given.get(role, {})
+        default = spec.optimizers.get(role) or RoleOptimizer(train.learning_rate, train.betas)
         out[role] = RoleOptimizerSettings(
             role, entry.get("optimizer", train.optimizer), float(entry.get("learning_rate", default.learning_rate)),
             tuple(float(b) for b in entry.get("betas", default.betas)),
@@ -328,10 +407,14 @@ def distillation_contradictions(cfg) -> list[str]:
                   dynamics_type=cfg.scheduler.dynamics_type, advantage_aggregation=train.advantage_aggregation,
                   advantage_clip_range=train.adv_clip_range)
     out = distillation_problems(name, values) + role_optimizer_problems(name, train.role_optimizers)
+    if name == "diffusion-opd":
+        out += _opd_contradictions(cfg)
     # what the roles (trainer/roles.py) do not do yet, refused rather than done wrong
     kind = _launch_kind(cfg.config_file)
+    others = "other roles (LoRA adapters or copies beside the generator)" if len(spec.roles) > 1 else \
+        "teachers (LoRA adapters beside the student's)"
     if kind in ("FSDP", "DEEPSPEED"):
-        out += _sharded_role_problems(cfg, kind, "other roles (LoRA adapters or copies beside the generator)")
+        out += _sharded_role_problems(cfg, kind, others)
     if spec.rewards and train.unique_sample_num_per_epoch % cfg.num_processes:
         out.append(f"train.unique_sample_num_per_epoch: {name}'s surrogate compares a group's samples within one "
                    f"micro-batch, so each of the {cfg.num_processes} processes must hold whole groups: make it a "
@@ -340,8 +423,8 @@ def distillation_contradictions(cfg) -> list[str]:
         out.append(f"model.target_components: {name} trains roles on one transformer; got "
                    f"{list(model.trained_components)}")
     if cfg.mixed_precision == "fp16":
-        out.append(f"mixed_precision: fp16's one gradient scaler would serve {name}'s several optimizers, which is "
-                   "not built; use bf16 or no")
+        out.append(f"mixed_precision: fp16's gradient scaler is not built for {name}'s roles (one scaler would "
+                   "serve several optimizers, or step beside the teachers); use bf16 or no")
     if spec.rewards and train.per_device_batch_size % train.group_size:
         out.append(f"train.per_device_batch_size: {name} trains whole groups (its surrogate compares a group's "
                    f"samples), so it must be a multiple of group_size {train.group_size}, got "
@@ -354,4 +437,14 @@ def distillation_contradictions(cfg) -> list[str]:
     if train.rollout_cache != "none":
         out.append(f"train.rollout_cache: {name} trains the generator on its own rollout's states, which a lossy "
                    "cache would change; use none")
+    return out
+
+
+def _opd_contradictions(cfg) -> list[str]:
+    """DiffusionOPD's teachers against the rest of the config: each dataset routed to one teacher, LoRA."""
+    datasets = [d.name for d in cfg.data.datasets] if cfg.data.datasets is not None else None
+    out = teacher_routing_problems(cfg.train.teachers, datasets)
+    if cfg.model.finetune_type != "lora":
+        out.append("model.finetune_type: diffusion-opd's teachers are LoRA adapters on the student's base model, "
+                   "beside the student's own LoRA (upstream's trainer is LoRA-only too); use lora")
     return out

@@ -94,12 +94,29 @@ def parse_decay(schedule: str | int) -> tuple[int, float, float, float]:
     return int(start), v0, slope, end
 
 
+class TeacherEntry(Section):
+    """One teacher of ``trainer_type: diffusion-opd`` (``train.teachers``): a LoRA of the base model, frozen, serving
+    the datasets it names."""
+
+    name: str | None = setting(None, "its name, in its metrics (distill_loss_<name>); null = opd_teacher_<i>",
+                               min_length=1)
+    path: str = setting(description="its LoRA: a folder holding pytorch_lora_weights.safetensors (what ff-train's "
+                        "checkpoints and pipe.save_lora_weights write), that file itself, or a hub repo id "
+                        "owner/name[/subfolder]", min_length=1)
+    applicable_datasets: list[str] = setting(
+        default_factory=list, description="the datasets (data.datasets' names) whose samples it scores; one "
+        "teacher per dataset; a run of one dataset (data.dataset_dir) with one teacher leaves it out")
+    guidance_scale: float | None = setting(
+        None, "the CFG scale it is queried at; null = the student's guidance_scale", ge=0)
+
+
 class TrainConfig(Section):
     trainer_type: Literal[TRAINER_TYPES] = setting(
         "grpo", "algorithm: grpo, grpo-guard, dppo (coupled, SDE rollouts), nft, awm, dpo, dgpo, crd (decoupled, "
         "any dynamics), sft, offline-dpo (from a dataset's images or videos: schema_version 2 records, no rewards), dmd2 "
         "and tdm (a few-step generator distilled from the frozen model, with an online fake score; ODE rollouts), "
-        "or tdm-r1 (tdm with rewards, through a learned surrogate)")
+        "tdm-r1 (tdm with rewards, through a learned surrogate), or diffusion-opd (on-policy distillation of "
+        "LoRA teachers, each serving its datasets)")
     resolution: int | list[int] = setting(512, "image size, an int or [height, width]",
                                           expects="an integer or [height, width]")
     num_frames: PositiveInt | None = setting(None, "frames per video (video models only; Wan needs 4k + 1); "
@@ -216,6 +233,16 @@ class TrainConfig(Section):
     surrogate_slow_decay_max: float = setting(0.3, "tdm-r1: the slow surrogate copy's largest decay", ge=0, le=1)
     use_time_weighting: bool = setting(
         True, "tdm-r1: the surrogate's loss at transition k weighs (k + 2) / num_inference_steps")
+    teachers: list[TeacherEntry] = setting(
+        default_factory=list, description="diffusion-opd: the teachers distilled into the student along its own "
+        "rollouts, each a LoRA of the base model routed to its datasets: [{name, path, applicable_datasets, "
+        "guidance_scale}]")
+    loss_target: Literal["xt", "v", "x0"] = setting(
+        "xt", "diffusion-opd: where student and teacher are compared at each distilled step: xt = the step's mean "
+        "(under an SDE divided by its variance), v = the velocity, x0 = the clean state it points at (v and x0: "
+        "ODE rollouts)")
+    self_normalize: bool = setting(
+        False, "diffusion-opd: divide each sample's squared error by its mean absolute error (held constant)")
     max_nonfinite_in_a_row: NonNegativeInt = setting(
         3, "a NaN / inf reward, advantage or gradient norm skips its update; this many skips in a row "
         "stop the run (0 = stop at the first)")
@@ -426,6 +453,12 @@ class TrainConfig(Section):
         return value
 
     @model_validator(mode="after")
+    def _name_teachers(self):
+        for i, teacher in enumerate(self.teachers):  # upstream's default names
+            teacher.name = teacher.name if teacher.name is not None else f"opd_teacher_{i}"
+        return self
+
+    @model_validator(mode="after")
     def _read_adam_betas(self):
         if self.adam_betas is None:
             return self
@@ -458,6 +491,7 @@ class TrainConfig(Section):
             scales.append(self.kl_guidance_scale)
         if self.trainer_type in DISTILLATION_SPECS and self.real_guidance_scale is not None:
             scales.append(self.real_guidance_scale)  # the teacher's guided score
+        scales += [t.guidance_scale for t in self.teachers if t.guidance_scale is not None]  # diffusion-opd's
         return max(scales)
 
     @property
