@@ -114,6 +114,9 @@ def reward_needs(cfg) -> tuple[list[tuple[str, str]], list[tuple[str, str]], lis
     from .rewards.registry import resolve_reward_class
 
     sources = [(cfg.model.model_name_or_path, "model.model_name_or_path")]
+    # diffusion-opd's teachers: a local one is checked before loading (models/preflight.py); a hub one is its repo
+    sources += [(re.sub(r"^([^/]+/[^/]+).*", r"\1", t.path), f"train.teachers[{i}].path")
+                for i, t in enumerate(cfg.train.teachers) if not Path(t.path).expanduser().exists()]
     servers, problems = [], []
     for section, entries in (("rewards", cfg.rewards), ("eval_rewards", cfg.eval_rewards or [])):
         for i, entry in enumerate(entries):

@@ -36,6 +36,8 @@ from ..config.sections import component_targets
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # the file name diffusers writes and reads
 ADAPTER_NAME = "default"
+# a LoRA on the hub: owner/name, then the folder inside the repo that holds it (Flow-Factory's path spec)
+HUB_LORA = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(/[\w.-]+)*")
 
 
 def lora_weight_name(component: str = "transformer") -> str:
@@ -150,6 +152,43 @@ def load_lora_into(pipeline, component: str, lora_dir, weight_name: str = LORA_W
         pipeline.load_lora_weights(str(lora_dir), weight_name=weight_name, **kwargs)
     else:
         getattr(pipeline, component).load_lora_adapter(str(lora_dir), weight_name=weight_name, prefix="transformer")
+
+
+def lora_file(path: str) -> Path | None:
+    """The diffusers LoRA file ``path`` names on this machine: a ``.safetensors`` file, or a folder's
+    ``pytorch_lora_weights.safetensors`` (what ``save_lora`` writes); None when nothing is at ``path`` (a hub id)."""
+    local = Path(path).expanduser()
+    if local.is_file():
+        return local
+    return local / LORA_WEIGHT_NAME if local.is_dir() else None
+
+
+def lora_file_problem(path: str) -> str | None:
+    """Why ``path`` is not a transformer LoRA saved in diffusers' format, or None (a hub id: its download's)."""
+    found = lora_file(path)
+    if found is None:
+        return None if HUB_LORA.fullmatch(path) else "no such file or folder"
+    if not found.is_file():
+        return f"no {LORA_WEIGHT_NAME} in the folder (a LoRA saved by ff-train or pipe.save_lora_weights)"
+    try:
+        with safe_open(str(found), framework="pt") as f:
+            keys = list(f.keys())
+    except Exception as err:  # noqa: BLE001: safetensors raises its own error types for a damaged or foreign file
+        return f"{found} is not a safetensors file ({type(err).__name__})"
+    if not any(k.startswith("transformer.") for k in keys):
+        return f"{found} holds no transformer LoRA weights (keys starting with 'transformer.')"
+    return None
+
+
+def fetch_lora(path: str) -> Path:
+    """The LoRA file of ``path``: local (``lora_file``), or ``owner/name[/subfolder]`` from the hub (its cache)."""
+    found = lora_file(path)
+    if found is not None:
+        return found
+    from huggingface_hub import hf_hub_download
+
+    owner, name, *sub = path.split("/")
+    return Path(hf_hub_download(f"{owner}/{name}", "/".join([*sub, LORA_WEIGHT_NAME])))
 
 
 def load_lora_state(transformer: nn.Module, lora_dir, weight_name: str = LORA_WEIGHT_NAME) -> None:

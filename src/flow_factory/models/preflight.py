@@ -6,8 +6,8 @@ one-line error naming the key or file, not a traceback minutes into a load.
 
 Only JSON is read: the folder's ``model_index.json`` (its ``_class_name`` is the pipeline
 class) and ``vae/`` and ``transformer/config.json`` (the exact size factor; the config
-has already checked the model family's). A hub id is not checked: its files are not
-here, and nothing here may reach the network.
+has already checked the model family's); of diffusion-opd's local teacher LoRAs, each file's
+header. A hub id is not checked: its files are not here, and nothing here may reach the network.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def check_before_loading(cfg) -> None:
     """Raise ``ConfigError`` (a ValueError) naming the key or file if the model source cannot serve ``cfg``."""
     if cfg.model.attn_backend is not None:
         check_attention_backend(cfg.model.attn_backend)
+    check_teacher_loras(cfg.train.teachers)
     folder = pipeline_folder(cfg.model.model_name_or_path)
     if folder is None:
         return
@@ -45,6 +46,16 @@ def check_before_loading(cfg) -> None:
     check_sizes(folder, adapter, cfg)
     if cfg.model.torch_compile == "regional":
         check_regional_compile(folder, adapter)
+
+
+def check_teacher_loras(teachers) -> None:
+    """diffusion-opd's teachers (``train.teachers``): each local path a diffusers LoRA file (its header read)."""
+    from .lora import lora_file_problem
+
+    problems = [f"train.teachers[{i}].path: {t.path}: {why}" for i, t in enumerate(teachers)
+                if (why := lora_file_problem(t.path))]
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def checkpoint_conditions(adapter: type[FlowAdapter], name_or_path: str) -> tuple[tuple[int, int], str]:

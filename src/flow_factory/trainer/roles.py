@@ -44,6 +44,7 @@ from ..algorithms.distillation.tdm_r1 import slow_surrogate_decay
 from .ema import WeightCopy, ema_decay_at, load_ema
 from .optimizers import make_role_optimizer
 from .policy import frozen_copy
+from .teachers import LoraTeachers
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class Roles:
         self.slow: dict[str, WeightCopy] = {}  # role -> its slow copy (``start``)
         self.emas: dict[str, WeightCopy] = {}  # role -> its EMA, where its entry asks (``start``)
         self.train = None  # the config's train section: the EMAs' schedule, interval and device
+        self.teachers: LoraTeachers | None = None  # diffusion-opd's frozen LoRA teachers (trainer/teachers.py)
         self.sharded = False  # under FSDP2 (``start``): every role's weights are shards of the one sharded module
 
     @staticmethod
@@ -90,6 +92,8 @@ class Roles:
         kind = LoraRoles if cfg.model.finetune_type == "lora" else CopiedRoles
         roles = kind(adapter, ordered, master_dtype)
         roles.train = cfg.train
+        if cfg.train.teachers:  # diffusion-opd's, adapters beside the student's (the config asks for LoRA)
+            roles.teachers = LoraTeachers(roles.transformer, cfg.train.teachers)
         if "surrogate" in roles.names:  # TDM-R1's trust region: a slow copy of the surrogate, moved after its steps
             low, high = cfg.train.surrogate_slow_decay_min, cfg.train.surrogate_slow_decay_max
             roles.slow_decays["surrogate"] = lambda step: slow_surrogate_decay(step, low, high)
@@ -405,6 +409,13 @@ class RolePolicy:
         scale = self.policy.guidance_scale if guidance_scale is None else guidance_scale
         with self.roles.teacher():
             return self.policy.adapter.velocity(latents, sigma, cond, scale)
+
+    @torch.no_grad()
+    def teacher_velocity(self, teacher: str, latents, sigma, cond, guidance_scale: float):
+        """diffusion-opd's teacher ``teacher`` (``train.teachers``' name): the base with its LoRA, at
+        ``guidance_scale``."""
+        with self.roles.teachers.running(teacher):
+            return self.policy.adapter.velocity(latents, sigma, cond, guidance_scale)
 
     @torch.no_grad()
     def role_velocity(self, role: str, latents, sigma, cond, guidance_scale: float = 1.0):

@@ -1,0 +1,54 @@
+"""diffusion-opd's teachers: LoRAs of the base model, each loaded from its file (``train.teachers[i].path``) as a
+peft adapter of the one transformer beside the student's (``models/lora.ADAPTER_NAME``), frozen. Each keeps the
+rank, alpha and targets its file's metadata gives (diffusers' ``load_lora_adapter``), so a teacher need not share
+the student's. ``running(name)`` makes one the adapter the transformer runs, for a query without gradients; outside
+it the student runs, as every other part of the trainer expects. Nothing of theirs is checkpointed: a resumed run
+loads them from their paths again."""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+from peft.tuners.tuners_utils import BaseTunerLayer
+
+from ..config import ConfigError
+from ..models.lora import ADAPTER_NAME, fetch_lora
+
+
+class LoraTeachers:
+    def __init__(self, transformer, teachers):
+        """``teachers``: the config's ``train.teachers`` entries (named), loaded in order."""
+        self.transformer, self.adapters = transformer, {}
+        for i, teacher in enumerate(teachers):
+            adapter = f"opd_teacher_{i}"  # not the user's name: peft's must not clash with the roles' adapters
+            path = fetch_lora(teacher.path)
+            try:
+                with warnings.catch_warnings():  # peft warns that a second adapter is added: that is the point
+                    warnings.filterwarnings("ignore", message=".*multiple adapters.*")
+                    transformer.load_lora_adapter(str(path.parent), weight_name=path.name, prefix="transformer",
+                                                  adapter_name=adapter)
+            except (ValueError, RuntimeError, KeyError) as err:
+                raise ConfigError(f"train.teachers[{i}].path: {teacher.path} does not load as a LoRA of this "
+                                  f"{type(transformer).__name__}: {err}") from None
+            self.adapters[teacher.name] = adapter
+        for name, p in transformer.named_parameters():  # loading made them trainable
+            if any(f".{adapter}." in name for adapter in self.adapters.values()):
+                p.requires_grad_(False)
+        self._run(ADAPTER_NAME)  # loading made the last one run
+
+    def _run(self, adapter: str) -> None:
+        for layer in self.transformer.modules():
+            if isinstance(layer, BaseTunerLayer):
+                layer._active_adapter = adapter
+
+    @contextmanager
+    def running(self, teacher: str):
+        """The teacher named ``teacher`` runs inside (its adapter alone), the adapter that ran before after."""
+        layers = [m for m in self.transformer.modules() if isinstance(m, BaseTunerLayer)]
+        before = layers[0].active_adapter
+        self._run(self.adapters[teacher])
+        try:
+            yield
+        finally:
+            self._run(before)
