@@ -9,8 +9,9 @@ copies, ``trainer/ema.WeightCopy``), and with full fine-tuning the teacher's fro
 LoRA the teacher is the base with the adapters off: nothing more). Gradients: one role's at a time, since each
 role's optimizer step sets its gradients to None before the next phase (``optimize._EpochSteps._step``), so the
 largest role's, which is the generator's size. Under fsdp2 a LoRA role's adapters are shards of the one sharded
-transformer, each role's optimizer state, slow copy and EMA of its shards: split as the generator's are. DeepSpeed
-refuses the roles, and fsdp2 refuses full copies: those columns count them split alike, for a run that is refused.
+transformer (full copies and the teacher are sharded too), each role's optimizer state, slow copy and EMA of its
+shards: split as the generator's are. DeepSpeed refuses the roles: its columns count them split alike, for a run
+that is refused.
 
 Work: one optimizer step runs every phase (``Algorithm.phases``: DMD2's ``ttur_fake_updates`` fake-score passes,
 then the generator's) over the same chunks, and each pass's loss calls the transformer several times (the
@@ -166,8 +167,8 @@ def role_memory(cfg, networks: list, precision, notes: list[str]) -> dict:
     train, lora = cfg.train, cfg.model.finetune_type == "lora"
     if train.trainer_type not in DISTILLATION_SPECS:
         return {"roles": {}, "role_gradients": 0}
-    notes.append(f"{train.trainer_type} under DeepSpeed (zero2, zero3)" + ("" if lora else " or fsdp2") +
-                 ": refused (its other roles would not be sharded); those columns split them as the generator's")
+    notes.append(f"{train.trainer_type} under DeepSpeed (zero2, zero3): refused (its engine steps the generator's "
+                 "optimizer alone); those columns split the other roles as the generator's")
     network = next(net for net in networks if net.trained)
     settings = role_optimizers(train.trainer_type, train.role_optimizers, train)
     weights = network.trained * network.master_bytes if lora else network.weight_bytes  # an adapter, or a copy
