@@ -300,7 +300,8 @@ def _role_files(checkpoint, finetune: str, names: list[str]) -> dict:
     EMA's order), as name -> tensor, keys without the LoRA file's prefix."""
     ema = torch.load(checkpoint / "fake_ema.pt", weights_only=True)["weights"]
     return {"generator": {k.removeprefix("transformer."): v for k, v in generator_weights(checkpoint).items()},
-            "fake": torch.load(checkpoint / FAKE_WEIGHTS[finetune], weights_only=True), "fake_ema": dict(zip(names, ema))}
+            "fake": torch.load(checkpoint / FAKE_WEIGHTS[finetune], weights_only=True),
+            "fake_ema": dict(zip(names, ema))}
 
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])

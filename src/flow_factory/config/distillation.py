@@ -379,9 +379,11 @@ def _sharded_role_problems(cfg, kind: str, others: str) -> list[str]:
     too), each role's optimizer over its own shards."""
     train, name, where = cfg.train, cfg.train.trainer_type, f"config_file: {cfg.config_file} runs {kind}"
     if kind == "DEEPSPEED":
-        return [f"{where}: DeepSpeed's engine steps the one optimizer it was built with at every accumulation "
-                f"boundary, whichever role's phase it is, and {name}'s {others} would train outside its partitioned "
-                "fp32 state with optimizers of their own; use fsdp2 (with LoRA), multi_gpu (DDP) or one process"]
+        return [f"{where}: DeepSpeed's engine keeps fp32 master weights and partitioned state for the one "
+                f"optimizer it is built with (the generator's) and casts the rest of the network it wraps to the "
+                f"run's precision, so {name}'s {others} would be stepped outside ZeRO (under bf16 in bf16, with "
+                "no fp32 master), and a backward through the engine steps the generator's optimizer at every "
+                "accumulation boundary, whichever role's phase it is; use fsdp2, multi_gpu (DDP) or one process"]
     if len(DISTILLATION_SPECS[name].roles) == 1:
         return [f"{where}, which would neither shard nor gather {name}'s {others}; use multi_gpu (DDP) or one "
                 "process"]
