@@ -1,5 +1,5 @@
-"""What a distillation run's roles (``train.trainer_type: dmd2``, ``tdm``, ``tdm-r1``; trainer/roles.py) add to its
-plan: memory and work that a run without roles does not have.
+"""What a distillation run's roles (``train.trainer_type: dmd2``, ``tdm``, ``tdm-r1``, ``diffusion-opd``;
+trainer/roles.py) add to its plan: memory and work that a run without roles does not have.
 
 Memory, on each GPU through the rollout and the training phases (the roles are made after the prompt cache):
 each other trainable role's weights (a LoRA adapter beside the generator's, of its size, or with full
@@ -41,6 +41,9 @@ class Call:
     guidance: float
     grad: bool
     teacher: bool = False
+    # which micro-batch of the pass made it (its backward ends that one's graphs: diffusion-opd's pass over a chunk
+    # is one micro-batch per distilled step); not part of what is measured
+    batch: int = field(default=0, compare=False)
 
 
 class CallRecorder:
@@ -48,11 +51,11 @@ class CallRecorder:
     methods: the active role's ``velocity`` with gradients, the others without)."""
 
     def __init__(self, guidance_scale: float):
-        self.guidance_scale, self.calls = guidance_scale, []
+        self.guidance_scale, self.calls, self.batch = guidance_scale, [], 0
         self._weight = torch.zeros((), requires_grad=True)  # so that a loss on the active role's output is trainable
 
     def _answer(self, latents, guidance, grad: bool, teacher: bool = False):
-        self.calls.append(Call(len(latents), float(guidance), grad, teacher))
+        self.calls.append(Call(len(latents), float(guidance), grad, teacher, self.batch))
         zeros = torch.zeros_like(latents, dtype=torch.float32)
         return zeros + self._weight if grad else zeros
 
@@ -68,6 +71,9 @@ class CallRecorder:
     def slow_velocity(self, role, latents, sigma, cond, guidance_scale: float = 1.0):
         return self._answer(latents, guidance_scale, False)
 
+    def teacher_velocity(self, teacher, latents, sigma, cond, guidance_scale: float):
+        return self._answer(latents, guidance_scale, False)  # diffusion-opd's: the base with that teacher's LoRA
+
 
 def recorded_phases(cfg) -> list[tuple[str, int, list[Call]]]:
     """(role, passes, the transformer calls of one pass over one chunk, in order) for each phase of an optimizer
@@ -80,8 +86,9 @@ def recorded_phases(cfg) -> list[tuple[str, int, list[Call]]]:
     train, steps = cfg.train, cfg.rollout_steps
     algorithm = make_algorithm(train.trainer_type, train, make_dynamics(cfg.scheduler.dynamics_type,
                                                                         cfg.scheduler.noise_level))
-    n = train.per_device_batch_size
+    n, names = train.per_device_batch_size, [source.name for source in cfg.data.sources]
     rollouts = Rollouts(prompts=[""] * n, group_ids=torch.arange(n) // train.group_size,
+                        datasets=[names[i % len(names)] for i in range(n)],  # diffusion-opd's teachers take turns
                         latents=torch.zeros(n, steps + 1, 1), log_probs=torch.zeros(n, steps),
                         sigmas=torch.linspace(1.0, 0.0, steps + 1), sde_steps=[], cond={},
                         media=torch.zeros(n, 1), sample_ids=torch.arange(n))
@@ -90,8 +97,8 @@ def recorded_phases(cfg) -> list[tuple[str, int, list[Call]]]:
     out = []
     for role, passes in algorithm.phases:
         recorder = CallRecorder(getattr(train, "loss_guidance_scale", train.guidance_scale))
-        for batch in algorithm.micro_batches(rollouts, advantages, units, torch.Generator().manual_seed(0),
-                                             role=role):
+        for recorder.batch, batch in enumerate(algorithm.micro_batches(
+                rollouts, advantages, units, torch.Generator().manual_seed(0), role=role)):
             algorithm.loss(recorder, batch)
         out.append((role, passes, recorder.calls))
     return out
@@ -110,10 +117,11 @@ class RolePhases:
 
     def peak(self, role: str) -> int:
         """A bound on what one pass of ``role``'s phase holds at once: a call's own peak over the peaks of the
-        calls with gradients before it (their graphs are alive until the backward)."""
+        calls with gradients before it in its micro-batch (their graphs are alive until its backward)."""
         calls = next(c for r, _, c in self.phases if r == role)
-        held, worst = 0, 0
+        held, worst, batch = 0, 0, 0
         for call, measured in calls:
+            held, batch = (held, batch) if call.batch == batch else (0, call.batch)  # the last one's backward ran
             worst = max(worst, held + measured.peak)
             held += measured.peak if call.grad else 0
         return worst
@@ -186,6 +194,10 @@ def role_memory(cfg, networks: list, precision, notes: list[str]) -> dict:
         parts["surrogate: slow copy"] = (network.trained * 4, "gpu", "copies")
     if not lora:
         parts["teacher: frozen copy"] = (network.params * precision.load.itemsize, "gpu", "copies")
+    if train.teachers:  # diffusion-opd's LoRA teachers, frozen adapters: each counted at the student's size
+        parts["teachers: LoRA adapters"] = (len(train.teachers) * weights, "gpu", "weights")
+        notes.append(f"its {len(train.teachers)} teachers are counted at the student's LoRA size (their files "
+                     "are not read)")
     return {"roles": parts, "role_gradients": grads}
 
 
