@@ -154,7 +154,7 @@ def test_the_reward_curve_is_drawn_in_a_process_of_its_own_and_matplotlib_never_
     """A lean run (issue 35): matplotlib's import and first figure add about 33 MB to the process that holds them,
     and a trainer's save, where the curve is drawn, comes after its epochs' busiest moment: it was the run's peak.
     ``plot_curves`` draws in a child process, the same pixels as drawn here; a child that has ended is started
-    again, and a failure there is raised here with its traceback."""
+    again, a failure there is raised here with its traceback, and it ends quietly with the process it draws for."""
     from flow_factory.media.curves import plot_curves, render
 
     series = {"reward/r/mean": [(e, (e % 3) / 2) for e in range(40)], "eval/reward/r": [(0, 0.2), (20, 0.6)]}
@@ -162,9 +162,13 @@ def test_the_reward_curve_is_drawn_in_a_process_of_its_own_and_matplotlib_never_
             f"series = json.loads({json.dumps(json.dumps(series))}); first = plot_curves(series, 'reward per epoch'); "
             "DRAWER.process.kill(); DRAWER.process.wait(); again = plot_curves(series, 'reward per epoch'); "
             f"first.save({str(tmp_path / 'first.png')!r}); again.save({str(tmp_path / 'again.png')!r}); "
-            "print(json.dumps('matplotlib' in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert json.loads(out.strip().splitlines()[-1]) is False
+            "print(json.dumps('matplotlib' in sys.modules), flush=True); "
+            # this process ends before the reply: the child ends too, without a word on the terminal
+            "DRAWER.process.stdin.write(json.dumps({'series': series, 'title': 't', 'size': [640, 400]}).encode() "
+            "+ b'\\n'); DRAWER.process.stdin.flush(); import os; os._exit(0)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(run.stdout.strip().splitlines()[-1]) is False
+    assert "Error" not in run.stderr, run.stderr  # the child holds the stderr pipe: its output would be here
     here = render({k: [tuple(p) for p in v] for k, v in series.items()}, "reward per epoch").tobytes()
     from PIL import Image
 

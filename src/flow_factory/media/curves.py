@@ -149,8 +149,11 @@ def serve() -> None:
         except Exception:  # noqa: BLE001 - the trainer raises it, with this traceback
             body = traceback.format_exc().encode()
             header = f"error {len(body)}"
-        replies.write(header.encode() + b"\n" + body)
-        replies.flush()
+        try:
+            replies.write(header.encode() + b"\n" + body)
+            replies.flush()
+        except BrokenPipeError:  # the trainer has ended mid-request: end quietly, its own error is the one to read
+            return
 
 
 if __name__ == "__main__":
