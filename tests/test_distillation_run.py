@@ -327,8 +327,11 @@ def test_under_fsdp2_the_roles_are_sharded_gathered_and_resumed(tmp_path, tiny_p
     straight = _dmd2_launch(tmp_path / "fsdp", model, finetune, 2, "fsdp2")
     state = json.loads((straight / "trainer_state.json").read_text())["sharding"]
     assert (state["backend"], state["processes"]) == ("fsdp", 2)
-    assert all(0 < n < sum(state["trained_values_per_process"]) for n in state["trained_values_per_process"])
     sharded = _role_files(straight, finetune, names)
+    for role in ("generator", "fake"):  # each process held a part of each role, the two together all of it
+        held, total = state["by_role"][role], sum(v.numel() for v in sharded[role].values() if v.is_floating_point())
+        assert sum(held) == (total if finetune == "lora" else sum(p.numel() for p in base.parameters()))
+        assert all(0 < n < sum(held) for n in held), (role, held)
     for role, weights in one.items():  # a LoRA's B starts at 0; a copy at the base weights
         moved = max(float((v - start[role].get(k, 0 * v)).abs().max()) for k, v in weights.items()
                     if finetune == "full" or "lora_B" in k)

@@ -39,7 +39,7 @@ from ..config import ConfigError
 from ..config.distillation import DISTILLATION_SPECS, GENERATOR, RoleOptimizerSettings, role_optimizers
 from ..models.lora import ADAPTER_NAME, lora_disabled
 from ..sharding import (full_optimizer_state, full_state_dict, load_full_optimizer_state, load_full_state_dict,
-                        reshard_all, shard_on_cpu)
+                        local, reshard_all, shard_on_cpu)
 from ..algorithms.distillation.tdm_r1 import slow_surrogate_decay
 from .ema import WeightCopy, ema_decay_at, load_ema
 from .optimizers import make_role_optimizer
@@ -168,6 +168,14 @@ class Roles:
                      if role != GENERATOR and self.settings[role].ema_decay > 0}
         if resume_from is not None:
             self.load(Path(resume_from))
+
+    def held(self, accelerator) -> dict[str, list[int]]:
+        """Each role's trained values on each process (all of them unless sharded), for the checkpoint's record;
+        a collective."""
+        counts = torch.tensor([sum(local(p).numel() for p in self.params[role]) for role in self.names],
+                              device=accelerator.device)
+        counts = accelerator.gather(counts).reshape(accelerator.num_processes, len(self.names))
+        return dict(zip(self.names, counts.T.tolist()))
 
     def after_epoch(self, epoch: int) -> dict[str, float]:
         """Each role's EMA moved after ``epoch`` (every ``ema_update_interval`` epochs, ``ema_decay_at`` of its own

@@ -115,6 +115,7 @@ class Trainer:
         self.history: list[dict] = resumed.get("history", [])  # one record of training metrics per epoch
         self.eval_history: list[dict] = resumed.get("eval_history", [])  # eval rewards, by epochs completed
         self.held_per_process, self.held_per_component = self.backend.held(self.trained)
+        self.held_per_role = self.roles.held(self.accelerator) if self.roles is not None else {}
 
     def _setup_rewards(self) -> tuple[RewardSet, RewardSet]:
         cfg, model_type = self.cfg, self.cfg.model.model_type
@@ -395,6 +396,8 @@ class Trainer:
                      "sharding": {"backend": self.backend.name, "processes": acc.num_processes,
                                   "trained_values_per_process": self.held_per_process,
                                   "by_component": self.held_per_component, **self.backend.record}}
+            if self.held_per_role:  # each role's trained values on each process (a part of each, sharded)
+                state["sharding"]["by_role"] = self.held_per_role
             if acc.scaler is not None and contents.optimizer is not None:  # fp16: the loss scale resumes too
                 contents.extra[SCALER_FILE] = acc.scaler.state_dict()
             save_checkpoint(out, self.adapter, self.cfg.model.finetune_type, state, contents,
