@@ -9,6 +9,7 @@ import torch
 
 from flow_factory.algorithms import make_algorithm
 from flow_factory.algorithms.distillation.replay import ReplayMismatch, check_replay
+from flow_factory.config import ConfigError
 from flow_factory.dynamics import ODE
 from flow_factory.models import load_adapter
 from flow_factory.models.lora import make_trainable
@@ -71,3 +72,13 @@ def test_a_generator_that_moved_since_its_rollout_fails_the_replay(tmp_path, tin
         losses()
     algorithm.cfg = cfg.train.model_copy(update={"replay_atol": 10.0})  # tolerances wide enough: it trains on
     losses()
+
+
+@pytest.mark.parametrize("name", ["dmd2", "tdm", "tdm-r1"])
+def test_one_generator_step_per_epoch_of_rollouts(tmp_path, tiny_sd3_path, name):
+    """A second optimizer step in an epoch would train on rollouts the first one moved the generator away from
+    (tiny SD3 at lr 0.05: 1.0e-3 off, 1.7e-4 allowed): refused before anything loads, as upstream samples afresh
+    for every generator update."""
+    with pytest.raises(ConfigError, match=r"train.gradient_step_per_epoch / gradient_accumulation_steps: .* got 2"):
+        distillation_config(tmp_path, tiny_sd3_path, name, "lora", gradient_step_per_epoch=2,
+                            **({"group_size": 2} if name == "tdm-r1" else {}))

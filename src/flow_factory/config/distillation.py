@@ -132,6 +132,10 @@ def _dmd2_problems(v: dict, name: str) -> list[str]:
             out.append(f"train.{key}: a finite number >= 0, got {v[key]!r}")
     if v.get("num_inner_epochs", 1) != 1:
         out.append(f"train.num_inner_epochs: {name} needs 1 (every generator update owns a fresh rollout)")
+    if v.get("optimizer_steps_per_epoch", 1) > 1:
+        out.append(f"train.gradient_step_per_epoch / gradient_accumulation_steps: {name} takes one generator step per "
+                   "epoch (every generator update owns a fresh rollout: a later step would train on states its last "
+                   f"step moved away from, which the rollout replay stops), got {v['optimizer_steps_per_epoch']}")
     if v.get("dynamics_type", "ODE") != "ODE":
         out.append(f"scheduler.dynamics_type: {name} replays deterministic ODE rollouts; use ODE")
     steps = v.get("num_inference_steps", 1)
@@ -405,7 +409,9 @@ def distillation_contradictions(cfg) -> list[str]:
             f"({', '.join(DISTILLATION_SPECS)}); {name} trains one optimizer: give one entry, or the train keys"]
     spec = DISTILLATION_SPECS[name]
     values = {k: getattr(train, k) for k in spec.keys if hasattr(train, k)}
-    values.update(num_inner_epochs=train.num_inner_epochs, num_inference_steps=train.num_inference_steps,
+    steps = cfg.gradient_steps_per_epoch if cfg.gradient_accumulation else 1  # 0: the epoch's geometry's error
+    values.update(num_inner_epochs=train.num_inner_epochs, optimizer_steps_per_epoch=steps,
+                  num_inference_steps=train.num_inference_steps,
                   dynamics_type=cfg.scheduler.dynamics_type, advantage_aggregation=train.advantage_aggregation,
                   advantage_clip_range=train.adv_clip_range)
     out = distillation_problems(name, values) + role_optimizer_problems(name, train.role_optimizers)
