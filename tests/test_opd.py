@@ -143,6 +143,8 @@ def test_under_an_sde_the_step_is_weighed_by_its_transition_variance(tmp_path, t
     (lambda c: c["scheduler"].update(dynamics_type="DPM-Solver++2M"), "scheduler.dynamics_type: diffusion-opd"),
     (lambda c: c["model"].update(finetune_type="full"), "model.finetune_type: diffusion-opd's teachers are LoRA"),
     (lambda c: c["train"].update(trainer_type="dmd2"), "train: teachers are diffusion-opd's; dmd2 does not use"),
+    (lambda c: c.update(config_file="config/deepspeed/deepspeed_zero2.yaml"),
+     "runs DEEPSPEED, which diffusion-opd's teachers (LoRA adapters beside the student's) are not built for"),
 ])
 def test_config_errors_name_the_key(tmp_path, tiny_sd3_path, change, message):
     config = opd_train_config(tmp_path, tiny_sd3_path)

@@ -363,34 +363,43 @@ def role_optimizers(name: str, entries: list[dict], train) -> dict[str, RoleOpti
     return out
 
 
-def _launch_kind(config_file) -> str | None:
-    """The ``distributed_type`` of the accelerate config ``config_file`` names (None: none, or unreadable)."""
+def _launch_config(config_file) -> dict:
+    """The accelerate config ``config_file`` names ({}: none, or unreadable)."""
     if config_file is None:
-        return None
+        return {}
     import yaml
 
     from ..launch_configs import resolve
 
     try:
-        return (yaml.safe_load(resolve(config_file).read_text()) or {}).get("distributed_type")
+        found = yaml.safe_load(resolve(config_file).read_text())
     except (OSError, ValueError, yaml.YAMLError, AttributeError):
-        return None
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _launch_kind(config_file) -> str | None:
+    """The ``distributed_type`` of the accelerate config ``config_file`` names (None: none, or unreadable)."""
+    return _launch_config(config_file).get("distributed_type")
 
 
 def _sharded_role_problems(cfg, kind: str, others: str) -> list[str]:
     """What FSDP2 (``kind`` FSDP) and DeepSpeed cannot train of a run with roles (``trainer/roles.py``): FSDP2
     shards every role (LoRA: adapters of the one transformer it shards; full: each copy and the teacher sharded
-    too), each role's optimizer over its own shards."""
+    too), each role's optimizer over its own shards; DeepSpeed ZeRO-1/2 hold the generator's optimizer in the engine
+    and train the other roles' LoRA adapters beside it, each with its own optimizer, as DDP does."""
     train, name, where = cfg.train, cfg.train.trainer_type, f"config_file: {cfg.config_file} runs {kind}"
-    if kind == "DEEPSPEED":
-        return [f"{where}: DeepSpeed's engine keeps fp32 master weights and partitioned state for the one "
-                f"optimizer it is built with (the generator's) and casts the rest of the network it wraps to the "
-                f"run's precision, so {name}'s {others} would be stepped outside ZeRO (under bf16 in bf16, with "
-                "no fp32 master), and a backward through the engine steps the generator's optimizer at every "
-                "accumulation boundary, whichever role's phase it is; use fsdp2, multi_gpu (DDP) or one process"]
-    if len(DISTILLATION_SPECS[name].roles) == 1:
-        return [f"{where}, which would neither shard nor gather {name}'s {others}; use multi_gpu (DDP) or one "
-                "process"]
+    if len(DISTILLATION_SPECS[name].roles) == 1:  # diffusion-opd: one optimizer, but teachers beside the student
+        return [f"{where}, which {name}'s {others} are not built for (neither sharded with the transformer nor run "
+                "inside DeepSpeed's engine here); use multi_gpu (DDP) or one process"]
+    if kind == "DEEPSPEED" and cfg.model.finetune_type != "lora":
+        return [f"{where}: without LoRA {name}'s other roles are whole copies of the transformer, outside DeepSpeed's "
+                "one engine (which holds the generator's optimizer alone): each would train whole on every process, "
+                "its AdamW state unpartitioned; use fsdp2 (each copy sharded), multi_gpu (DDP) or one process"]
+    if kind == "DEEPSPEED" and (_launch_config(cfg.config_file).get("deepspeed_config") or {}).get("zero_stage") == 3:
+        return [f"{where} with ZeRO-3, which partitions every weight of the network its engine wraps, {name}'s "
+                f"{others} included, and their own optimizers beside the engine cannot step partitions; use zero1 or "
+                "zero2 (the other roles' adapters whole, trained beside the engine), fsdp2, multi_gpu or one process"]
     if role_optimizer_problems(name, train.role_optimizers):
         return []  # reported already
     return [f"optimizers: the {role} role's optimizer is muon, which updates each weight matrix whole, but {where} "
