@@ -410,3 +410,13 @@ def test_the_plan_holds_one_distilled_steps_graph_at_a_time(tmp_path, tiny_sd3_p
         (1, False, 1, 1.0)]
     phases = RolePhases([(role, passes, [(c, Measured(1, 10 if c.grad else 3)) for c in calls])])
     assert phases.peak("generator") == 13
+
+
+def test_ff_eval_of_a_run_without_rewards_says_so(tmp_path, tiny_sd3_path, capsys):
+    """A distillation run may name no reward: ff-eval of its config ends in one line saying what to add (it
+    crashed formatting an empty table)."""
+    from flow_factory.evaluate import main as ff_eval
+
+    config = opd_train_config(tmp_path, tiny_sd3_path)
+    assert ff_eval([str(write_config(tmp_path, config))]) == 2
+    assert "names no eval_rewards (nor rewards): nothing to score the samples with" in capsys.readouterr().err

@@ -115,6 +115,10 @@ def main(argv=None) -> int:
     if args.checkpoint and not Path(args.checkpoint).is_dir():
         print(f"ff-eval: --checkpoint {args.checkpoint}: no such folder", file=sys.stderr)
         return 2
+    if not (cfg.eval_rewards or cfg.rewards):  # a distillation run may train on none
+        print(f"ff-eval: {args.config} names no eval_rewards (nor rewards): nothing to score the samples with; add "
+              "eval_rewards: [{reward_model: ...}], or sample them with ff-sample", file=sys.stderr)
+        return 2
     from .checkpoint import CheckpointError
     from .data import PromptFileError
     from .guards import NonFiniteError
