@@ -420,3 +420,25 @@ def test_ff_eval_of_a_run_without_rewards_says_so(tmp_path, tiny_sd3_path, capsy
     config = opd_train_config(tmp_path, tiny_sd3_path)
     assert ff_eval([str(write_config(tmp_path, config))]) == 2
     assert "names no eval_rewards (nor rewards): nothing to score the samples with" in capsys.readouterr().err
+
+
+def test_a_teachers_lora_is_checked_before_anything_loads(tmp_path, tiny_sd3_path):
+    """A local teacher path without its LoRA file is a config error naming the key before the model loads
+    (``check_before_loading``, the Trainer's first step); a hub one is a model the start checks look for (its
+    repo, cached or on a reachable hub), named by its key."""
+    from flow_factory.models.preflight import check_before_loading
+    from flow_factory.start_checks import reward_needs
+
+    save_teacher(tiny_sd3_path, tmp_path / "ta", 2, 1)
+    (tmp_path / "tb").mkdir()  # a folder without pytorch_lora_weights.safetensors
+    config = opd_train_config(tmp_path, tiny_sd3_path)
+    with pytest.raises(ConfigError, match=re.escape(f"train.teachers[1].path: {tmp_path / 'tb'}: no "
+                                                    "pytorch_lora_weights.safetensors in the folder")):
+        check_before_loading(parse_config(config))
+    config["train"]["teachers"][1]["path"] = str(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match=re.escape("train.teachers[1].path: ") + ".*no such file or folder"):
+        check_before_loading(parse_config(config))
+    config["train"]["teachers"][1]["path"] = "quanhaol/DiffusionOPD/OCRTeacher/lora"
+    cfg = parse_config(config)
+    check_before_loading(cfg)  # a hub id: not this check's
+    assert ("quanhaol/DiffusionOPD", "train.teachers[1].path") in reward_needs(cfg)[0]
