@@ -33,22 +33,14 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from ...config.distillation import GENERATOR
+from ...config.distillation import GENERATOR, LOSS_TARGETS, distilled_steps
 from ...dynamics.partial import PartlyStochastic
 from ...models.conditioning import Conditioning, index_cond
 from ..base import Algorithm, RolloutsLike
 from .flow import clean_from_velocity, mean_over_sample
 
-LOSS_TARGETS = ("xt", "v", "x0")
 VARIANCE_FLOOR = 1e-8  # upstream's clamp of the transition variance
 NORMALISER_EPS = 1e-8  # upstream's floor of self-normalisation
-
-
-def distilled_steps(num_steps: int, timestep_range) -> range:
-    """The rollout steps the loss distils: ``[int(T lo), max(lo + 1, int(T hi)))``, ``f`` meaning ``(0, f)``."""
-    lo, hi = (0.0, float(timestep_range)) if isinstance(timestep_range, (int, float)) else timestep_range
-    first = int(num_steps * lo)
-    return range(first, min(num_steps, max(first + 1, int(num_steps * hi))))
 
 
 def opd_target(loss_target: str, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, dynamics) -> Tensor:
