@@ -20,6 +20,7 @@ from flow_factory.dynamics import ODE
 from flow_factory.train import main
 
 from helpers_runs import write_config
+from test_sharded_training import TOOLS_PATH, needs_deepspeed
 from test_roles import dmd2_config
 
 TTUR = 2
@@ -289,10 +290,23 @@ def _dmd2_launch(folder, model, finetune: str, processes: int, config_file=None,
         config["config_file"] = config_file
     argv = [str(write_config(folder, config, f"{run_name}.yaml")), "--num_processes", str(processes),
             "--main_process_port", str(_free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PATH": TOOLS_PATH}  # DeepSpeed's ninja
     (_, err), code = ff_train_in_this_process(argv) if processes == 1 else ff_train_forked(argv, env)
     assert code == 0, err[-3000:]
     return folder / "saves" / run_name / "checkpoints" / "epoch_2"
+
+
+@pytest.fixture(scope="module")
+def one_process_dmd2(tmp_path_factory, tiny_pipeline):
+    """The last checkpoint of ``_dmd2_launch`` on one process, by fine-tuning type (each run once a module)."""
+    runs = {}
+
+    def run(finetune: str) -> Path:
+        if finetune not in runs:
+            runs[finetune] = _dmd2_launch(tmp_path_factory.mktemp(f"one-{finetune}"), tiny_pipeline("sd3-5"), finetune,
+                                          1)
+        return runs[finetune]
+    return run
 
 
 def _role_files(checkpoint, finetune: str, names: list[str]) -> dict:
@@ -305,7 +319,8 @@ def _role_files(checkpoint, finetune: str, names: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_under_fsdp2_the_roles_are_sharded_gathered_and_resumed(tmp_path, tiny_pipeline, finetune):
+def test_under_fsdp2_the_roles_are_sharded_gathered_and_resumed(tmp_path, tiny_pipeline, one_process_dmd2,
+                                                                  finetune):
     """dmd2's roles under FSDP2 on 2 processes, each role's optimizer over its own shards: with LoRA every role's
     adapters are shards of the one sharded transformer; without, the fake score's copy and the teacher are sharded
     too. The generator, the fake score and its EMA end as one process's run ends, to float32 rounding: measured
@@ -320,7 +335,7 @@ def test_under_fsdp2_the_roles_are_sharded_gathered_and_resumed(tmp_path, tiny_p
     base = SD3Transformer2DModel.from_pretrained(f"{model}/transformer")
     start = {"generator": {} if finetune == "lora" else base.state_dict()}
     start["fake"] = start["fake_ema"] = start["generator"]
-    one_checkpoint = _dmd2_launch(tmp_path / "one", model, finetune, 1)
+    one_checkpoint = one_process_dmd2(finetune)
     names = list(torch.load(one_checkpoint / FAKE_WEIGHTS[finetune], weights_only=True)) if finetune == "lora" \
         else [n for n, _ in base.named_parameters()]
     one = _role_files(one_checkpoint, finetune, names)
@@ -353,3 +368,40 @@ def test_under_fsdp2_the_roles_are_sharded_gathered_and_resumed(tmp_path, tiny_p
     pipe.load_lora_weights(straight)
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=pipe.transformer.active_adapters()[0])
     _same({k: v.float() for k, v in loaded.items()}, sharded["generator"])
+
+
+@needs_deepspeed
+def test_under_zero2_the_lora_roles_train_beside_the_engine(tmp_path, tiny_pipeline, one_process_dmd2):
+    """dmd2's LoRA roles under DeepSpeed ZeRO-2 on 2 processes: the engine holds the generator's optimizer (its
+    partitioned state), the fake score's adapter trains beside it with its own AdamW, its gradients averaged by the
+    loop. Every role ends as one process's run ends (measured 4e-6, 6e-7 and 6e-7 of the generator's, the fake
+    score's and its EMA's move, bound 1e-3 as the DDP test), the run resumes from the first epoch's checkpoint (the
+    engine's state and the fake score's files, its optimizer's included) to the straight run's roles (1e-6, as the
+    ZeRO-2 test), and the generator loads in diffusers. (In bf16 the engine casts the fake score's adapter with the
+    rest: ``Roles._beside_engine`` puts it back in float32, checked by hand, docs/scaling.md.)"""
+    from diffusers import StableDiffusion3Pipeline
+    from peft.utils import get_peft_model_state_dict
+
+    model = tiny_pipeline("sd3-5")
+    one_checkpoint = one_process_dmd2("lora")
+    names = list(torch.load(one_checkpoint / "fake_lora.pt", weights_only=True))
+    one = _role_files(one_checkpoint, "lora", names)
+    straight = _dmd2_launch(tmp_path / "zero2", model, "lora", 2, "zero2")
+    state = json.loads((straight / "trainer_state.json").read_text())["sharding"]
+    assert (state["backend"], state["processes"]) == ("deepspeed", 2)
+    beside = _role_files(straight, "lora", names)
+    for role, weights in one.items():
+        moved = max(float(v.abs().max()) for k, v in weights.items() if "lora_B" in k)
+        difference = max(float((beside[role][k].double() - v.double()).abs().max()) for k, v in weights.items())
+        assert moved > 1e-4 and difference <= 1e-3 * moved, (role, difference / moved, moved)
+
+    resumed = _dmd2_launch(tmp_path / "zero2", model, "lora", 2, "zero2", straight.parent / "epoch_1", "resumed")
+    again = _role_files(resumed, "lora", names)
+    for role, weights in beside.items():
+        for key, value in weights.items():
+            torch.testing.assert_close(again[role][key], value, rtol=0, atol=1e-6)
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(model)
+    pipe.load_lora_weights(straight)
+    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=pipe.transformer.active_adapters()[0])
+    _same({k: v.float() for k, v in loaded.items()}, beside["generator"])

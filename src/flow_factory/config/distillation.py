@@ -396,7 +396,8 @@ def _sharded_role_problems(cfg, kind: str, others: str) -> list[str]:
         return [f"{where}: without LoRA {name}'s other roles are whole copies of the transformer, outside DeepSpeed's "
                 "one engine (which holds the generator's optimizer alone): each would train whole on every process, "
                 "its AdamW state unpartitioned; use fsdp2 (each copy sharded), multi_gpu (DDP) or one process"]
-    if kind == "DEEPSPEED" and (_launch_config(cfg.config_file).get("deepspeed_config") or {}).get("zero_stage") == 3:
+    zero_stage = (_launch_config(cfg.config_file).get("deepspeed_config") or {}).get("zero_stage")
+    if kind == "DEEPSPEED" and zero_stage == 3:
         return [f"{where} with ZeRO-3, which partitions every weight of the network its engine wraps, {name}'s "
                 f"{others} included, and their own optimizers beside the engine cannot step partitions; use zero1 or "
                 "zero2 (the other roles' adapters whole, trained beside the engine), fsdp2, multi_gpu or one process"]

@@ -88,6 +88,9 @@ class Stepper:
     syncing_module: Any = None
     step_snapshots: dict = field(default_factory=dict)
     roles: Any = None  # trainer.roles.Roles (distillation): each phase's role trains with its own optimizer
+    # a role trained beside DeepSpeed's engine (which holds the generator's optimizer alone): its backward, clipping
+    # and step are this loop's, as without a backend that steps
+    beside_engine: bool = False
 
 
 def optimize_epoch(algorithm, policy, rollouts, advantages, settings: OptimizeSettings,
@@ -157,7 +160,8 @@ def _role_runs(stepper: Stepper, settings: OptimizeSettings, epoch: int, steps_b
         syncing = stepper.syncing_module if roles.sharded else None
         mine = stepper if role == GENERATOR else replace(stepper, optimizer=roles.optimizers[role],
                                                           params=roles.params[role], syncing_module=syncing,
-                                                          step_snapshots=roles.step_snapshots(role))
+                                                          step_snapshots=roles.step_snapshots(role),
+                                                          beside_engine=roles.beside_engine)
         runs[role] = _EpochSteps(mine, own, epoch, steps_before)
     return runs
 
@@ -180,7 +184,7 @@ class _EpochSteps:
     def __init__(self, stepper: Stepper, settings: OptimizeSettings, epoch: int, steps_before: int):
         self.stepper, self.settings, self.epoch, self.steps_before = stepper, settings, epoch, steps_before
         acc = stepper.accelerator
-        self.deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+        self.deepspeed = acc.distributed_type == DistributedType.DEEPSPEED and not stepper.beside_engine
         self.engine = acc.deepspeed_engine_wrapped.engine if self.deepspeed else None
         # fp16: a loss scaler skips overflows
         self.scaled = acc.scaler is not None or (self.deepspeed and self.engine.fp16_enabled())
@@ -241,7 +245,8 @@ class _EpochSteps:
             _tell_deepspeed_the_boundary(acc, syncs)
             acc.backward(tied * parts)
         elif loss.requires_grad:
-            acc.backward(loss * parts / self.settings.accumulation)
+            scaled = loss * parts / self.settings.accumulation
+            scaled.backward() if self.stepper.beside_engine else acc.backward(scaled)  # not through the engine
 
     def _step(self, metrics: dict, loss: torch.Tensor) -> None:
         """The optimizer step of an accumulation, or its skip: a non-finite gradient norm is the guard's (fp16's
@@ -250,7 +255,8 @@ class _EpochSteps:
         acc, optimizer = s.accelerator, s.optimizer
         if s.syncing_module is None and acc.num_processes > 1:
             average_gradients(s.params)
-        metrics["grad_norm"] = grad_norm = _norm(acc.clip_grad_norm_(s.params, self.settings.max_grad_norm))
+        clip = torch.nn.utils.clip_grad_norm_ if s.beside_engine else acc.clip_grad_norm_  # the engine's: its norm
+        metrics["grad_norm"] = grad_norm = _norm(clip(s.params, self.settings.max_grad_norm))
         # DeepSpeed's engine has stepped already, unless its overflow check found the reduced
         # gradients (or their norm) NaN or inf: then it skipped the step, alike on every process
         stepped = self.engine.was_step_applied() if self.deepspeed else bool(torch.isfinite(grad_norm))

@@ -79,6 +79,7 @@ class Roles:
         self.train = None  # the config's train section: the EMAs' schedule, interval and device
         self.teachers: LoraTeachers | None = None  # diffusion-opd's frozen LoRA teachers (trainer/teachers.py)
         self.sharded = False  # under FSDP2 (``start``): every role's weights are shards of the one sharded module
+        self.beside_engine = False  # under DeepSpeed (``start``): the other roles train beside its engine
 
     @staticmethod
     def of(cfg, adapter, master_dtype: torch.dtype) -> "Roles | None":
@@ -132,6 +133,19 @@ class Roles:
     def _shard(self) -> None:
         """Under FSDP2, shard what the backend did not (the backend sharded the transformer)."""
 
+    def _beside_engine(self) -> None:
+        """Under DeepSpeed ZeRO-1/2 the engine wraps the transformer, the other roles' adapters in it, and keeps fp32
+        masters for its own optimizer's weights (the generator's) alone, having cast the rest to the run's precision:
+        the other roles' weights go back to their master dtype, stepped by their own optimizers beside the engine
+        (whole on every process, as ZeRO-1/2 keep every weight; their gradients averaged by the optimisation loop).
+        ZeRO-3 partitions every weight it wraps, which the other roles' optimizers could not step."""
+        if any(hasattr(p, "ds_id") for p in self.transformer.parameters()):
+            raise ConfigError("config_file: DeepSpeed ZeRO-3 partitions the transformer, the other roles' adapters "
+                              "with it, which their own optimizers cannot step; use zero1 or zero2, or fsdp2")
+        for role in self.names:
+            for p in self.params[role] if role != GENERATOR else ():
+                p.data = p.data.to(self.master_dtype)
+
     # ------------------------------------------------------------------ optimizers and checkpoints
     def generator_optimizer(self, params: list) -> torch.optim.Optimizer:
         """The generator's optimizer over ``params`` (the backend's call: ``weights.ModelSetup``)."""
@@ -153,10 +167,12 @@ class Roles:
         if backend not in self.backends:  # the config refuses these launches; this, a launch it could not read
             raise ConfigError(f"config_file: the {backend} backend does not train {type(self).__name__} (the roles "
                               f"{', '.join(self.names)}); use {' or '.join(self.backends)}")
-        self.sharded = backend == "fsdp"
+        self.sharded, self.beside_engine = backend == "fsdp", backend == "deepspeed"
         if self.sharded:
             self._shard()
         self.params = self._collect()
+        if self.beside_engine:
+            self._beside_engine()
         self.optimizers = {role: make_role_optimizer(self.params[role], self.settings[role])
                            for role in self.names if role != GENERATOR}
         # a copy swapped into shards frees the weights FSDP2 gathered, so that the next forward gathers the swapped
@@ -196,7 +212,7 @@ class Roles:
         the transformer's full state dict the backend gathered for the generator's file."""
         files = {}
         for role, optimizer in self.optimizers.items():
-            weights = self.weights(role, full)
+            weights = self.weights(role, full if self.sharded else None)
             bad = [k for k, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
             if bad:  # the loop skips non-finite steps: reaching here is a bug, never a checkpoint
                 raise FloatingPointError(f"refusing to save the {role} role: {len(bad)} tensors hold NaN or inf")
@@ -243,11 +259,12 @@ class LoraRoles(Roles):
     """Each role a LoRA adapter on the one transformer; the teacher the base, every adapter off."""
 
     weights_file = "{role}_lora.pt"
-    backends = ("ddp", "fsdp")  # FSDP2 shards every role's adapters with the transformer they sit in
+    # FSDP2 shards every role's adapters with the transformer they sit in; DeepSpeed ZeRO-1/2 keep them whole
+    backends = ("ddp", "fsdp", "deepspeed")
 
     def __init__(self, adapter, settings: dict[str, RoleOptimizerSettings], master_dtype: torch.dtype):
         super().__init__(adapter, settings)
-        transformer = self.transformer
+        transformer, self.master_dtype = self.transformer, master_dtype
         self.adapters = {role: ADAPTER_NAME if role == GENERATOR else role for role in self.names}
         config = transformer.peft_config[ADAPTER_NAME]
         for role, name in self.adapters.items():

@@ -381,7 +381,8 @@ class Trainer:
         contents = self.backend.checkpoint_contents(self.trained, self.optimizer, self.copies, self.run_dir,
                                                     self.epoch)
         if self.roles is not None:  # the other roles' files, gathered under FSDP2 by every process
-            contents.extra.update(self.roles.state_files(contents.optimizer is not None,
+            # (their optimizers' state too, unless log.save_model_only: DeepSpeed's engine holds the generator's alone)
+            contents.extra.update(self.roles.state_files(not self.cfg.log.save_model_only,
                                                          (contents.weights or {}).get("transformer")))
         if not acc.is_main_process:
             return None
