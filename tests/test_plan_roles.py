@@ -99,3 +99,18 @@ def test_the_plan_counts_the_roles_as_the_run_holds_and_calls_them(tmp_path, tin
     if finetune == "lora":  # under fsdp2 each role's adapters are shards of the one sharded transformer
         sharded = dataclasses.replace(plan, num_processes=2).memory("fsdp2")["training"]
         assert all(sharded[part] == size // 2 for part, size in held.items())
+
+
+def test_the_other_roles_count_whole_beside_deepspeeds_engine_and_split_under_fsdp2():
+    """Under DeepSpeed ZeRO-1/2 a distillation run's other roles train beside the engine (trainer/roles.py): their
+    weights, AdamW state and gradients whole on every GPU; FSDP2 shards them with the transformer."""
+    from flow_factory.plan.memory import Network, Sizes, per_gpu
+
+    sizes = Sizes(networks=[Network("transformer", params=1000, load_bytes=2, trained=100)], text_encoders=0,
+                  other_networks=0, rewards=0, optimizer_bytes=8, role_gradients=400,
+                  roles={"fake: weights": (400, "gpu", "weights"), "fake: optimizer state": (800, "gpu", "optimizer")})
+    for backend in ("zero1", "zero2", "zero2_offload"):
+        training = per_gpu(sizes, backend, 4)["training"]
+        assert (training["fake: weights"], training["fake: optimizer state"], training["gradients"]) == (400, 800, 400)
+    training = per_gpu(sizes, "fsdp2", 4)["training"]
+    assert (training["fake: weights"], training["fake: optimizer state"], training["gradients"]) == (100, 200, 100)

@@ -154,9 +154,13 @@ def per_gpu(s: Sizes, backend: str, n: int) -> dict[str, dict[str, int]]:
              "optimizer state": int(s.graded * s.optimizer_bytes * part["optimizer"]), "weight copies": copies}
     if s.text_encoders_stay:
         fixed["text encoders"] = s.text_encoders
-    fixed.update({name: int(size * part[kind]) for name, (size, where, kind) in s.roles.items() if where == "gpu"})
+    # a distillation run's other roles train beside DeepSpeed's engine, whole (trainer/roles.py); FSDP2 shards them
+    beside_engine = backend.startswith("zero")
+    fixed.update({name: int(size * (1.0 if beside_engine else part[kind]))
+                  for name, (size, where, kind) in s.roles.items() if where == "gpu"})
     trajectories = s.trajectory_batch if s.offload_samples else s.trajectories
-    grads = int(max(s.gradient_bytes, s.role_gradients) * part["grads"])
+    grads = max(int(s.gradient_bytes * part["grads"]),
+                int(s.role_gradients * (1.0 if beside_engine else part["grads"])))
     return {
         "prompt cache": {"networks": frozen, "text encoders": s.text_encoders, "VAE and other encoders": s.other_networks,
                          "reward models": s.rewards},

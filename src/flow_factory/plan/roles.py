@@ -175,8 +175,8 @@ def role_memory(cfg, networks: list, precision, notes: list[str]) -> dict:
     train, lora = cfg.train, cfg.model.finetune_type == "lora"
     if train.trainer_type not in DISTILLATION_SPECS:
         return {"roles": {}, "role_gradients": 0}
-    notes.append(f"{train.trainer_type} under DeepSpeed (zero2, zero3): refused (its engine steps the generator's "
-                 "optimizer alone); those columns split the other roles as the generator's")
+    notes.append(f"{train.trainer_type}'s other roles under DeepSpeed train beside its engine, whole on every GPU "
+                 "(zero1, zero2 columns; with LoRA only; zero3 is refused for them)")
     network = next(net for net in networks if net.trained)
     settings = role_optimizers(train.trainer_type, train.role_optimizers, train)
     weights = network.trained * network.master_bytes if lora else network.weight_bytes  # an adapter, or a copy
