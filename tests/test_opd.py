@@ -384,6 +384,10 @@ def test_upstreams_example_layout_reads_as_ours(tmp_path):
     assert cfg.train.learning_rate == 3e-4 and cfg.gradient_accumulation == 2 * 9  # 2 batches x 9 distilled steps
     assert [t.name for t in cfg.train.teachers] == ["aes-teacher", "ocr-teacher"]
     assert cfg.train.conditioning_guidance_scale == 4.5
+    one = copy.deepcopy(raw)  # one dataset (read as data.dataset_dir), its one teacher routed to it by name
+    one["data"]["datasets"], one["train"]["teachers"] = datasets[:1], raw["train"]["teachers"][:1]
+    one["train"]["unique_sample_num_per_epoch"] = 3
+    assert load_config(write_config(tmp_path, one, "one.yaml")).train.teachers[0].applicable_datasets == []
     for change, message in (
             (lambda r: r["train"].update(teacher_param_device="cpu"), "train.teacher_param_device: 'cpu'; only cuda"),
             (lambda r: r["data"]["datasets"].append({"name": "ocr_no-cfg", "dataset_dir": "x", "train": None}),
