@@ -380,7 +380,9 @@ class Trainer:
         acc = self.accelerator
         contents = self.backend.checkpoint_contents(self.trained, self.optimizer, self.copies, self.run_dir,
                                                     self.epoch)
-        if self.roles is not None:  # the other roles' files, gathered under FSDP2 by every process
+        # the other roles' files: gathered under FSDP2 by every process; else the main process's alone (a full copy's
+        # weights on the CPU of every process would cost each the copy's size)
+        if self.roles is not None and (self.roles.sharded or acc.is_main_process):
             # (their optimizers' state too, unless log.save_model_only: DeepSpeed's engine holds the generator's alone)
             contents.extra.update(self.roles.state_files(not self.cfg.log.save_model_only,
                                                          (contents.weights or {}).get("transformer")))
