@@ -20,6 +20,12 @@ generator's entry: ``generator_optimizer``), its weights and optimizer state sav
 ``optimizers:`` entry gives ``ema_decay`` keeps an EMA of its weights (``<role>_ema.pt``), moved after each epoch as
 the generator's (``train.ema_*``: schedule, interval, device) but at its own decay; nothing samples with it, it is
 the checkpoint's. The generator's EMA is the trainer's (``train.ema_decay``), as without roles.
+
+The backends (``start``): under DDP the other roles run beside DDP's wrapper, their gradients averaged by the
+optimisation loop. Under FSDP2 every role is sharded (LoRA: the adapters are parameters of the transformer the
+backend shards; full: ``CopiedRoles._shard``), each role's optimizer over its shards, its files gathered for a
+checkpoint. Under DeepSpeed ZeRO-1/2 (LoRA) the engine holds the generator's optimizer and the other roles train
+beside it, whole, as under DDP (``_beside_engine``). Full copies under DeepSpeed and ZeRO-3 are refused.
 """
 
 from __future__ import annotations
