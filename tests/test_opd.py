@@ -446,3 +446,20 @@ def test_a_teachers_lora_is_checked_before_anything_loads(tmp_path, tiny_sd3_pat
     cfg = parse_config(config)
     check_before_loading(cfg)  # a hub id: not this check's
     assert ("quanhaol/DiffusionOPD", "train.teachers[1].path") in reward_needs(cfg)[0]
+
+
+def test_the_accumulation_counts_the_rollouts_own_steps(tmp_path):
+    """Video-to-video rolls out the last ``strength`` part of ``num_inference_steps`` (5 of 10 at 0.5): the config's
+    micro-steps per sample are the algorithm's over those 5 (diffusion-opd distils int(5 x 0.99) = 4, tdm all 5),
+    not over 10, so the optimizer steps where ``gradient_step_per_epoch`` says."""
+    for trainer, expected in (("diffusion-opd", 4), ("tdm", 5)):
+        config = tiny_run_config(tmp_path / trainer, "wan2_v2v", tmp_path / "no-model", trainer_type=trainer,
+                                 num_inference_steps=10, strength=0.5, group_size=1)
+        del config["rewards"]
+        config["scheduler"] = {"dynamics_type": "ODE"}
+        config["train"]["teachers"] = [{"path": str(tmp_path / "t")}] if trainer == "diffusion-opd" else []
+        cfg = parse_config(config)
+        algorithm = make_algorithm(trainer, cfg.train, ODE())
+        rollouts = SimpleNamespace(sigmas=torch.linspace(1.0, 0.0, cfg.rollout_steps + 1))
+        assert cfg.rollout_steps == 5
+        assert cfg.trained_steps_per_sample == algorithm.micro_steps_per_chunk(rollouts) == expected

@@ -445,8 +445,8 @@ class Config(Section):
         """Denoising steps (coupled) or training timesteps (decoupled) per micro-batch of samples,
         one loss term and backward each (distillation: its units per sample, ``config/distillation.py``)."""
         if self.train.trainer_type in DISTILLATION_SPECS:
-            return micro_steps_per_sample(self.train.trainer_type, self.train.num_inference_steps,
-                                          self.train.timestep_range)
+            # of the rollout's own steps (video-to-video's: the last strength part of num_inference_steps)
+            return micro_steps_per_sample(self.train.trainer_type, self.rollout_steps, self.train.timestep_range)
         if self.train.trainer_type not in COUPLED_TRAINER_TYPES:
             return resolve_num_train_timesteps(self.train)
         n = self.scheduler.num_sde_steps
