@@ -360,7 +360,8 @@ def test_the_specs_carry_upstreams_defaults_roles_and_phases():
 
 
 def test_the_rule_checks_name_each_bad_key():
-    assert all(distillation_problems(n, {}) == [] for n in DISTILLATION_SPECS)
+    assert all(distillation_problems(n, {}) == [] for n in DISTILLATION_SPECS if n != "diffusion-opd")
+    assert [m.split(":")[0] for m in distillation_problems("diffusion-opd", {})] == ["train.teachers"]  # needs one
     bad = distillation_problems("tdm-r1", {"tdm_weight": 1.0, "surrogate_slow_decay_min": 0.5,
                                            "surrogate_slow_decay_max": 0.3, "ttur_fake_updates": 0,
                                            "perturbation_timestep_range": [0.5, 0.2], "real_guidance_scale": 0.5,

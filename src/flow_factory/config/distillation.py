@@ -202,7 +202,7 @@ def _opd_problems(v: dict) -> list[str]:
                    "scheduler.dynamics_type: ODE, or loss_target: xt (the step's mean, over its variance)")
     if not isinstance(v["self_normalize"], bool):
         out.append(f"train.self_normalize: true or false, got {v['self_normalize']!r}")
-    teachers = v["teachers"] or []
+    teachers = v.get("teachers") or []  # not in the spec's defaults: none given is the error below
     if not teachers:
         out.append("train.teachers: diffusion-opd distils at least one teacher: [{name, path, "
                    "applicable_datasets, guidance_scale}], each path a LoRA of the base model")
