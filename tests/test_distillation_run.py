@@ -20,11 +20,12 @@ from flow_factory.dynamics import ODE
 from flow_factory.train import main
 
 from helpers_runs import write_config
-from test_sharded_training import TOOLS_PATH, needs_deepspeed
+from test_sharded_training import TOOLS_PATH, _why_no_deepspeed, needs_deepspeed
 from test_roles import dmd2_config
 
 TTUR = 2
 FAKE_EMA_DECAY = 0.5
+BACKENDS = {None: "ddp", "fsdp2": "fsdp", "zero2": "deepspeed"}  # config_file -> the checkpoint's sharding.backend
 FAKE_WEIGHTS = {"lora": "fake_lora.pt", "full": "fake_transformer.pt"}  # the fake score's, in a checkpoint
 
 
@@ -221,14 +222,14 @@ LINEAR_STEP = {"learning_rate": 1e9, "eps": 1e8, "weight_decay": 0.0}  # AdamW's
 
 def test_two_processes_make_one_processs_update(tmp_path, tiny_pipeline):
     """tdm-r1 (all three roles, rewards, groups) on 1 process (one chunk of 2 groups of 2) and on 2 (each one
-    chunk of one group) under DDP and under FSDP2: the same generator, fake score and surrogate after 2 epochs
-    (each sample's training draws are keyed by its id, not by the process; DDP averages the generator's gradients,
-    the loop the other roles', FSDP2 reduce-scatters every role's; the advantages are the gathered batch's), up to
-    float32 rounding: measured 1.2e-5, 1.3e-5 and 2.5e-6 of how far each moved, both backends (dmd2 alike: 9e-6,
-    1e-6), bound 1e-3; with the other roles' gradients left unaveraged the generator's differ by 6e-3. The slow
-    surrogate copy lags (decay 0.9) and its trust region clips half the samples of epoch 2: a slow copy not
-    swapped into FSDP2's shards clips none, and the generator differs by 2.5e-2. A smooth reward (mean
-    brightness): JPEG sizes jump with rounding."""
+    chunk of one group) under DDP, FSDP2 and DeepSpeed ZeRO-2: the same generator, fake score and surrogate after 2
+    epochs (each sample's training draws are keyed by its id, not by the process; DDP averages the generator's
+    gradients, the loop the other roles', FSDP2 reduce-scatters every role's, ZeRO-2's engine the generator's; the
+    advantages are the gathered batch's), up to float32 rounding: measured 1.2e-5, 1.3e-5 and 2.5e-6 of how far each
+    moved, every backend (dmd2 alike: 9e-6, 1e-6), bound 1e-3; with the other roles' gradients left unaveraged the
+    generator's differ by 6e-3. The slow surrogate copy lags (decay 0.9) and its trust region clips half the samples
+    of epoch 2: a slow copy not swapped into FSDP2's shards clips none, and the generator differs by 2.5e-2. A
+    smooth reward (mean brightness): JPEG sizes jump with rounding. (ZeRO-2's run only where DeepSpeed runs.)"""
     import os
 
     from helpers_launch import ff_train_forked
@@ -236,7 +237,8 @@ def test_two_processes_make_one_processs_update(tmp_path, tiny_pipeline):
     from test_train_cli import _free_port
 
     model, runs = tiny_pipeline("sd3-5"), {}
-    for processes, backend in ((1, None), (2, None), (2, "fsdp2")):
+    launches = [(1, None), (2, None), (2, "fsdp2")] + ([(2, "zero2")] if _why_no_deepspeed() is None else [])
+    for processes, backend in launches:
         folder = tmp_path / f"p{processes}{backend or ''}"
         config = dmd2_config(folder, model, [{"name": r, **LINEAR_STEP} for r in ("generator", "fake", "surrogate")],
                              trainer_type="tdm-r1", max_epochs=2, ttur_fake_updates=TTUR, group_size=2,
@@ -250,17 +252,17 @@ def test_two_processes_make_one_processs_update(tmp_path, tiny_pipeline):
             config["config_file"] = backend
         argv = [str(write_config(folder, config)), "--num_processes", str(processes), "--main_process_port",
                 str(_free_port())]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PATH": TOOLS_PATH}
         (_, err), code = ff_train_in_this_process(argv) if processes == 1 else ff_train_forked(argv, env)
         assert code == 0, err[-3000:]
         checkpoint = folder / "saves" / "run" / "checkpoints" / "epoch_2"
         state = json.loads((checkpoint / "trainer_state.json").read_text())
         assert state["history"][-1]["train/surrogate/clip_fraction"] > 0  # the slow copy counted
         sharding = state["sharding"]
-        assert (sharding["backend"], sharding["processes"]) == ("fsdp" if backend else "ddp", processes)
+        assert (sharding["backend"], sharding["processes"]) == (BACKENDS[backend], processes)
         others = (torch.load(checkpoint / f"{role}_lora.pt", weights_only=True) for role in ("fake", "surrogate"))
         runs[processes, backend] = [generator_weights(checkpoint), *others]
-    for backend in (None, "fsdp2"):
+    for _, backend in launches[1:]:
         for role, one, two in zip(("generator", "fake", "surrogate"), runs[1, None], runs[2, backend]):
             one = {k.removeprefix("transformer."): v for k, v in one.items()}
             two = {k.removeprefix("transformer."): v for k, v in two.items()}
