@@ -90,6 +90,10 @@ ALGORITHMS: dict[str, list[str]] = {
     # takes no FirstBlockCache): its time per epoch and accuracy against nft's
     "nft-pab": ["train.trainer_type=nft", *DECOUPLED, "train.ema_decay=0.9", "train.rollout_cache=pyramid",
                 "train.rollout_cache_params={spatial_attention_block_skip_range: 2}"],
+    # the same through TaylorSeer at diffusers' defaults: whole blocks predicted between refreshes (the policy
+    # that saved the most and departed the most in bench/rollout_cache_speed.py)
+    "nft-taylorseer": ["train.trainer_type=nft", *DECOUPLED, "train.ema_decay=0.9", "train.rollout_cache=taylorseer",
+                       "train.rollout_cache_params={}"],
 }
 SMOKE = {"samples": 256, "eval_samples": 64, "evals": 1}  # 2 epochs, 64 held-out samples: minutes
 
