@@ -243,13 +243,16 @@ class Roles:
                                       "weights): not a checkpoint of this trainer and fine-tuning type")
             self.load_weights(role, torch.load(path, map_location="cpu", weights_only=True), path)
             state = checkpoint / optimizer_file(role)
-            if state.is_file():
-                state = torch.load(state, map_location="cpu", weights_only=True)
-                if self.sharded:  # saved gathered, keyed by parameter name: each process keeps its shards' state
-                    with self.active(role):  # torch makes the state to fill by a step of the weights with gradients
-                        load_full_optimizer_state(self.module(role), optimizer, state)
-                else:
-                    optimizer.load_state_dict(state)
+            if not state.is_file():
+                logger.warning("model.resume_path %s holds no %s (saved with log.save_model_only); the %s role's "
+                               "optimizer restarts", checkpoint, state.name, role)
+                continue
+            state = torch.load(state, map_location="cpu", weights_only=True)
+            if self.sharded:  # saved gathered, keyed by parameter name: each process keeps its shards' state
+                with self.active(role):  # torch makes the state to fill by a step of the weights with gradients
+                    load_full_optimizer_state(self.module(role), optimizer, state)
+            else:
+                optimizer.load_state_dict(state)
         for role, slow in self.slow.items():
             if not load_ema(slow, checkpoint, slow_file(role)):
                 raise CheckpointError(f"model.resume_path: {checkpoint} holds no {slow_file(role)} (the {role} "
