@@ -6,18 +6,21 @@ DMD2 (arXiv:2405.14867), as Flow-Factory's ``trainers/distillation/dmd2.py`` (th
 at 091df9df) trains it. Each epoch the generator samples its few-step ODE rollouts (``num_inference_steps``,
 every state kept), then each optimizer step runs two phases over the same chunks:
 
-- ``fake``, ``ttur_fake_updates`` passes: the fake score learns the generator's samples by flow matching at a
-  fresh noising ``x_t = (1 - s) x0 + s eps``, ``s ~ U(perturbation_timestep_range)`` (``fake_score_loss``),
-  queried without guidance;
-- ``generator``, one pass: at a step ``i`` drawn uniformly in ``[0, K)`` its live clean prediction
-  ``x0_i = x_i - sigma_i v_theta(x_i, sigma_i)`` from the rollout's own state ``x_i``, re-noised as above, moves
-  towards the teacher's clean prediction (the base model, adapters off, with CFG at ``real_guidance_scale``) and
-  away from the fake score's (``dmd2_generator_loss``).
+- ``fake``, ``ttur_fake_updates`` passes: the fake score learns the distribution the generator's loss is taken
+  on. At a step ``i`` drawn uniformly in ``[0, K)`` (each pass its own draw, as upstream's ``_fake_replay_loss``)
+  the generator's clean prediction ``x0_i = x_i - sigma_i v_theta(x_i, sigma_i)`` from the rollout's state ``x_i``
+  (a live forward of the generator's weights at the rollout's guidance, without gradients) is re-noised,
+  ``x_t = (1 - s) x0_i + s eps``, ``s ~ U(perturbation_timestep_range)``, and the fake score regresses its
+  flow-matching velocity there (``fake_score_loss``), queried without guidance. Only for ``K = 1``, or at the
+  last step, is ``x0_i`` the rollout's final sample;
+- ``generator``, one pass: at a step ``i`` drawn alike, its live clean prediction ``x0_i`` (with gradients),
+  re-noised as above, moves towards the teacher's clean prediction (the base model, adapters off, with CFG at
+  ``real_guidance_scale``) and away from the fake score's (``dmd2_generator_loss``).
 
 The rollout's states are the generator's own under the weights of this epoch, which the fake phases do not
-change, so ``x0_i`` is what the rollout computed there: each live velocity of the generator at a rollout state is
-checked to step onto the next state the rollout stored, within ``replay_rtol`` / ``replay_atol`` (``replay.py``,
-upstream's replay; no extra transformer call).
+change, so ``x0_i`` is what the rollout computed there: each live velocity of the generator at a rollout state,
+in either phase, is checked to step onto the next state the rollout stored, within ``replay_rtol`` /
+``replay_atol`` (``replay.py``, upstream's replay; no extra transformer call).
 """
 
 from __future__ import annotations
@@ -51,19 +54,19 @@ def sample_generators(rollouts: RolloutsLike, idx: Tensor, generator: torch.Gene
 
 @dataclass
 class RoleBatch:
-    """One role's micro-batch: the state the generator is trained at (``x`` at ``sigma``; the final sample for the
-    fake score), the rollout's final sample ``x0``, and the fresh noise and noise level of the scores' queries."""
+    """One role's micro-batch: each sample's rollout state ``x`` at ``sigma`` (its drawn step), the state the
+    rollout stored after it (``x_next`` at ``sigma_next``, the replay), and the fresh noise and noise level at which
+    the generator's clean prediction there is re-noised."""
 
     role: str
     x: Tensor  # (B, *latent)
     sigma: Tensor  # (B,)
-    x0: Tensor  # (B, *latent) float32
     noise: Tensor  # (B, *latent)
     noise_sigma: Tensor  # (B,)
     advantages: Tensor  # (B,) unused: distillation trains on no reward
     cond: Conditioning
-    x_next: Tensor | None = None  # (B, *latent) the generator's phase: the rollout's state after ``x``'s step
-    sigma_next: Tensor | None = None  # (B,) its noise level
+    x_next: Tensor  # (B, *latent)
+    sigma_next: Tensor  # (B,)
     stored_in: torch.dtype = torch.float32  # the dtype the rollout stored its states in (a micro-batch's are float32)
     parts: int = 1  # per-step batches this one joins (``base.merge_batches``)
 
@@ -83,7 +86,7 @@ class DMD2(Algorithm):
         return self.cfg.real_guidance_scale or self.cfg.guidance_scale
 
     def kept_states(self, num_steps: int, sde_steps: list[int] | None) -> list[int]:
-        return list(range(num_steps + 1))  # the generator trains at any of its own steps; the fake score on the last
+        return list(range(num_steps + 1))  # both roles train at any of the generator's steps, replayed onto the next
 
     def replayed(self, batch, v: Tensor, what: str) -> Tensor:
         """``v``, the generator's velocity at ``batch.x``, once its step is checked to land on ``batch.x_next``
@@ -98,32 +101,42 @@ class DMD2(Algorithm):
 
     def micro_batches(self, rollouts: RolloutsLike, advantages: Tensor, units: Tensor,
                       generator: torch.Generator, role: str = GENERATOR) -> Iterator[RoleBatch]:
+        """Each chosen sample at a step of its rollout drawn uniformly in ``[0, K)``, with the stored state after
+        it (the replay) and a fresh noise level and noise, all from the sample's own generator: the fake passes
+        and the generator's draw alike, each pass its own (``generator`` is seeded per phase and pass), as
+        upstream's fake and generator losses each draw their step."""
         idx = units[:, 0]
         steps = len(rollouts.sigmas) - 1
-        x0 = rollouts.latents_at(idx, steps).float()
         draws = sample_generators(rollouts, idx, generator)
-        # each sample's step (the generator's phase), noise level and noise, from its own generator
-        step = torch.tensor([steps if role != GENERATOR else sample_boundary_index(steps, g) for g in draws])
+        step = torch.tensor([sample_boundary_index(steps, g) for g in draws])
+        x = rollouts.latents_at(idx, step.to(rollouts.sigmas.device))
+        x_next = rollouts.latents_at(idx, (step + 1).to(rollouts.sigmas.device))
         sigma_range = tuple(self.cfg.perturbation_timestep_range)
         noise_sigma = torch.cat([sample_perturbation_sigma(1, sigma_range, generator=g) for g in draws])
-        noise = torch.cat([torch.randn((1, *x0.shape[1:]), generator=g, dtype=torch.float32) for g in draws])
-        x = x0 if role != GENERATOR else rollouts.latents_at(idx, step.to(rollouts.sigmas.device))
-        x_next = rollouts.latents_at(idx, (step + 1).to(rollouts.sigmas.device)) if role == GENERATOR else None
-        following = {} if x_next is None else dict(  # what the generator's step is replayed against
-            x_next=x_next, sigma_next=rollouts.sigmas.cpu()[step + 1].to(x0.device), stored_in=x_next.dtype)
-        yield RoleBatch(role=role, x=x, sigma=rollouts.sigmas.cpu()[step].to(x0.device), x0=x0,
-                        noise=noise.to(x0.device), noise_sigma=noise_sigma.to(x0.device), advantages=advantages[idx],
-                        cond=index_cond(rollouts.cond, idx), **following)
+        noise = torch.cat([torch.randn((1, *x.shape[1:]), generator=g, dtype=torch.float32) for g in draws])
+        sigmas = rollouts.sigmas.cpu()
+        yield RoleBatch(role=role, x=x, sigma=sigmas[step].to(x.device), noise=noise.to(x.device),
+                        noise_sigma=noise_sigma.to(x.device), advantages=advantages[idx],
+                        cond=index_cond(rollouts.cond, idx), x_next=x_next, sigma_next=sigmas[step + 1].to(x.device),
+                        stored_in=x_next.dtype)
+
+    def generated(self, policy, batch: RoleBatch) -> Tensor:
+        """The generator's clean prediction ``x0_i = x_i - sigma_i v_theta(x_i, sigma_i)`` at the batch's step, its
+        velocity replayed: live with gradients in its own phase, without them (its weights switched in) in the
+        fake score's, as upstream's fake loss recomputes it."""
+        if batch.role == GENERATOR:
+            v = policy.velocity(batch.x, batch.sigma, batch.cond)  # at the rollout's own guidance
+        else:
+            v = policy.role_velocity(GENERATOR, batch.x, batch.sigma, batch.cond, self.cfg.loss_guidance_scale)
+        return clean_from_velocity(batch.x, self.replayed(batch, v, f"dmd2's {batch.role} loss"), batch.sigma)
 
     def loss(self, policy, batch: RoleBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        if batch.role == "fake":
-            x_t = add_noise(batch.x0, batch.noise, batch.noise_sigma)
-            v_fake = policy.velocity(x_t, batch.noise_sigma, batch.cond, guidance_scale=1.0)
-            loss = fake_score_loss(v_fake, batch.x0, batch.noise)
-            return loss, {"fake_score_loss": loss.detach()}
-        v = self.replayed(batch, policy.velocity(batch.x, batch.sigma, batch.cond), "dmd2's generator loss")
-        x0_gen = clean_from_velocity(batch.x, v, batch.sigma)  # v: at the rollout's own guidance
+        x0_gen = self.generated(policy, batch)
         x_t = add_noise(x0_gen.detach(), batch.noise, batch.noise_sigma)
+        if batch.role == "fake":
+            v_fake = policy.velocity(x_t, batch.noise_sigma, batch.cond, guidance_scale=1.0)
+            loss = fake_score_loss(v_fake, x0_gen, batch.noise)
+            return loss, {"fake_score_loss": loss.detach()}
         x0_real = clean_from_velocity(x_t, policy.reference_velocity(x_t, batch.noise_sigma, batch.cond,
                                                                      guidance_scale=self.real_scale), batch.noise_sigma)
         x0_fake = clean_from_velocity(x_t, policy.role_velocity("fake", x_t, batch.noise_sigma, batch.cond),
