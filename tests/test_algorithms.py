@@ -360,10 +360,10 @@ def test_grpo_guard_needs_recorded_means_and_flow_sde():
 # ----------------------------------------------------------------- the registry
 def test_make_algorithm_registry_and_config_errors():
     assert set(ALGORITHMS) == {"grpo", "grpo-guard", "dppo", "nft", "awm", "dpo", "dgpo", "crd", "sft", "offline-dpo",
-                               "dmd2", "tdm", "tdm-r1"}
+                               "dmd2", "tdm", "tdm-r1", "diffusion-opd"}
     assert type(make_algorithm("grpo-guard", train_cfg(), FlowSDE(0.7))) is GRPOGuard
     assert type(make_algorithm("grpo", train_cfg(), DanceSDE(0.7))) is GRPO
-    with pytest.raises(ValueError, match=r"unknown 'ppo'; valid: \['awm', 'crd', 'dgpo', 'dmd2', 'dpo', 'dppo', 'grpo', 'grpo-guard', 'nft', 'offline-dpo', 'sft', 'tdm', 'tdm-r1'\]"):
+    with pytest.raises(ValueError, match=r"unknown 'ppo'; valid: \['awm', 'crd', 'dgpo', 'diffusion-opd', 'dmd2', 'dpo', 'dppo', 'grpo', 'grpo-guard', 'nft', 'offline-dpo', 'sft', 'tdm', 'tdm-r1'\]"):
         make_algorithm("ppo", train_cfg(), FlowSDE(0.7))
     with pytest.raises(ValueError, match="deterministic"):
         make_algorithm("grpo", train_cfg(), ODE())
