@@ -217,6 +217,56 @@ def test_the_generator_moves_towards_the_teacher_and_away_from_the_fake_score(tm
     assert fake_batch.role == "fake"
 
 
+class LinearGenerator:
+    """The fake score's phase on a toy: the generator's velocity ``a x + b`` (its role switched in, no gradients),
+    the active role's (the fake score's) a constant ``c`` with gradients; the fake score's inputs are kept."""
+
+    a, b = 0.5, 0.2
+
+    def __init__(self):
+        self.c, self.inputs = torch.tensor(0.3, requires_grad=True), []
+
+    def velocity(self, x, sigma, cond, guidance_scale=None):
+        self.inputs.append(x.detach())
+        return self.c.expand_as(x)
+
+    def role_velocity(self, role, x, sigma, cond, guidance_scale=1.0):
+        assert role == "generator"
+        return self.a * x + self.b
+
+
+@pytest.mark.parametrize("sigmas", [[1.0, 0.7, 0.3, 0.0], [1.0, 0.0]], ids=["3-step", "1-step"])
+def test_the_fake_score_learns_the_generators_clean_prediction_at_a_drawn_step(tmp_path, tiny_sd3_path, sigmas):
+    """DMD2's fake score is trained where the generator's loss is taken (upstream's ``_fake_replay_loss``): at a
+    step i of the rollout drawn in [0, K), the generator's clean prediction x0_i = x_i - sigma_i (a x_i + b),
+    re-noised to x_t = (1 - s) x0_i + s eps, with the flow-matching target eps - x0_i. Worked by hand from the
+    toy's own Euler rollout; for K = 1 x0_0 is the rollout's final sample."""
+    cfg = parse_config(dmd2_config(tmp_path, tiny_sd3_path, num_inference_steps=len(sigmas) - 1)).train
+    algorithm, steps = make_algorithm("dmd2", cfg, ODE()), len(sigmas) - 1
+    states = [torch.randn(16, 2, 3, generator=torch.Generator().manual_seed(0))]
+    for k in range(steps):  # the toy generator's ODE rollout, which the fake phase replays
+        states.append(states[k] + (sigmas[k + 1] - sigmas[k]) * (LinearGenerator.a * states[k] + LinearGenerator.b))
+    states = torch.stack(states, dim=1)
+    rollouts = SimpleNamespace(sigmas=torch.tensor(sigmas), cond={"text": torch.arange(16)},
+                               latents_at=lambda idx, step: states[idx, step])
+    units, drawn = torch.arange(16).reshape(-1, 1), set()
+    for seed in range(3):  # three fake passes, each its own draws
+        batch, = algorithm.micro_batches(rollouts, torch.zeros(16), units, torch.Generator().manual_seed(seed),
+                                         role="fake")
+        step = (batch.sigma.reshape(-1, 1) == rollouts.sigmas).float().argmax(dim=1)  # the step drawn: its sigma
+        drawn |= set(step.tolist())
+        x_i = states[torch.arange(16), step]
+        x0 = x_i - batch.sigma.reshape(-1, 1, 1) * (LinearGenerator.a * x_i + LinearGenerator.b)
+        s = batch.noise_sigma.reshape(-1, 1, 1)
+        policy = LinearGenerator()
+        loss, metrics = algorithm.loss(policy, batch)
+        torch.testing.assert_close(policy.inputs[0], (1 - s) * x0 + s * batch.noise)
+        torch.testing.assert_close(loss, (policy.c - (batch.noise - x0)).pow(2).mean())
+        if steps == 1:
+            torch.testing.assert_close(x0, states[:, -1])
+    assert drawn == set(range(steps))  # every step of the generator's, not its last alone
+
+
 LINEAR_STEP = {"learning_rate": 1e9, "eps": 1e8, "weight_decay": 0.0}  # AdamW's step linear in the gradient
 
 
