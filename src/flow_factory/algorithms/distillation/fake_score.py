@@ -4,7 +4,9 @@ update rule).
 
 DMD2's fake score is trained as the teacher was, by denoising score matching on the generator's
 outputs; in the flow-matching parameterisation that is the flow-matching loss at a fresh noising
-of the detached generated clean state ``x0 = G(z)``:
+of the detached generated clean state ``x0 = G(z)`` (for a K-step generator the clean prediction
+``x0_i = x_i - sigma_i v_theta(x_i, sigma_i)`` at a step ``i`` of its rollout drawn in ``[0, K)``, the samples the
+generator's loss is taken at; ``trainers.DMD2``):
 
     sigma ~ U(perturbation_timestep_range),  eps ~ N(0, I),  x_t = (1 - sigma) x0 + sigma eps,
     L_fake = E || v_fake(x_t, sigma) - (eps - x0) ||^2,
