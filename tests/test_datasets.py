@@ -6,6 +6,7 @@ logged apart, and the same update on one process and on two."""
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def test_flow_factorys_layout_reads_as_ours_and_the_start_check_counts_each_data
     cfg = parse_config(upstream)
     a, b = cfg.data.sources
     assert (a.name, a.weight, a.max_dataset_size, a.eval_max_dataset_size, b.weight) == ("a", 1, 3, 1, 3)
-    assert cfg.eval.guidance_scale == 3.0
+    assert a.eval_guidance_scale == b.eval_guidance_scale == 3.0 and a.train and a.eval
     _datasets(tmp_path, sizes=(3, 2))
     with pytest.raises(ConfigError, match=r"train.unique_sample_num_per_epoch: 4 distinct prompts an epoch, shared "
                                           r"by data.datasets' weights; too few prompts for their weight: b \(2 "
@@ -186,3 +187,142 @@ def test_each_dataset_is_logged_apart_and_two_processes_make_one_processs_update
                          "pytorch_lora_weights.safetensors")
     relative, moved = _difference_over_movement(lora(one), lora(two))
     assert moved > 1e-4 and relative <= TOLERANCE, (relative, moved)
+
+
+def _eval_only_config(tmp_path, **c_settings):
+    """Datasets a and b train (weights 1 and 3), c is evaluation-only: its own test prompts, eval steps and
+    guidance."""
+    datasets = _datasets(tmp_path, sizes=(4, 6))
+    datasets[1]["weight"] = 3
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "test.txt").write_text("a c test one\na c test two\n")
+    (tmp_path / "c" / "train.txt").write_text("".join(f"a c thing number {i}\n" for i in range(8)))  # never drawn
+    datasets.append({"name": "c", "dataset_dir": str(tmp_path / "c"), "train": False, **c_settings})
+    config = minimal(eval={"num_inference_steps": 5, "guidance_scale": 4.5},
+                     train={"per_device_batch_size": 2, "group_size": 2, "unique_sample_num_per_epoch": 4})
+    config["data"] = {"datasets": datasets, "cache_dir": str(tmp_path / "cache")}
+    return config
+
+
+def test_an_evaluation_only_dataset_is_never_drawn_for_training_and_its_test_split_is_evaluated(tmp_path):
+    """200 epochs' draws hold a's and b's prompts alone, 1 : 3 every epoch; c's test prompts are evaluated (and
+    named apart in the eval metrics), and the training metrics name a and b only."""
+    from flow_factory.models import get_adapter_class
+    from flow_factory.trainer.run_data import load_run_data
+
+    cfg = parse_config(_eval_only_config(tmp_path))
+    data = load_run_data(cfg, get_adapter_class("sd3-5"), num_processes=1, seed=0)
+    for epoch in range(200):
+        drawn = [data.train_prompts[i].dataset for i in data.sampler.draw(epoch).prompt_indices[::2].tolist()]
+        assert sorted(drawn) == ["a", "b", "b", "b"], (epoch, drawn)
+    assert [it.dataset for it in data.test_prompts] == ["a", "b", "c", "c"]
+    assert data.source_names == ["a", "b"] and data.eval_source_names == ["a", "b", "c"]
+
+
+def test_each_dataset_is_evaluated_with_its_own_steps_and_guidance(tmp_path, monkeypatch):
+    """c's test prompts are sampled at its eval_num_inference_steps and eval_guidance_scale, a's and b's at the
+    eval section's; each sample keeps its index in the test prompts as its noise seed, so the scores come back in
+    the test prompts' order; the prompt cache encodes c's prompts at c's guidance."""
+    from flow_factory import sampling
+    from flow_factory.data import load_sources
+
+    cfg = parse_config(_eval_only_config(tmp_path, eval_num_inference_steps=2, eval_guidance_scale=1.0))
+    items = load_sources(cfg.data.split_sources("test"), "test")
+    calls = []
+
+    def sample_prompts(adapter, part, settings, sample_ids, **services):
+        calls.append(([it.dataset for it in part], settings.num_steps, settings.guidance_scale, sample_ids))
+        empty = torch.empty(0)
+        return sampling.Rollouts(prompts=[it.prompt for it in part], group_ids=empty, latents=empty,
+                                 log_probs=empty, sigmas=empty, sde_steps=[], cond={}, media=empty,
+                                 rewards={"r": torch.tensor([float(i) for i in sample_ids])})
+    monkeypatch.setattr(sampling, "sample_prompts", sample_prompts)
+    scores, _ = sampling.sample_eval(None, items, sampling.eval_parts(cfg, items, (64, 64)), lambda n: slice(0, n))
+    assert calls == [(["a", "b"], 5, 4.5, [0, 1]), (["c", "c"], 2, 1.0, [2, 3])]
+    assert scores["r"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert [sampling.eval_guidance(cfg, it.dataset) for it in items] == [4.5, 4.5, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: [d.update(train=False) or d.pop("weight", None) for d in c["data"]["datasets"]],
+     "data: datasets: every dataset has train: false, so there is none to train from"),
+    (lambda c: c["data"]["datasets"][2].update(weight=2),
+     "data.datasets[2]: weight: 'c' is evaluation-only (train: false), never drawn for training"),
+    (lambda c: c["data"]["datasets"][2].update(eval=False),
+     "data.datasets[2]: train: false and eval: false: the run never reads 'c'"),
+    (lambda c: c["data"]["datasets"][0].update(eval=False, eval_guidance_scale=1.0),
+     "data.datasets[0]: eval_guidance_scale: 'a' is not evaluated (eval: false)"),
+    (lambda c: c["eval"].update(eval_freq=0),
+     "data.datasets[2].train: false makes 'c' evaluation-only, and eval.eval_freq is 0"),
+    (lambda c: c["rewards"][0].update(applicable_datasets=["c"]),
+     "rewards[0].applicable_datasets: ['c'] are evaluation-only datasets (train: false), which training never "
+     "draws; route it to training datasets, or list it under eval_rewards"),
+    (lambda c: c.update(eval_rewards=[{"reward_model": "PickScore", "weight": {"c": 1.0}}]) or
+     c["rewards"][0].update(applicable_datasets=["a", "c"]),
+     "rewards[0].applicable_datasets: ['c'] are evaluation-only datasets (train: false), which training never "
+     "draws and eval_rewards score"),
+    (lambda c: c["data"]["datasets"][1].update(eval=False) or
+     c.update(eval_rewards=[{"reward_model": "PickScore", "applicable_datasets": ["b", "c"]}]),
+     "eval_rewards[0].applicable_datasets: ['b'] are not evaluated (eval: false)"),
+])
+def test_what_an_evaluation_only_dataset_cannot_mean_is_refused_naming_the_key(tmp_path, change, message):
+    config = _eval_only_config(tmp_path)
+    change(config)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(config)
+
+
+def test_an_evaluation_only_dataset_without_a_test_split_is_refused_before_the_model_loads(tmp_path):
+    from flow_factory.models import get_adapter_class
+    from flow_factory.trainer.run_data import load_run_data
+
+    cfg = parse_config(_eval_only_config(tmp_path))
+    (tmp_path / "c" / "test.txt").unlink()
+    with pytest.raises(ConfigError, match=re.escape("data.datasets[2].train: false makes 'c' evaluation-only, and "
+                                                    f"{tmp_path / 'c'} holds no test split (test.jsonl / test.txt)")):
+        load_run_data(cfg, get_adapter_class("sd3-5"), num_processes=1, seed=0)
+
+
+def test_flow_factorys_eval_only_datasets_read_as_ours(tmp_path):
+    """Upstream's layout (X-GenGroup/Flow-Factory 5f6cda1a, examples/opd): ``train: null`` is an evaluation-only
+    dataset, an absent or null ``eval`` (or ``enabled: false``) one not evaluated, and each dataset's
+    ``eval.num_inference_steps`` / ``eval.guidance_scale`` its own; their eval resolutions must agree."""
+    upstream = minimal()
+    upstream["data"] = {"datasets": [
+        {"name": "a", "dataset_dir": "a", "train": {"weight": 1}, "eval": {"num_inference_steps": 40,
+                                                                           "guidance_scale": 4.5}},
+        {"name": "b", "dataset_dir": "b", "train": {"weight": 2, "enabled": True}},
+        {"name": "a_no-cfg", "dataset_dir": "a", "train": None, "eval": {"guidance_scale": 1.0}},
+        {"name": "d", "dataset_dir": "d", "train": {"enabled": False}, "eval": {"enabled": True}}]}
+    a, b, no_cfg, d = parse_config(upstream).data.sources
+    assert (a.train, a.eval, a.eval_num_inference_steps, a.eval_guidance_scale) == (True, True, 40, 4.5)
+    assert (b.weight, b.train, b.eval) == (2, True, False)
+    assert (no_cfg.train, no_cfg.eval, no_cfg.eval_guidance_scale, d.train, d.eval) == (False, True, 1.0, False, True)
+    upstream["data"]["datasets"][0]["eval"]["resolution"] = 512
+    upstream["data"]["datasets"][2]["eval"]["resolution"] = 256
+    with pytest.raises(ConfigError, match=re.escape("data.datasets[2].eval.resolution: 256, another dataset 512; "
+                                                    "one eval.resolution holds for every dataset here")):
+        parse_config(upstream)
+    one = minimal()
+    one["data"] = {"datasets": [{"name": "a", "dataset_dir": "a", "train": None, "eval": {}}]}
+    with pytest.raises(ConfigError, match=re.escape("data.datasets[0].train: the run's one dataset is "
+                                                    "evaluation-only")):
+        parse_config(one)
+
+
+def test_a_run_evaluates_its_evaluation_only_dataset_under_its_own_name(tmp_path, tiny_sd3_path):
+    """ff-train with a training dataset and an evaluation-only copy of it at another eval guidance (upstream's
+    ``*_no-cfg`` datasets): each epoch's groups are a's, the eval scores both under eval/source/<name>/."""
+    config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path, max_epochs=1)
+    folder = config["data"].pop("dataset_dir")
+    config["data"]["datasets"] = [{"name": "a", "dataset_dir": folder},
+                                  {"name": "a_no-cfg", "dataset_dir": folder, "train": False,
+                                   "eval_guidance_scale": 1.0, "eval_num_inference_steps": 2}]
+    config["eval"].update(eval_freq=1, num_samples=None)
+    (out, err), code = ff_train_in_this_process([str(write_config(tmp_path, config))])
+    assert code == 0, err[-3000:]
+    history = json.loads((tmp_path / "saves" / "run" / "history.json").read_text())
+    assert all(r["source/a/groups"] == 2 and not any("a_no-cfg" in k for k in r) for r in history["train"])
+    evaluated = history["eval"][-1]
+    assert {"eval/source/a/reward/jpeg", "eval/source/a_no-cfg/reward/jpeg"} <= set(evaluated)
+    assert all(math.isfinite(v) for v in evaluated.values())

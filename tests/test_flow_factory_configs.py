@@ -386,9 +386,9 @@ def test_a_reward_routed_to_the_one_dataset_by_name_applies_to_every_sample():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"data": {"datasets": [{"name": "a", "dataset_dir": "a", "eval": {"guidance_scale": 3}},
-                            {"name": "b", "dataset_dir": "b", "eval": {"guidance_scale": 4}}]}},
-     r"data.datasets\[1\].eval.guidance_scale: 4, another dataset 3; one eval.guidance_scale holds for every "
+    ({"data": {"datasets": [{"name": "a", "dataset_dir": "a", "train": {}, "eval": {"resolution": 512}},
+                            {"name": "b", "dataset_dir": "b", "train": {}, "eval": {"resolution": 256}}]}},
+     r"data.datasets\[1\].eval.resolution: 256, another dataset 512; one eval.resolution holds for every "
      r"dataset here"),
     ({"optimizers": [{"learning_rate": 1e-4}, {"learning_rate": 1e-5}]}, "one optimizer trains the transformer"),
     ({"optimizers": [{"learning_rate": 1e-4, "momentum": 0.9}]}, r"optimizers\[0\]: unknown keys \['momentum'\]"),

@@ -360,7 +360,8 @@ def assert_same(a, b):
 def test_upstreams_example_layout_reads_as_ours(tmp_path):
     """Flow-Factory's examples/opd layout (X-GenGroup/Flow-Factory 5f6cda1): its one ``optimizers`` entry (name
     default) is the train keys, ``teacher_param_device: cuda`` is accepted, the teachers' hub paths are kept for
-    the start checks; its eval-only datasets (``train: null``) and a teacher device of cpu are refused."""
+    the start checks; its evaluation-only datasets (``train: null``) read as ours (``train: false``) with their own
+    eval guidance, no teacher routed to them; a teacher device of cpu is refused."""
     from flow_factory.config import load_config
 
     datasets = [{"name": n, "dataset_dir": str(write_dataset(tmp_path / n)), "train": {"weight": 1},
@@ -380,8 +381,14 @@ def test_upstreams_example_layout_reads_as_ours(tmp_path):
            "scheduler": {"dynamics_type": "ODE", "noise_level": 0.0},
            "optimizers": [{"name": "default", "learning_rate": 3.0e-4, "weight_decay": 1.0e-4,
                            "betas": [0.9, 0.999], "eps": 1.0e-8, "max_grad_norm": 1.0}]}
+    raw["data"]["datasets"].append({"name": "ocr_no-cfg", "dataset_dir": datasets[1]["dataset_dir"], "train": None,
+                                    "eval": {"num_inference_steps": 40, "guidance_scale": 1.0}})
+    raw["eval_rewards"] = [{"name": "jpeg", "reward_model": "jpeg_compressibility"}]  # scores every eval dataset
     cfg = load_config(write_config(tmp_path, raw))
     assert cfg.train.learning_rate == 3e-4 and cfg.gradient_accumulation == 2 * 9  # 2 batches x 9 distilled steps
+    no_cfg = cfg.data.sources[2]
+    assert (no_cfg.train, no_cfg.eval_guidance_scale, [s.name for s in cfg.data.split_sources("train")]) == (
+        False, 1.0, ["pickscore", "ocr"])
     assert [t.name for t in cfg.train.teachers] == ["aes-teacher", "ocr-teacher"]
     assert cfg.train.conditioning_guidance_scale == 4.5
     one = copy.deepcopy(raw)  # one dataset (read as data.dataset_dir), its one teacher routed to it by name
@@ -390,8 +397,8 @@ def test_upstreams_example_layout_reads_as_ours(tmp_path):
     assert load_config(write_config(tmp_path, one, "one.yaml")).train.teachers[0].applicable_datasets == []
     for change, message in (
             (lambda r: r["train"].update(teacher_param_device="cpu"), "train.teacher_param_device: 'cpu'; only cuda"),
-            (lambda r: r["data"]["datasets"].append({"name": "ocr_no-cfg", "dataset_dir": "x", "train": None}),
-             "data.datasets[2].train: null makes 'ocr_no-cfg' an eval-only dataset")):
+            (lambda r: r["train"]["teachers"][1]["applicable_datasets"].append("ocr_no-cfg"),
+             "train.teachers[1].applicable_datasets: 'ocr_no-cfg' is evaluation-only (train: false)")):
         bad = copy.deepcopy(raw)
         change(bad)
         with pytest.raises(ConfigError, match=re.escape(message)):

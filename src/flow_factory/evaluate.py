@@ -3,9 +3,10 @@
 The ``section.key=value`` overrides may stand anywhere after the config, before or after the flags, as ff-train's.
 
 Every eval reward of the config (``eval_rewards``, else ``rewards``) over its test
-prompts (``data.dataset_dir``'s test split, first ``eval.num_samples``), sampled with
-the eval settings (ODE, ``eval.resolution``, ``eval.num_inference_steps``,
-``eval.guidance_scale`` and ``guidance_scale_2``, noise seeded by ``eval.seed``) through the same components as
+prompts (the test split of ``data.dataset_dir``, or of each evaluated dataset of ``data.datasets``, first
+``eval.num_samples``), sampled with the eval settings (ODE, ``eval.resolution``, ``eval.num_inference_steps``,
+``eval.guidance_scale`` and ``guidance_scale_2``, or a dataset's own ``eval_num_inference_steps`` and
+``eval_guidance_scale``, noise seeded by ``eval.seed``) through the same components as
 the Trainer's eval, so the numbers match a run's ``eval/reward/*`` at that checkpoint.
 Prints a table (reward, mean, std, min, max, n) and writes it as JSON with each
 sample's prompt and scores, from which a benchmark can make its own tables (the
@@ -54,8 +55,9 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
 
 
 def evaluate_config(cfg, checkpoint=None):
-    """(summary over every test prompt, this process's rollouts) of ``cfg``'s eval rewards on its test
-    prompts; on several processes each samples its share (``data.share_slice``)."""
+    """(summary over every test prompt, this process's rollouts of each part: ``sampling.eval_parts``) of ``cfg``'s
+    eval rewards on its test prompts, each dataset's sampled at its own eval steps and guidance; on several processes
+    each samples its share of each part (``data.share_slice``)."""
     import torch
     from accelerate import Accelerator
 
@@ -65,7 +67,7 @@ def evaluate_config(cfg, checkpoint=None):
     from .precision import Precision, avoid_cudnn_attention, run_mixed_precision
     from .prompt_cache import ConditionCache, PromptCache
     from .rewards import RewardSet
-    from .sampling import SamplingSettings, gather_scores, load_split, sample_prompts, split_size
+    from .sampling import eval_parts, load_split, sample_eval, split_size
     from .sharding import accelerator_kwargs
 
     # this process's rank and device; made before the rewards, whose default one would not join the other
@@ -80,7 +82,6 @@ def evaluate_config(cfg, checkpoint=None):
     items = load_split(cfg, "test", adapter_cls)  # as the Trainer's eval: the same checks and size
     size = split_size(cfg, "eval", items, adapter_cls)
     items = items[: ev.num_samples] if ev.num_samples else items
-    share = share_slice(len(items), acc.process_index, acc.num_processes)
     rewards = RewardSet.from_configs(cfg.eval_rewards or cfg.rewards, accelerator=acc)
     from .models.preflight import check_experts, check_reward_inputs
 
@@ -98,13 +99,13 @@ def evaluate_config(cfg, checkpoint=None):
     cache = PromptCache.open(adapter, cfg.data.cache_dir) if cfg.data.enable_preprocess else None
     conditions = (ConditionCache.open(adapter, cfg.data.cache_dir) if cfg.data.enable_preprocess and
                   adapter.condition_inputs else None)
-    rollouts = sample_prompts(adapter, items[share], SamplingSettings.for_eval(ev, size),
-                              sample_ids=list(range(len(items)))[share], reward_set=rewards, prompt_cache=cache,
-                              condition_cache=conditions, autocast=precision.autocast)
+    scores, parts = sample_eval(adapter, items, eval_parts(cfg, items, size),
+                                lambda n: share_slice(n, acc.process_index, acc.num_processes), reward_set=rewards,
+                                prompt_cache=cache, condition_cache=conditions, autocast=precision.autocast)
     # a reward routed to some datasets scored only their prompts (NaN for the others): its summary is theirs
     datasets = [it.dataset for it in items]
-    scores = {k: v[rewards.scored_mask(k, datasets, len(v))] for k, v in gather_scores(rollouts.rewards).items()}
-    return summarise(scores), rollouts
+    scores = {k: v[rewards.scored_mask(k, datasets, len(v))] for k, v in scores.items()}
+    return summarise(scores), parts
 
 
 def main(argv=None) -> int:
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
     from .guards import NonFiniteError
 
     try:
-        summary, rollouts = evaluate_config(cfg, args.checkpoint)
+        summary, parts = evaluate_config(cfg, args.checkpoint)
     except (CheckpointError, NonFiniteError, FileNotFoundError, PromptFileError) as e:
         print(f"ff-eval: {e}", file=sys.stderr)
         return 2
@@ -133,9 +134,10 @@ def main(argv=None) -> int:
 
     # every process's samples, in prompt order (shares may differ in size); the main process writes them
     # a reward routed to other datasets did not score a sample (NaN): the sample has no entry for it
-    samples = gather_object([{"prompt": p, **{k: v[i].item() for k, v in rollouts.rewards.items()
-                                              if not math.isnan(v[i].item())}}
-                             for i, p in enumerate(rollouts.prompts)])
+    samples = [sample for rollouts in parts  # part by part: each gathered in prompt order
+               for sample in gather_object([{"prompt": p, **{k: v[i].item() for k, v in rollouts.rewards.items()
+                                                             if not math.isnan(v[i].item())}}
+                                            for i, p in enumerate(rollouts.prompts)])]
     if not PartialState().is_main_process:
         return 0
     print(format_table(summary))
@@ -149,8 +151,10 @@ def main(argv=None) -> int:
         from .media import VIDEO_FORMATS, VIDEO_FPS, caption, sample_grid, save_grid
         from .models import get_adapter_class
 
-        shown = min(16, len(rollouts.prompts))  # the main process's share: the first prompts
-        caps = [caption(s["prompt"], {k: v for k, v in s.items() if k != "prompt"}) for s in samples[:shown]]
+        rollouts = next((r for r in parts if r.prompts), parts[0])  # the main process's share of the first part
+        shown = min(16, len(rollouts.prompts))
+        caps = [caption(p, {k: v[i].item() for k, v in rollouts.rewards.items() if not math.isnan(v[i].item())})
+                for i, p in enumerate(rollouts.prompts[:shown])]
         conditions = rollouts.conditions.per_sample()[:shown] if rollouts.conditions else None
         # a video grid: the format --grid's suffix names, else the config's log.video_format
         named = Path(args.grid).suffix.lstrip(".")

@@ -78,7 +78,7 @@ def load_split(cfg, split: str, adapter_cls, items: list | None = None) -> list:
     """The prompts of ``split`` (train / test) with their condition files, checked against what the model of
     ``adapter_cls`` takes: before it loads (PromptFileError naming the file and line). ``items``: prompts read
     already (an offline run's records'), to check."""
-    items = load_sources(cfg.data.sources, split) if items is None else items
+    items = load_sources(cfg.data.split_sources(split), split) if items is None else items
     per_sample, note = checkpoint_conditions(adapter_cls, cfg.model.model_name_or_path)
     check_conditions(items, cfg.model.model_type, adapter_cls.condition_inputs, per_sample, note)
     # a model whose conditions keep their own sizes (Qwen-Image-Edit-Plus) batches only rows that agree
@@ -281,6 +281,45 @@ def sample_prompts(adapter, items: list, settings: SamplingSettings, *, sample_i
     services = SamplingServices(reward_set, autocast=autocast, prompt_cache=prompt_cache,
                                 condition_cache=condition_cache)
     return collect_rollouts(adapter, ODE(), items, torch.tensor(ids), ids, settings, epoch=-1, services=services)
+
+
+def eval_parts(cfg, items: list, size: tuple[int, int] | None = None) -> list[tuple[slice, SamplingSettings]]:
+    """The eval of ``items`` (test prompts, each dataset's together, as ``load_sources`` reads them) in consecutive
+    runs sampled alike: the eval section's settings (``SamplingSettings.for_eval``), with a dataset's own
+    ``eval_num_inference_steps`` / ``eval_guidance_scale`` over them."""
+    base = SamplingSettings.for_eval(cfg.eval, size)
+    own = {s.name: replace(base, num_steps=s.eval_num_inference_steps or base.num_steps,
+                           guidance_scale=eval_guidance(cfg, s.name)) for s in cfg.data.sources}
+    parts = []
+    for i, item in enumerate(items):
+        settings = own.get(item.dataset, base)
+        if parts and parts[-1][1] == settings:
+            parts[-1] = (slice(parts[-1][0].start, i + 1), settings)
+        else:
+            parts.append((slice(i, i + 1), settings))
+    return parts
+
+
+def eval_guidance(cfg, dataset: str | None) -> float:
+    """The guidance scale ``dataset``'s test prompts are sampled (and so encoded) with."""
+    own = next((s.eval_guidance_scale for s in cfg.data.sources if s.name == dataset), None)
+    return cfg.eval.guidance_scale if own is None else own
+
+
+def sample_eval(adapter, items: list, parts: list, share_of, **services) -> tuple[dict[str, Tensor], list[Rollouts]]:
+    """The eval of ``items`` part by part (``eval_parts``), each process sampling its share of each part
+    (``share_of(n)``: a slice of n), every sample seeded by its index in ``items``: every prompt's scores, gathered
+    from every process in ``items``' order, and this process's rollouts of each part. ``services``:
+    ``sample_prompts``' keywords."""
+    scores, mine = {}, []
+    for part, settings in parts:
+        ids = list(range(len(items)))[part]
+        ids = ids[share_of(len(ids))]
+        rollouts = sample_prompts(adapter, [items[i] for i in ids], settings, sample_ids=ids, **services)
+        for name, part_scores in gather_scores(rollouts.rewards or {}).items():
+            scores.setdefault(name, []).append(part_scores)
+        mine.append(rollouts)
+    return {name: torch.cat(s) for name, s in scores.items()}, mine
 
 
 def gather_scores(scores: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -88,12 +88,13 @@ def check_prompt_counts(cfg, items: list | None = None) -> None:
         if items is None:
             from .data.offline import OFFLINE_KINDS, load_offline_sources, offline_video
 
-            load_offline_sources(cfg.data.sources, "train", OFFLINE_KINDS[cfg.train.trainer_type], offline_video(cfg))
+            load_offline_sources(cfg.data.split_sources("train"), "train", OFFLINE_KINDS[cfg.train.trainer_type],
+                                 offline_video(cfg))
         return
     if items is None:
-        items = load_sources(cfg.data.sources, "train")
+        items = load_sources(cfg.data.split_sources("train"), "train")
     wanted = cfg.train.unique_sample_num_per_epoch
-    if len(cfg.data.sources) > 1:
+    if len(cfg.data.split_sources("train")) > 1:
         try:
             epoch_sampler(cfg, items, seed=0)
         except ValueError as err:
@@ -103,9 +104,9 @@ def check_prompt_counts(cfg, items: list | None = None) -> None:
     if wanted > len(items):
         data = cfg.data
         cap = " (data.max_dataset_size)" if data.max_dataset_size == len(items) else ""
-        raise ConfigError(f"train.unique_sample_num_per_epoch: {wanted} distinct prompts an epoch, and "
-                          f"{data.dataset_dir} holds {len(items)} training prompts{cap}; set it to at most "
-                          f"{len(items)}")
+        folder = data.split_sources("train")[0].dataset_dir
+        raise ConfigError(f"train.unique_sample_num_per_epoch: {wanted} distinct prompts an epoch, and {folder} holds "
+                          f"{len(items)} training prompts{cap}; set it to at most {len(items)}")
 
 
 def reward_needs(cfg) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[str]]:

@@ -249,14 +249,14 @@ def _read_frozen_dtypes(data: dict) -> None:
 
 
 def _read_dataset(data: dict, dataset: dict) -> None:
+    if "train" in dataset and _split_part(dataset, "train", "data.datasets[0]") is None:
+        raise problem("data.datasets[0].train: the run's one dataset is evaluation-only (train null or enabled: "
+                      "false), so there is none to train from; give it train: {weight: 1}")
     _route_to_the_one_dataset(data, dataset.pop("name", None))
     for part in ("train", "eval"):
-        inner = dataset.pop(part, None) or {}
-        if not isinstance(inner, dict):
-            raise problem(f"data.datasets[0].{part}: expected a mapping, got {show(inner)}")
+        inner = _split_part(dataset, part, "data.datasets[0]") or {}
+        dataset.pop(part, None)
         inner.pop("weight", None)  # one dataset: its weight is the whole
-        if part == "eval" and inner.pop("split", "test") != "test":
-            raise problem("data.datasets[0].eval.split: evaluation reads the test split (test.jsonl / test.txt)")
         dataset.update({f"{part}.{k}": v for k, v in inner.items()})
     unknown = sorted(set(dataset) - set(DATASET_KEYS))
     if unknown:
@@ -283,49 +283,66 @@ def _route_to_the_one_dataset(data: dict, name) -> None:
 
 
 def _upstream_layout(datasets) -> bool:
-    """Flow-Factory's ``data.datasets`` entries nest their split settings (``train: {weight}``, ``eval: {}``)."""
-    return isinstance(datasets, list) and any(isinstance(d, dict) and ({"train", "eval"} & set(d)) for d in datasets)
+    """Flow-Factory's ``data.datasets`` entries nest their split settings (``train: {weight}``, ``eval: {}``, or
+    null for a split a dataset is not used for); ours say ``train`` / ``eval`` as true or false."""
+    return isinstance(datasets, list) and any(
+        isinstance(d, dict) and any(k in d and (d[k] is None or isinstance(d[k], dict)) for k in ("train", "eval"))
+        for d in datasets)
 
 
 # what one of several Flow-Factory datasets may set -> our data.datasets entry's key
 SOURCE_KEYS = {"name": "name", "dataset_dir": "dataset_dir", "image_dir": "image_dir", "video_dir": "video_dir",
                "train.weight": "weight", "train.max_dataset_size": "max_dataset_size",
-               "eval.max_dataset_size": "eval_max_dataset_size"}
-SHARED_EVAL_KEYS = ("resolution", "num_inference_steps", "guidance_scale")
+               "eval.max_dataset_size": "eval_max_dataset_size", "eval.num_inference_steps": "eval_num_inference_steps",
+               "eval.guidance_scale": "eval_guidance_scale"}
+
+
+def _split_part(dataset: dict, part: str, where: str) -> dict | None:
+    """A dataset's ``train`` or ``eval`` block as upstream reads it: None when the dataset is not used for that
+    split (the block null or absent, or ``enabled: false``), else its settings."""
+    block = dataset.get(part)
+    if block is None:
+        return None
+    if not isinstance(block, dict):
+        raise problem(f"{where}.{part}: expected a mapping or null, got {show(block)}")
+    block = dict(block)
+    if block.pop("enabled", True) is False:
+        return None
+    split = block.pop("split", "train" if part == "train" else "test")
+    if split != ("train" if part == "train" else "test"):
+        raise problem(f"{where}.{part}.split: {show(split)}; here training reads the train split and evaluation "
+                      "the test split (train.* / test.*)")
+    return block
 
 
 def _read_datasets(data: dict, datasets: list) -> list[dict]:
-    """Several Flow-Factory datasets as ours; an eval setting of theirs is one for the run here, so the
-    datasets that set it must agree."""
-    ours, shared = [], {}
+    """Several Flow-Factory datasets as ours: a dataset whose ``train`` is null is evaluation-only (``train:
+    false``), one whose ``eval`` is null or absent is not evaluated (``eval: false``); each keeps its own eval steps
+    and guidance. One eval resolution holds for the run here, so the datasets that set it must agree."""
+    ours, resolution = [], {}
     for i, dataset in enumerate(datasets):
+        where = f"data.datasets[{i}]"
         if not isinstance(dataset, dict):
-            raise problem(f"data.datasets[{i}]: expected a mapping, got {show(dataset)}")
-        if "train" in dataset and dataset["train"] is None:  # upstream's eval-only dataset: never trained on
-            raise problem(f"data.datasets[{i}].train: null makes {dataset.get('name')!r} an eval-only dataset, "
-                          "which this version does not have (each dataset here trains, at its weight); remove it")
-        flat = {}
-        for key, value in dataset.items():
-            if key in ("train", "eval"):
-                if not isinstance(value or {}, dict):
-                    raise problem(f"data.datasets[{i}].{key}: expected a mapping, got {show(value)}")
-                flat.update({f"{key}.{k}": v for k, v in (value or {}).items()})
-            else:
-                flat[key] = value
-        if flat.pop("eval.split", "test") != "test":
-            raise problem(f"data.datasets[{i}].eval.split: evaluation reads the test split (test.jsonl / test.txt)")
-        for key in SHARED_EVAL_KEYS:
-            if f"eval.{key}" in flat:
-                value = flat.pop(f"eval.{key}")
-                if shared.setdefault(key, value) != value:
-                    raise problem(f"data.datasets[{i}].eval.{key}: {show(value)}, another dataset {show(shared[key])}; "
-                                  f"one eval.{key} holds for every dataset here")
+            raise problem(f"{where}: expected a mapping, got {show(dataset)}")
+        train, evaluated = _split_part(dataset, "train", where), _split_part(dataset, "eval", where)
+        flat = {k: v for k, v in dataset.items() if k not in ("train", "eval")}
+        flat.update({f"train.{k}": v for k, v in (train or {}).items()})
+        flat.update({f"eval.{k}": v for k, v in (evaluated or {}).items()})
+        if "eval.resolution" in flat:
+            value = flat.pop("eval.resolution")
+            if resolution.setdefault("value", value) != value:
+                raise problem(f"{where}.eval.resolution: {show(value)}, another dataset {show(resolution['value'])}; "
+                              "one eval.resolution holds for every dataset here (each dataset's own eval steps and "
+                              "guidance are kept)")
         unknown = sorted(set(flat) - set(SOURCE_KEYS))
         if unknown:
-            raise problem(f"data.datasets[{i}]: keys {unknown} are not taken here; valid: {', '.join(SOURCE_KEYS)}")
-        ours.append({SOURCE_KEYS[k]: v for k, v in flat.items()})
-    for key, value in shared.items():
-        _put(data, f"eval.{key}", value, f"data.datasets[].eval.{key}")
+            raise problem(f"{where}: keys {unknown} are not taken here; valid: {', '.join(SOURCE_KEYS)}, "
+                          "eval.resolution, train.enabled, eval.enabled")
+        entry = {SOURCE_KEYS[k]: v for k, v in flat.items()}
+        ours.append({**entry, **({} if train is not None else {"train": False}),
+                     **({} if evaluated is not None else {"eval": False})})
+    if resolution:
+        _put(data, "eval.resolution", resolution["value"], "data.datasets[].eval.resolution")
     return ours
 
 

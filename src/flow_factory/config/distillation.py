@@ -216,13 +216,18 @@ def _opd_problems(v: dict) -> list[str]:
     return out
 
 
-def teacher_routing_problems(teachers, datasets: list[str] | None) -> list[str]:
-    """Each teacher names datasets of the run (``datasets``: data.datasets' names; None: the one dataset of
-    ``data.dataset_dir``), and each dataset has exactly one teacher."""
+def teacher_routing_problems(teachers, datasets: list[str] | None, eval_only: tuple[str, ...] = ()) -> list[str]:
+    """Each teacher names datasets of the run that train (``datasets``: their names in data.datasets; None: the
+    one dataset of ``data.dataset_dir``), and each of those has exactly one teacher. An evaluation-only dataset
+    (``eval_only``) has none: the student alone samples its test prompts, as upstream, whose teachers name training
+    datasets only."""
     out, owner = [], {}
     for i, teacher in enumerate(teachers):
         for name in teacher.applicable_datasets:
-            if datasets is None:
+            if name in eval_only:
+                out.append(f"train.teachers[{i}].applicable_datasets: {name!r} is evaluation-only (train: false): "
+                           "no rollout of it is distilled, so no teacher serves it; leave it out")
+            elif datasets is None:
                 out.append(f"train.teachers[{i}].applicable_datasets: names {name!r}, but the run reads one dataset "
                            "(data.dataset_dir), which its one teacher serves: leave applicable_datasets out, or "
                            "name the datasets in data.datasets")
@@ -460,8 +465,10 @@ def distillation_contradictions(cfg) -> list[str]:
 
 def _opd_contradictions(cfg) -> list[str]:
     """DiffusionOPD's teachers against the rest of the config: each dataset routed to one teacher, LoRA."""
-    datasets = [d.name for d in cfg.data.datasets] if cfg.data.datasets is not None else None
-    out = teacher_routing_problems(cfg.train.teachers, datasets)
+    several = cfg.data.datasets is not None
+    datasets = [d.name for d in cfg.data.split_sources("train")] if several else None
+    eval_only = tuple(d.name for d in cfg.data.sources if not d.train)
+    out = teacher_routing_problems(cfg.train.teachers, datasets, eval_only)
     if cfg.model.finetune_type != "lora":
         out.append("model.finetune_type: diffusion-opd's teachers are LoRA adapters on the student's base model, "
                    "beside the student's own LoRA (upstream's trainer is LoRA-only too); use lora")

@@ -196,7 +196,39 @@ class Config(Section):
                                    "name its datasets in data.datasets")
                     elif unknown := sorted(set(given) - set(names)):
                         out.append(f"{key}: {unknown} are not datasets of the run; data.datasets names {names}")
-        return out
+                    elif given:
+                        out += self._routed_to_unread(key, part, given)
+        return out + self._eval_only_problems()
+
+    def _routed_to_unread(self, key: str, part: str, given: list[str]) -> list[str]:
+        """A reward routed to datasets whose samples it would never score: a training reward to evaluation-only
+        datasets (when eval_rewards score the eval, or all it names are), an eval reward to datasets not
+        evaluated."""
+        sources = {s.name: s for s in self.data.sources}
+        eval_only = [n for n in given if not sources[n].train]
+        if part == "rewards" and eval_only and (self.eval_rewards or len(eval_only) == len(given)):
+            return [f"{key}: {eval_only} are evaluation-only datasets (train: false), which training never draws"
+                    f"{' and eval_rewards score' if self.eval_rewards else ''}; route it to training datasets, or "
+                    "list it under eval_rewards"]
+        scores_eval = part == "eval_rewards" or not self.eval_rewards
+        unevaluated = [n for n in given if not sources[n].eval]
+        if scores_eval and unevaluated and (part == "eval_rewards" or len(unevaluated) == len(given)):
+            return [f"{key}: {unevaluated} are not evaluated (eval: false); route it to evaluated datasets"]
+        return []
+
+    def _eval_only_problems(self) -> list[str]:
+        """An evaluation-only dataset needs an evaluation to read it: eval.eval_freq and a reward to score it."""
+        eval_only = [(i, s.name) for i, s in enumerate(self.data.sources) if not s.train]
+        if not eval_only:
+            return []
+        i, name = eval_only[0]
+        if not self.eval.eval_freq:
+            return [f"data.datasets[{i}].train: false makes {name!r} evaluation-only, and eval.eval_freq is 0 (no "
+                    "evaluation), so the run would never read it; set eval.eval_freq, or remove the dataset"]
+        if not (self.eval_rewards or self.rewards):
+            return [f"data.datasets[{i}].train: false makes {name!r} evaluation-only, and the run names no "
+                    "eval_rewards (nor rewards) to score its samples; add eval_rewards, or remove the dataset"]
+        return []
 
     def _read_frame_rates(self) -> list[str]:
         """Flow-Factory's ``frame_rate``: LTX-2 samples at 24 fps only; another model writes videos at its own

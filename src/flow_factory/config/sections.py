@@ -46,10 +46,31 @@ class DatasetSource(Section):
                                     "dataset_dir/images")
     video_dir: str | None = setting(None, "folder its jsonl rows' video paths are relative to; null = "
                                     "dataset_dir/videos")
-    weight: PositiveInt = setting(1, "its share of each epoch's groups: weight / the sum of the weights")
+    weight: PositiveInt = setting(1, "its share of each epoch's groups: weight / the sum of the training datasets' "
+                                  "weights")
+    train: bool = setting(True, "false: an evaluation-only dataset, no epoch's groups drawn from it, its test split "
+                          "evaluated (Flow-Factory's train: null)")
+    eval: bool = setting(True, "false: its test split is not evaluated (Flow-Factory's eval: null)")
     max_dataset_size: PositiveInt | None = setting(None, "use at most this many of its prompts per split; null = all")
     eval_max_dataset_size: PositiveInt | None = setting(
         None, "use at most this many of its test prompts; null = max_dataset_size")
+    eval_num_inference_steps: PositiveInt | None = setting(
+        None, "ODE steps its test prompts are evaluated with; null = eval.num_inference_steps")
+    eval_guidance_scale: float | None = setting(
+        None, "CFG / guidance scale its test prompts are evaluated with; null = eval.guidance_scale", ge=0)
+
+    @model_validator(mode="after")
+    def _read_by_the_run(self):
+        if not self.train and not self.eval:
+            raise problem(f"train: false and eval: false: the run never reads {self.name!r}; remove it")
+        if not self.train and "weight" in self.model_fields_set:
+            raise problem(f"weight: {self.name!r} is evaluation-only (train: false), never drawn for training; "
+                          "remove its weight")
+        given = [k for k in ("eval_max_dataset_size", "eval_num_inference_steps", "eval_guidance_scale")
+                 if getattr(self, k) is not None]
+        if not self.eval and given:
+            raise problem(f"{given[0]}: {self.name!r} is not evaluated (eval: false); remove it")
+        return self
 
 
 class DataConfig(Section):
@@ -100,6 +121,9 @@ class DataConfig(Section):
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:
                 raise problem(f"datasets: the names {twice} are used more than once; each names its metrics")
+            if not any(d.train for d in self.datasets):
+                raise problem("datasets: every dataset has train: false, so there is none to train from; give at "
+                              "least one dataset train: true (the default)")
             shared = [k for k in ("image_dir", "video_dir", "max_dataset_size") if getattr(self, k) is not None]
             if shared:
                 raise problem(f"{', '.join(shared)}: with datasets, set {'them' if len(shared) > 1 else 'it'} "
@@ -108,11 +132,15 @@ class DataConfig(Section):
 
     @property
     def sources(self) -> list[DatasetSource]:
-        """The datasets a run draws from: ``datasets``, or ``dataset_dir`` as the one source ``default``."""
+        """The run's datasets: ``datasets``, or ``dataset_dir`` as the one source ``default``."""
         if self.datasets is not None:
             return list(self.datasets)
         return [DatasetSource(name="default", dataset_dir=self.dataset_dir, image_dir=self.image_dir,
                               video_dir=self.video_dir, max_dataset_size=self.max_dataset_size)]
+
+    def split_sources(self, split: str) -> list[DatasetSource]:
+        """The datasets whose ``split`` (train / test) the run reads: those that train, those evaluated."""
+        return [s for s in self.sources if (s.train if split == "train" else s.eval)]
 
 
 def component_targets(target_modules, component: str, components: list[str]):

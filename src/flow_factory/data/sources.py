@@ -98,7 +98,7 @@ class WeightedEpochSampler(EpochSampler):
 def epoch_sampler(cfg, items: list[PromptItem], seed: int) -> EpochSampler:
     """The run's draw: ``EpochSampler`` over one dataset, ``WeightedEpochSampler`` over several (a ValueError
     when a dataset has too few prompts for its weight)."""
-    train, sources = cfg.train, cfg.data.sources
+    train, sources = cfg.train, cfg.data.split_sources("train")  # an evaluation-only dataset is never drawn
     if len(sources) == 1:
         return EpochSampler(len(items), train.unique_sample_num_per_epoch, train.group_size, seed=seed)
     sizes = [sum(1 for item in items if item.dataset == source.name) for source in sources]

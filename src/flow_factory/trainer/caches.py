@@ -5,7 +5,7 @@ conditioned model's condition files encoded once for the sizes train and eval pr
 from __future__ import annotations
 
 from ..prompt_cache import ConditionCache, PromptCache
-from ..sampling import SamplingSettings
+from ..sampling import SamplingSettings, eval_guidance
 
 
 def cache_share(cfg, accelerator) -> dict:
@@ -19,13 +19,14 @@ def cache_share(cfg, accelerator) -> dict:
 
 
 def build_prompt_cache(cfg, accelerator, adapter, data) -> PromptCache | None:
-    """Every train and test prompt (``data``: the run's ``RunData``) at the guidance scale its split samples with;
-    None where the model's text encoder reads the conditions (the condition cache holds its text)."""
+    """Every train and test prompt (``data``: the run's ``RunData``) at the guidance scale it is sampled with (a test
+    prompt's dataset may have its own); None where the model's text encoder reads the conditions (the condition
+    cache holds its text)."""
     if not cfg.data.enable_preprocess or adapter.text_reads_conditions:
         return None
     train_scale = cfg.train.conditioning_guidance_scale
     items = ([(it.prompt, it.negative_prompt, train_scale) for it in data.train_prompts]
-             + [(it.prompt, it.negative_prompt, cfg.eval.guidance_scale) for it in data.test_prompts])
+             + [(it.prompt, it.negative_prompt, eval_guidance(cfg, it.dataset)) for it in data.test_prompts])
     with accelerator.autocast():  # as the rollout would encode them
         cache = PromptCache.build(adapter, items, cfg.data.cache_dir, cfg.data.preprocessing_batch_size,
                                   **cache_share(cfg, accelerator))
@@ -41,7 +42,7 @@ def build_condition_cache(cfg, accelerator, adapter, data, train_settings: Sampl
     # the guidance scale each split's prompts are encoded at: what a model whose text encoder reads the conditions
     # encodes them with here
     requests = ([(it, train, cfg.train.conditioning_guidance_scale) for it in data.train_prompts]
-                + [(it, test, cfg.eval.guidance_scale) for it in data.test_prompts])
+                + [(it, test, eval_guidance(cfg, it.dataset)) for it in data.test_prompts])
     with accelerator.autocast():  # as the rollout would encode them
         cache = ConditionCache.build(adapter, requests, cfg.data.cache_dir, cfg.data.preprocessing_batch_size,
                                      **cache_share(cfg, accelerator))

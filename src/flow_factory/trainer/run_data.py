@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -28,8 +29,9 @@ class RunData:
     eval_size: tuple[int, int]
     sampler: object | None  # the epoch's draw of prompts and groups (None: offline)
     offline_records: list | None  # sft, offline-dpo: the dataset's records train instead of rollouts
-    source_names: list[str]  # several datasets: their names (empty: one)
+    source_names: list[str]  # several datasets: the names of those that train (empty: one dataset)
     train_sources: torch.Tensor | None  # each training prompt's dataset, by position in source_names
+    eval_source_names: list[str]  # several datasets: the names of those evaluated (empty: one dataset)
 
 
 def load_run_data(cfg, adapter_cls, num_processes: int, seed: int) -> RunData:
@@ -42,7 +44,8 @@ def load_run_data(cfg, adapter_cls, num_processes: int, seed: int) -> RunData:
         if refused:
             raise ConfigError(f"train.trainer_type: {train_type} trains from a dataset's images or videos; "
                               f"{cfg.model.model_type} {refused}")
-        records = load_offline_sources(cfg.data.sources, "train", OFFLINE_KINDS[train_type], offline_video(cfg))
+        records = load_offline_sources(cfg.data.split_sources("train"), "train", OFFLINE_KINDS[train_type],
+                                       offline_video(cfg))
         if len(records) < num_processes:
             raise ConfigError(f"num_processes: {num_processes} processes, and the dataset holds {len(records)} "
                               "records: each process needs one")
@@ -51,25 +54,33 @@ def load_run_data(cfg, adapter_cls, num_processes: int, seed: int) -> RunData:
         train_prompts = load_split(cfg, "train", adapter_cls)
         check_prompt_counts(cfg, train_prompts)
     test_prompts = _test_prompts(cfg, adapter_cls, offline=records is not None)
-    names = [s.name for s in cfg.data.datasets] if cfg.data.datasets is not None else []
+    several = cfg.data.datasets is not None
+    names = [s.name for s in cfg.data.split_sources("train")] if several else []
     return RunData(train_prompts, test_prompts,
                    train_size=split_size(cfg, "train", train_prompts, adapter_cls),
                    eval_size=split_size(cfg, "eval", test_prompts, adapter_cls),
                    sampler=None if records else epoch_sampler(cfg, train_prompts, seed),
                    offline_records=records, source_names=names,
-                   train_sources=source_indices(train_prompts, names) if names else None)
+                   train_sources=source_indices(train_prompts, names) if names else None,
+                   eval_source_names=[s.name for s in cfg.data.split_sources("test")] if several else [])
 
 
 def _test_prompts(cfg, adapter_cls, offline: bool) -> list:
     """The test split when evaluation is on; a dataset without one trains without evaluation, as in
     Flow-Factory (a broken test file is still an error)."""
-    if not cfg.eval.eval_freq or not (cfg.eval_rewards or cfg.rewards):  # an offline run may score nothing
-        return []
+    if not cfg.eval.eval_freq or not (cfg.eval_rewards or cfg.rewards) or not cfg.data.split_sources("test"):
+        return []  # an offline run may score nothing; each dataset may be left out of the evaluation (eval: false)
+    for i, source in enumerate(cfg.data.sources):
+        folder = Path(source.dataset_dir).expanduser()
+        if not source.train and not any((folder / f"test.{ext}").is_file() for ext in ("jsonl", "txt")):
+            raise ConfigError(f"data.datasets[{i}].train: false makes {source.name!r} evaluation-only, and {folder} "
+                              "holds no test split (test.jsonl / test.txt), so the run would never read it; add "
+                              "its test split, or remove the dataset")
     try:
         if offline:  # its test split holds records too: their prompts
             kind = OFFLINE_KINDS[cfg.train.trainer_type]
             return load_split(cfg, "test", adapter_cls,
-                              [r.item for r in load_offline_sources(cfg.data.sources, "test", kind,
+                              [r.item for r in load_offline_sources(cfg.data.split_sources("test"), "test", kind,
                                                                     offline_video(cfg))])
         return load_split(cfg, "test", adapter_cls)
     except MissingPromptFile as missing:

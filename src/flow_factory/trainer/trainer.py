@@ -30,7 +30,8 @@ from ..models import get_adapter_class
 from ..models.preflight import check_before_loading, check_reward_inputs
 from ..rewards import RewardSet
 from ..rollout_cache import RolloutCache
-from ..sampling import Rollouts, SamplingServices, SamplingSettings, collect_rollouts, condition_size, gather_scores, sample_prompts
+from ..sampling import (Rollouts, SamplingServices, SamplingSettings, collect_rollouts, condition_size, eval_parts,
+                        sample_eval)
 from ..seeding import generator
 from ..timer import PhaseTimer
 from .backends import Backend, make_accelerator
@@ -238,27 +239,28 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, epoch: int) -> dict[str, float]:
-        """ODE samples of the test prompts at the eval resolution; rewards, and a grid saved as PNG."""
+        """ODE samples of the test prompts at the eval resolution, each dataset's at its own eval steps and guidance;
+        rewards, and a grid saved as PNG."""
         ev = self.cfg.eval
         items = self.test_prompts[: ev.num_samples] if ev.num_samples else self.test_prompts
-        share = self._local_share(len(items))
         self.adapter.guidance_scale_2 = ev.guidance_scale_2
         train_strength = getattr(self.adapter, "strength", None)  # video-to-video's
         if ev.strength is not None:
             self.adapter.strength = ev.strength
         try:  # what ff-eval samples for the same config: its numbers agree with these
-            rollouts = sample_prompts(self.adapter, items[share], SamplingSettings.for_eval(ev, self.data.eval_size),
-                                      sample_ids=list(range(len(items)))[share], reward_set=self.eval_rewards,
-                                      autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache,
-                                      condition_cache=self.condition_cache)
+            scores, parts = sample_eval(self.adapter, items, eval_parts(self.cfg, items, self.data.eval_size),
+                                        self._local_share, reward_set=self.eval_rewards,
+                                        autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache,
+                                        condition_cache=self.condition_cache)
         finally:
             self.adapter.guidance_scale_2 = self.cfg.train.guidance_scale_2
             if ev.strength is not None:
                 self.adapter.strength = train_strength
         # the mean over every test prompt once, whatever the shares' sizes
-        means = eval_means(gather_scores(rollouts.rewards), items, self.eval_rewards, self.data.source_names)
+        means = eval_means(scores, items, self.eval_rewards, self.data.eval_source_names)
         self.eval_history.append({"epoch": epoch, **means})
-        if self.accelerator.is_main_process:  # its grid: its own share, the first test prompts
+        if self.accelerator.is_main_process:  # its grid: its own share of the first part, the first test prompts
+            rollouts = next((r for r in parts if r.prompts), parts[0])
             fps = getattr(self.adapter, "frame_rate", VIDEO_FPS)  # LTX-2's 24; Wan's 16
             grid, path = save_eval_grid(rollouts, self.run_dir / "samples" / f"eval_epoch_{epoch:04d}",
                                         self.cfg.log.video_format, fps)
