@@ -86,7 +86,7 @@ def recorded_phases(cfg) -> list[tuple[str, int, list[Call]]]:
     train, steps = cfg.train, cfg.rollout_steps
     algorithm = make_algorithm(train.trainer_type, train, make_dynamics(cfg.scheduler.dynamics_type,
                                                                         cfg.scheduler.noise_level))
-    n, names = train.per_device_batch_size, [source.name for source in cfg.data.sources]
+    n, names = train.per_device_batch_size, [source.name for source in cfg.data.split_sources("train")]
     rollouts = Rollouts(prompts=[""] * n, group_ids=torch.arange(n) // train.group_size,
                         datasets=[names[i % len(names)] for i in range(n)],  # diffusion-opd's teachers take turns
                         latents=torch.zeros(n, steps + 1, 1), log_probs=torch.zeros(n, steps),
