@@ -194,7 +194,7 @@ def _eval_only_config(tmp_path, **c_settings):
     guidance."""
     datasets = _datasets(tmp_path, sizes=(4, 6))
     datasets[1]["weight"] = 3
-    (tmp_path / "c").mkdir()
+    (tmp_path / "c").mkdir(exist_ok=True)
     (tmp_path / "c" / "test.txt").write_text("a c test one\na c test two\n")
     (tmp_path / "c" / "train.txt").write_text("".join(f"a c thing number {i}\n" for i in range(8)))  # never drawn
     datasets.append({"name": "c", "dataset_dir": str(tmp_path / "c"), "train": False, **c_settings})
@@ -217,6 +217,11 @@ def test_an_evaluation_only_dataset_is_never_drawn_for_training_and_its_test_spl
         assert sorted(drawn) == ["a", "b", "b", "b"], (epoch, drawn)
     assert [it.dataset for it in data.test_prompts] == ["a", "b", "c", "c"]
     assert data.source_names == ["a", "b"] and data.eval_source_names == ["a", "b", "c"]
+    config = _eval_only_config(tmp_path)
+    config["data"]["datasets"][1]["eval"] = False  # b trains and is left out of the evaluation
+    data = load_run_data(parse_config(config), get_adapter_class("sd3-5"), num_processes=1, seed=0)
+    assert [it.dataset for it in data.test_prompts] == ["a", "c", "c"] and data.eval_source_names == ["a", "c"]
+    assert data.source_names == ["a", "b"]
 
 
 def test_each_dataset_is_evaluated_with_its_own_steps_and_guidance(tmp_path, monkeypatch):
