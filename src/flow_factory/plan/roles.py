@@ -15,9 +15,10 @@ that is refused.
 
 Work: one optimizer step runs every phase (``Algorithm.phases``: DMD2's ``ttur_fake_updates`` fake-score passes,
 then the generator's) over the same chunks, and each pass's loss calls the transformer several times (the
-generator's loss reads the teacher and the fake score without gradients). The calls are not listed here: they
-are what the algorithm's own ``micro_batches`` and ``loss`` ask of the policy, recorded (``CallRecorder``) on
-rollouts of a one-element latent, then measured at the real size as the plan measures every call.
+generator's loss reads the teacher and the fake score without gradients, DMD2's and TDM's fake passes the
+generator). The calls are not listed here: they are what the algorithm's own ``micro_batches`` and ``loss`` ask
+of the policy, recorded (``CallRecorder``) on rollouts of a one-element latent, then measured at the real size as
+the plan measures every call.
 """
 
 from __future__ import annotations
