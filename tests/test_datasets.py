@@ -308,7 +308,11 @@ def test_flow_factorys_eval_only_datasets_read_as_ours(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("data.datasets[2].eval.resolution: 256, another dataset 512; "
                                                     "one eval.resolution holds for every dataset here")):
         parse_config(upstream)
-    one = minimal()
+    one = minimal(eval={"eval_freq": 20})
+    one["data"] = {"datasets": [{"name": "a", "dataset_dir": "a", "train": {"weight": 1}}]}
+    assert parse_config(one).eval.eval_freq == 0  # upstream evaluates no dataset without an eval block
+    one["data"]["datasets"][0]["eval"] = {}
+    assert parse_config(one).eval.eval_freq == 20
     one["data"] = {"datasets": [{"name": "a", "dataset_dir": "a", "train": None, "eval": {}}]}
     with pytest.raises(ConfigError, match=re.escape("data.datasets[0].train: the run's one dataset is "
                                                     "evaluation-only")):

@@ -253,6 +253,10 @@ def _read_dataset(data: dict, dataset: dict) -> None:
         raise problem("data.datasets[0].train: the run's one dataset is evaluation-only (train null or enabled: "
                       "false), so there is none to train from; give it train: {weight: 1}")
     _route_to_the_one_dataset(data, dataset.pop("name", None))
+    if _split_part(dataset, "eval", "data.datasets[0]") is None:  # upstream evaluates no dataset without eval: {...}
+        evaluation = data.setdefault("eval", {})
+        if isinstance(evaluation, dict):
+            evaluation["eval_freq"] = 0
     for part in ("train", "eval"):
         inner = _split_part(dataset, part, "data.datasets[0]") or {}
         dataset.pop(part, None)
