@@ -305,8 +305,14 @@ def test_flow_factorys_eval_only_datasets_read_as_ours(tmp_path):
     assert (no_cfg.train, no_cfg.eval, no_cfg.eval_guidance_scale, d.train, d.eval) == (False, True, 1.0, False, True)
     upstream["data"]["datasets"][0]["eval"]["resolution"] = 512
     upstream["data"]["datasets"][2]["eval"]["resolution"] = 256
-    with pytest.raises(ConfigError, match=re.escape("data.datasets[2].eval.resolution: 256, another dataset 512; "
-                                                    "one eval.resolution holds for every dataset here")):
+    with pytest.raises(ConfigError, match=re.escape("data.datasets[2].eval.resolution: 256, and data.datasets[0]'s "
+                                                    "512 (null: the eval section's); one eval.resolution holds")):
+        parse_config(upstream)
+    upstream["data"]["datasets"][2]["eval"]["resolution"] = upstream["data"]["datasets"][3]["eval"]["resolution"] = 512
+    assert parse_config(upstream).eval.resolution == 512
+    del upstream["data"]["datasets"][2]["eval"]["resolution"]  # the eval section's (null: train's, whatever it is)
+    with pytest.raises(ConfigError, match=re.escape("data.datasets[2].eval.resolution: null, and data.datasets[0]'s "
+                                                    "512")):
         parse_config(upstream)
     one = minimal(eval={"eval_freq": 20})
     one["data"] = {"datasets": [{"name": "a", "dataset_dir": "a", "train": {"weight": 1}}]}

@@ -322,8 +322,8 @@ def _split_part(dataset: dict, part: str, where: str) -> dict | None:
 def _read_datasets(data: dict, datasets: list) -> list[dict]:
     """Several Flow-Factory datasets as ours: a dataset whose ``train`` is null is evaluation-only (``train:
     false``), one whose ``eval`` is null or absent is not evaluated (``eval: false``); each keeps its own eval steps
-    and guidance. One eval resolution holds for the run here, so the datasets that set it must agree."""
-    ours, resolution = [], {}
+    and guidance. One eval resolution holds for the run here, so the evaluated datasets' must agree."""
+    ours, resolutions = [], []
     for i, dataset in enumerate(datasets):
         where = f"data.datasets[{i}]"
         if not isinstance(dataset, dict):
@@ -332,12 +332,8 @@ def _read_datasets(data: dict, datasets: list) -> list[dict]:
         flat = {k: v for k, v in dataset.items() if k not in ("train", "eval")}
         flat.update({f"train.{k}": v for k, v in (train or {}).items()})
         flat.update({f"eval.{k}": v for k, v in (evaluated or {}).items()})
-        if "eval.resolution" in flat:
-            value = flat.pop("eval.resolution")
-            if resolution.setdefault("value", value) != value:
-                raise problem(f"{where}.eval.resolution: {show(value)}, another dataset {show(resolution['value'])}; "
-                              "one eval.resolution holds for every dataset here (each dataset's own eval steps and "
-                              "guidance are kept)")
+        if evaluated is not None:  # null: the eval section's
+            resolutions.append((where, flat.pop("eval.resolution", None)))
         unknown = sorted(set(flat) - set(SOURCE_KEYS))
         if unknown:
             raise problem(f"{where}: keys {unknown} are not taken here; valid: {', '.join(SOURCE_KEYS)}, "
@@ -345,9 +341,24 @@ def _read_datasets(data: dict, datasets: list) -> list[dict]:
         entry = {SOURCE_KEYS[k]: v for k, v in flat.items()}
         ours.append({**entry, **({} if train is not None else {"train": False}),
                      **({} if evaluated is not None else {"eval": False})})
-    if resolution:
-        _put(data, "eval.resolution", resolution["value"], "data.datasets[].eval.resolution")
+    _one_eval_resolution(data, resolutions)
     return ours
+
+
+def _one_eval_resolution(data: dict, resolutions: list) -> None:
+    """The evaluated datasets' eval resolutions (``(where, value)``; None: the eval section's) as the run's one
+    ``eval.resolution``, or an error naming a dataset whose differs."""
+    shared = (data.get("eval") or {}).get("resolution") if isinstance(data.get("eval"), dict) else None
+    first = None
+    for where, value in resolutions:
+        value = shared if value is None else value
+        if first is not None and value != first[1]:
+            raise problem(f"{where}.eval.resolution: {show(value)}, and {first[0]}'s {show(first[1])} (null: the eval "
+                          "section's); one eval.resolution holds for every dataset here (each dataset's own eval "
+                          "steps and guidance are kept)")
+        first = first or (where, value)
+    if first is not None and first[1] is not None:
+        _put(data, "eval.resolution", first[1], f"{first[0]}.eval.resolution")
 
 
 def without_effect(cfg) -> list[str]:
