@@ -457,3 +457,23 @@ def test_under_zero2_the_lora_roles_train_beside_the_engine(tmp_path, tiny_pipel
     pipe.load_lora_weights(straight)
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=pipe.transformer.active_adapters()[0])
     _same({k: v.float() for k, v in loaded.items()}, beside["generator"])
+
+
+@pytest.mark.parametrize("trainer", ["dmd2", "tdm", "tdm-r1"])
+def test_each_trainer_trains_in_a_gpus_precision(tmp_path, tiny_pipeline, trainer, gpu_precision):
+    """bf16 autocast and fp16 rollouts, as on a GPU: an epoch of each trainer replays its generator's steps from
+    the fp16 states within upstream's default tolerances (the replay stops the run otherwise) and saves a trained,
+    finite generator LoRA."""
+    config = dmd2_config(tmp_path, tiny_pipeline("sd3-5"), None, trainer_type=trainer, max_epochs=1,
+                         unique_sample_num_per_epoch=2)
+    if trainer == "tdm-r1":
+        config["train"]["group_size"] = 2
+        config["rewards"] = [{"name": "jpeg", "reward_model": "jpeg_compressibility"}]
+    config["mixed_precision"] = "bf16"
+    config["eval"]["eval_freq"] = 0
+    config["log"] |= {"logging_backend": "none"}
+    assert main([str(write_config(tmp_path, config))]) == 0
+    checkpoint = tmp_path / "saves" / "run" / "checkpoints" / "epoch_1"
+    lora = generator_weights(checkpoint)
+    assert all(torch.isfinite(t).all() for t in lora.values())
+    assert max(t.abs().max() for k, t in lora.items() if "lora_B" in k) > 0  # lora_B starts at 0: it trained
