@@ -19,9 +19,9 @@ from flow_factory.trainer.roles import Roles, RolePolicy
 from helpers_runs import tiny_run_config
 
 
-def dmd2_config(tmp, model_path, optimizers=None, **train) -> dict:
+def dmd2_config(tmp, model_path, optimizers=None, *, model_type="sd3-5", **train) -> dict:
     train = {"trainer_type": "dmd2", "num_inference_steps": 2, "group_size": 1, "guidance_scale": 1.0, **train}
-    config = tiny_run_config(tmp, "sd3-5", model_path, **train)
+    config = tiny_run_config(tmp, model_type, model_path, **train)
     config["scheduler"] = {"dynamics_type": "ODE"}
     del config["rewards"]
     if optimizers is not None:
