@@ -477,3 +477,44 @@ def test_each_trainer_trains_in_a_gpus_precision(tmp_path, tiny_pipeline, traine
     lora = generator_weights(checkpoint)
     assert all(torch.isfinite(t).all() for t in lora.values())
     assert max(t.abs().max() for k, t in lora.items() if "lora_B" in k) > 0  # lora_B starts at 0: it trained
+
+
+@needs_deepspeed
+def test_diffusion_opd_under_zero2_makes_one_processs_update(tmp_path, tiny_pipeline):
+    """diffusion-opd (datasets A and B, each its LoRA teacher) on 2 processes under DeepSpeed ZeRO-2, each one
+    sample, against one process with both in its micro-batch: the engine holds the student's optimizer, the teachers
+    are frozen adapters inside the network it wraps, outside that optimizer. The student ends as one process's to
+    float32 rounding (AdamW's step linear in the gradient; measured 6.1e-7 of its move, bound 1e-3 as the roles'
+    tests), its LoRA file the student's adapter alone; a teacher the engine trained, or left cast, would move it
+    elsewhere. (The bf16 cast the engine makes, undone for the teachers: test_opd.py.)"""
+    import os
+
+    from helpers_launch import ff_train_forked
+    from helpers_runs import ff_train_in_this_process
+    from test_opd import opd_train_config, save_teacher
+    from test_train_cli import _free_port
+
+    model, students = tiny_pipeline("sd3-5"), {}
+    save_teacher(model, tmp_path / "ta", 2, 1)
+    save_teacher(model, tmp_path / "tb", 4, 2)
+    for processes, backend in ((1, None), (2, "zero2")):
+        config = opd_train_config(tmp_path, model, max_epochs=1, num_inference_steps=3, unique_sample_num_per_epoch=2,
+                                  per_device_batch_size=2 // processes, ema_decay=0, learning_rate=1e9,
+                                  adam_epsilon=1e8, adam_weight_decay=0.0)
+        config["eval"]["eval_freq"] = 0
+        config["log"] |= {"logging_backend": "none", "run_name": f"p{processes}"}
+        if backend:
+            config["config_file"] = backend
+        argv = [str(write_config(tmp_path, config, f"p{processes}.yaml")), "--num_processes", str(processes),
+                "--main_process_port", str(_free_port())]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PATH": TOOLS_PATH}
+        (_, err), code = ff_train_in_this_process(argv) if processes == 1 else ff_train_forked(argv, env)
+        assert code == 0, err[-3000:]
+        checkpoint = tmp_path / "saves" / f"p{processes}" / "checkpoints" / "epoch_1"
+        sharding = json.loads((checkpoint / "trainer_state.json").read_text())["sharding"]
+        assert (sharding["backend"], sharding["processes"]) == (BACKENDS[backend], processes)
+        students[processes] = load_file(checkpoint / "pytorch_lora_weights.safetensors")
+    assert students[1].keys() == students[2].keys() and not any("opd_teacher" in k for k in students[2])
+    moved = max(float(v.abs().max()) for k, v in students[1].items() if "lora_B" in k)
+    difference = max(float((students[2][k].double() - v.double()).abs().max()) for k, v in students[1].items())
+    assert moved > 1e-4 and difference <= 1e-3 * moved, (difference / moved, moved)

@@ -392,16 +392,22 @@ def _sharded_role_problems(cfg, kind: str, others: str) -> list[str]:
     """What FSDP2 (``kind`` FSDP) and DeepSpeed cannot train of a run with roles (``trainer/roles.py``): FSDP2
     shards every role (LoRA: adapters of the one transformer it shards; full: each copy and the teacher sharded
     too), each role's optimizer over its own shards; DeepSpeed ZeRO-1/2 hold the generator's optimizer in the engine
-    and train the other roles' LoRA adapters beside it, each with its own optimizer, as DDP does."""
+    and train the other roles' LoRA adapters beside it, each with its own optimizer, as DDP does; diffusion-opd's
+    teachers are frozen adapters beside the student's there (``Roles._beside_engine``)."""
     train, name, where = cfg.train, cfg.train.trainer_type, f"config_file: {cfg.config_file} runs {kind}"
-    if len(DISTILLATION_SPECS[name].roles) == 1:  # diffusion-opd: one optimizer, but teachers beside the student
-        return [f"{where}, which {name}'s {others} are not built for (neither sharded with the transformer nor run "
-                "inside DeepSpeed's engine here); use multi_gpu (DDP) or one process"]
-    if kind == "DEEPSPEED" and cfg.model.finetune_type != "lora":
+    teachers_only = len(DISTILLATION_SPECS[name].roles) == 1  # diffusion-opd: one optimizer, teachers beside it
+    if teachers_only and kind == "FSDP":
+        return [f"{where}, which {name}'s {others} are not built for (not sharded with the transformer here); use "
+                "zero1 or zero2, multi_gpu (DDP) or one process"]
+    if kind == "DEEPSPEED" and cfg.model.finetune_type != "lora" and not teachers_only:  # opd: its own error
         return [f"{where}: without LoRA {name}'s other roles are whole copies of the transformer, outside DeepSpeed's "
                 "one engine (which holds the generator's optimizer alone): each would train whole on every process, "
                 "its AdamW state unpartitioned; use fsdp2 (each copy sharded), multi_gpu (DDP) or one process"]
     zero_stage = (_launch_config(cfg.config_file).get("deepspeed_config") or {}).get("zero_stage")
+    if kind == "DEEPSPEED" and zero_stage == 3 and teachers_only:
+        return [f"{where} with ZeRO-3, which partitions every weight of the network its engine wraps, {name}'s "
+                f"{others} included, which this trainer does not gather for their queries; use zero1 or zero2 (the "
+                "teachers whole, frozen, beside the student's LoRA), multi_gpu or one process"]
     if kind == "DEEPSPEED" and zero_stage == 3:
         return [f"{where} with ZeRO-3, which partitions every weight of the network its engine wraps, {name}'s "
                 f"{others} included, and their own optimizers beside the engine cannot step partitions; use zero1 or "

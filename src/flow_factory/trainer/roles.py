@@ -179,6 +179,8 @@ class Roles:
         self.params = self._collect()
         if self.beside_engine:
             self._beside_engine()
+        if self.teachers is not None:  # diffusion-opd's, frozen: as they loaded, whatever the backend cast
+            self.teachers.keep_as_loaded()
         self.optimizers = {role: make_role_optimizer(self.params[role], self.settings[role])
                            for role in self.names if role != GENERATOR}
         # a copy swapped into shards frees the weights FSDP2 gathered, so that the next forward gathers the swapped

@@ -2,8 +2,9 @@
 peft adapter of the one transformer beside the student's (``models/lora.ADAPTER_NAME``), frozen. Each keeps the
 rank, alpha and targets its file's metadata gives (diffusers' ``load_lora_adapter``), so a teacher need not share
 the student's. ``running(name)`` makes one the adapter the transformer runs, for a query without gradients; outside
-it the student runs, as every other part of the trainer expects. Nothing of theirs is checkpointed: a resumed run
-loads them from their paths again."""
+it the student runs, as every other part of the trainer expects. Nothing of theirs is checkpointed (the student's
+LoRA file is its adapter's alone): a resumed run loads them from their paths again. Under DeepSpeed ZeRO-1/2 they
+sit inside the network the engine wraps, outside its optimizer, whole on every process (``keep_as_loaded``)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,22 @@ class LoraTeachers:
                 raise ConfigError(f"train.teachers[{i}].path: {teacher.path} does not load as a LoRA of this "
                                   f"{type(transformer).__name__}: {err}") from None
             self.adapters[teacher.name] = adapter
+        self.loaded = {}  # parameter -> its tensor as loaded (``keep_as_loaded``)
         for name, p in transformer.named_parameters():  # loading made them trainable
             if any(f".{adapter}." in name for adapter in self.adapters.values()):
                 p.requires_grad_(False)
+                self.loaded[p] = p.data
         self._run(ADAPTER_NAME)  # loading made the last one run
+
+    def keep_as_loaded(self) -> int:
+        """Put back each teacher weight a backend cast (DeepSpeed's engine casts the whole network it wraps to the
+        run's precision), in the dtype and values it loaded with, on the device it is on now; returns how many.
+        A weight loaded in that precision is left as it is. Once only: the references held since loading go."""
+        cast = [p for p, held in self.loaded.items() if p.dtype != held.dtype]
+        for p in cast:
+            p.data = self.loaded[p].to(p.device)
+        self.loaded = {}
+        return len(cast)
 
     def _run(self, adapter: str) -> None:
         for layer in self.transformer.modules():
