@@ -60,10 +60,11 @@ class ToyPolicy:
         return torch.full_like(x, self.teachers[teacher])
 
 
-def opd_train_config(tmp, model, **train) -> dict:
-    """A diffusion-opd run of tiny SD3 over datasets A and B, each its teacher (paths filled in by the caller)."""
-    config = tiny_run_config(tmp, "sd3-5", model, trainer_type="diffusion-opd", group_size=1, guidance_scale=1.0,
-                             **train)
+def opd_train_config(tmp, model, *, model_type: str = "sd3-5", **train) -> dict:
+    """A diffusion-opd run of a tiny family (SD3 by default) over datasets A and B, each its teacher (paths filled in
+    by the caller)."""
+    config = tiny_run_config(tmp, model_type, model, **{"trainer_type": "diffusion-opd", "group_size": 1,
+                                                        "guidance_scale": 1.0, **train})
     del config["rewards"], config["data"]["dataset_dir"]
     config["data"]["datasets"] = [{"name": n, "dataset_dir": str(write_dataset(tmp / n))} for n in ("A", "B")]
     config["scheduler"] = {"dynamics_type": "ODE"}
@@ -247,21 +248,19 @@ def test_a_toy_students_samples_of_each_dataset_move_to_its_teachers_distributio
 
 
 # ---------------------------------------------------------------------------------------------- ff-train, tiny SD3
-def save_teacher(model, folder: Path, rank: int, seed: int) -> Path:
+def save_teacher(model, folder: Path, rank: int, seed: int, model_type: str = "sd3-5") -> Path:
     """A random LoRA of the tiny model (its own rank and alpha), saved as ff-train saves one."""
-    from diffusers import StableDiffusion3Pipeline
-
-    from flow_factory.models import load_adapter
+    from flow_factory.models import get_adapter_class, load_adapter
     from flow_factory.models.lora import apply_lora, save_lora
 
-    adapter = load_adapter("sd3-5", model)
+    adapter = load_adapter(model_type, model)
     apply_lora(adapter.transformer, rank, 2.0 * rank, "default", adapter.default_lora_targets)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in adapter.transformer.named_parameters():
             if "lora_" in name:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    return save_lora(StableDiffusion3Pipeline, adapter.transformer, folder)
+    return save_lora(get_adapter_class(model_type).pipeline_class, adapter.transformer, folder)
 
 
 def test_each_teacher_runs_as_its_lora_file_makes_it_beside_the_student(tmp_path, tiny_sd3_path):
