@@ -248,6 +248,58 @@ def test_each_dataset_is_evaluated_with_its_own_steps_and_guidance(tmp_path, mon
     assert [sampling.eval_guidance(cfg, it.dataset) for it in items] == [4.5, 4.5, 1.0, 1.0]
 
 
+def test_eval_num_samples_is_split_evenly_over_the_evaluated_datasets(tmp_path):
+    """a, b and c hold 2, 2 and 4 test prompts (a's, b's, c's first ones): 3 evaluates one of each, 7 takes
+    what a and b lack from c; one dataset's cap takes its first prompts, as before."""
+    from flow_factory.data import load_sources
+    from flow_factory.sampling import eval_items
+
+    config = _eval_only_config(tmp_path)
+    (tmp_path / "c" / "test.txt").write_text("".join(f"c test {i}\n" for i in range(4)))
+    config["data"]["datasets"][0]["eval_max_dataset_size"] = 2
+    config["data"]["datasets"][1]["eval_max_dataset_size"] = 2
+    (tmp_path / "a" / "test.txt").write_text("a one\na two\na three\n")
+    (tmp_path / "b" / "test.txt").write_text("b one\nb two\n")
+    cfg = parse_config(config)
+    items = load_sources(cfg.data.split_sources("test"), "test")
+    assert [it.prompt for it in eval_items(items, 3)] == ["a one", "b one", "c test 0"]
+    assert [it.prompt for it in eval_items(items, 7)] == ["a one", "a two", "b one", "b two", "c test 0",
+                                                          "c test 1", "c test 2"]
+    assert eval_items(items, None) == items and len(eval_items(items, 100)) == 8
+    assert [it.prompt for it in eval_items(items[4:], 2)] == ["c test 0", "c test 1"]
+
+
+def test_the_eval_grid_shows_each_datasets_samples_labelled(tmp_path, monkeypatch):
+    """a and b share the eval section's settings (one part), c has its own (a second part): the grid's 16 split
+    over the three, each its first test prompts, each led by its dataset's name; with 2 the grid still shows one
+    of each dataset (before, the grid showed the first part's samples alone)."""
+    from flow_factory import sampling
+    from flow_factory.data import load_sources
+
+    config = _eval_only_config(tmp_path, eval_guidance_scale=1.0)
+    (tmp_path / "a" / "test.txt").write_text("".join(f"a test {i}\n" for i in range(20)))
+    cfg = parse_config(config)
+    items = load_sources(cfg.data.split_sources("test"), "test")
+
+    def sample_prompts(adapter, part, settings, sample_ids, **services):
+        return sampling.Rollouts(prompts=[it.prompt for it in part], group_ids=torch.tensor(sample_ids),
+                                 latents=torch.empty(0), log_probs=torch.empty(0), sigmas=torch.empty(0),
+                                 sde_steps=[], cond={}, media=torch.tensor(sample_ids).float().reshape(-1, 1, 1, 1),
+                                 rewards={"r": torch.tensor([float(i) for i in sample_ids])})
+    monkeypatch.setattr(sampling, "sample_prompts", sample_prompts)
+    parts = sampling.eval_parts(cfg, items, (64, 64))
+    _, rollouts = sampling.sample_eval(None, items, parts, lambda n: slice(0, n))
+    assert len(rollouts) == 2 and len(rollouts[0].prompts) == 21  # a's 20 and b's 1; c's 2
+    shown = sampling.grid_samples(rollouts, [it.dataset for it in items])
+    prompts = [prompt for prompt, *_ in shown]
+    assert prompts == [f"[a] a test {i}" for i in range(13)] + ["[b] a b test", "[c] a c test one",
+                                                                 "[c] a c test two"], prompts
+    assert [float(media) for _, media, *_ in shown] == [float(it) for it in [*range(13), 20, 21, 22]]
+    assert [rewards for *_, rewards, _ in shown][-1] == {"r": 22.0}
+    two = sampling.grid_samples(rollouts, [it.dataset for it in items], shown=2)
+    assert [prompt.split("]")[0] for prompt, *_ in two] == ["[a", "[b", "[c"]
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda c: [d.update(train=False) or d.pop("weight", None) for d in c["data"]["datasets"]],
      "data: datasets: every dataset has train: false, so there is none to train from"),
@@ -269,6 +321,9 @@ def test_each_dataset_is_evaluated_with_its_own_steps_and_guidance(tmp_path, mon
     (lambda c: c["data"]["datasets"][1].update(eval=False) or
      c.update(eval_rewards=[{"reward_model": "PickScore", "applicable_datasets": ["b", "c"]}]),
      "eval_rewards[0].applicable_datasets: ['b'] are not evaluated (eval: false)"),
+    (lambda c: c["eval"].update(num_samples=2),
+     "eval.num_samples: 2 test prompts, split evenly over the 3 evaluated datasets ['a', 'b', 'c'], would leave "
+     "['c'] out of the evaluation; make it at least 3"),
 ])
 def test_what_an_evaluation_only_dataset_cannot_mean_is_refused_naming_the_key(tmp_path, change, message):
     config = _eval_only_config(tmp_path)
@@ -325,15 +380,21 @@ def test_flow_factorys_eval_only_datasets_read_as_ours(tmp_path):
         parse_config(one)
 
 
-def test_a_run_evaluates_its_evaluation_only_dataset_under_its_own_name(tmp_path, tiny_sd3_path):
+def test_a_run_evaluates_its_evaluation_only_dataset_under_its_own_name(tmp_path, tiny_sd3_path, monkeypatch):
     """ff-train with a training dataset and an evaluation-only copy of it at another eval guidance (upstream's
-    ``*_no-cfg`` datasets): each epoch's groups are a's, the eval scores both under eval/source/<name>/."""
+    ``*_no-cfg`` datasets): each epoch's groups are a's, the eval scores both under eval/source/<name>/, its
+    eval.num_samples 2 one test prompt of each (before, a's two alone), and its grid shows both, labelled."""
+    from flow_factory.trainer import trainer
+
+    grids = []
+    monkeypatch.setattr(trainer, "save_eval_grid", lambda samples, *args, save=trainer.save_eval_grid:
+                        grids.append([prompt for prompt, *_ in samples]) or save(samples, *args))
     config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path, max_epochs=1)
     folder = config["data"].pop("dataset_dir")
     config["data"]["datasets"] = [{"name": "a", "dataset_dir": folder},
                                   {"name": "a_no-cfg", "dataset_dir": folder, "train": False,
                                    "eval_guidance_scale": 1.0, "eval_num_inference_steps": 2}]
-    config["eval"].update(eval_freq=1, num_samples=None)
+    config["eval"].update(eval_freq=1, num_samples=2)
     (out, err), code = ff_train_in_this_process([str(write_config(tmp_path, config))])
     assert code == 0, err[-3000:]
     history = json.loads((tmp_path / "saves" / "run" / "history.json").read_text())
@@ -341,3 +402,5 @@ def test_a_run_evaluates_its_evaluation_only_dataset_under_its_own_name(tmp_path
     evaluated = history["eval"][-1]
     assert {"eval/source/a/reward/jpeg", "eval/source/a_no-cfg/reward/jpeg"} <= set(evaluated)
     assert all(math.isfinite(v) for v in evaluated.values())
+    assert grids and all(shown == ["[a] a purple cube", "[a_no-cfg] a purple cube"] for shown in grids), grids
+    assert len(list((tmp_path / "saves" / "run" / "samples").glob("eval_epoch_*.png"))) == len(grids)

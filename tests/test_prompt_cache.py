@@ -266,7 +266,7 @@ def test_ff_eval_reads_the_runs_cache_and_matches_its_evaluation(tmp_path, tiny_
     trainer.train()
     monkeypatch.setattr("flow_factory.models.sd3.SD3Adapter.encode",
                         lambda *a, **k: pytest.fail("ff-eval encoded a prompt the run's cache holds"))
-    summary, _ = evaluate_config(cfg, tmp_path / "saves" / "run" / "checkpoints" / "epoch_1")
+    summary = evaluate_config(cfg, tmp_path / "saves" / "run" / "checkpoints" / "epoch_1")[0]
     final = trainer.eval_history[-1]
     assert final["epoch"] == 1
     assert summary["jpeg"]["mean"] == pytest.approx(final["eval/reward/jpeg"], abs=1e-6)

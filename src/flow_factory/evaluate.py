@@ -3,8 +3,8 @@
 The ``section.key=value`` overrides may stand anywhere after the config, before or after the flags, as ff-train's.
 
 Every eval reward of the config (``eval_rewards``, else ``rewards``) over its test
-prompts (the test split of ``data.dataset_dir``, or of each evaluated dataset of ``data.datasets``, first
-``eval.num_samples``), sampled with the eval settings (ODE, ``eval.resolution``, ``eval.num_inference_steps``,
+prompts (the test split of ``data.dataset_dir``, or of each evaluated dataset of ``data.datasets``;
+``eval.num_samples`` of them split evenly over the datasets), sampled with the eval settings (ODE, ``eval.resolution``, ``eval.num_inference_steps``,
 ``eval.guidance_scale`` and ``guidance_scale_2``, or a dataset's own ``eval_num_inference_steps`` and
 ``eval_guidance_scale``, noise seeded by ``eval.seed``) through the same components as
 the Trainer's eval, so the numbers match a run's ``eval/reward/*`` at that checkpoint.
@@ -15,7 +15,8 @@ saves a sample grid PNG.
 
 On several processes (``accelerate launch --num_processes N -m flow_factory.evaluate ...``) each
 samples its contiguous share of the prompts (``data.share_slice``, the Trainer's eval's rule) and the
-table and JSON hold every prompt once, as one process's do; the grid shows the main process's share.
+table and JSON hold every prompt once, as one process's do; the grid shows 16 samples split evenly over the
+evaluated datasets (each at least one), gathered from every process.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="section.key=value, value parsed as YAML")
     p.add_argument("--checkpoint", help="an ff-train checkpoint folder (LoRA or full transformer)")
     p.add_argument("--out", help="JSON path (default: eval.json in the checkpoint folder, else the run folder)")
-    p.add_argument("--grid", help="also save a grid of the first 16 samples to this PNG (for a video model an mp4, "
-                   "or a GIF when the path ends in .gif)")
+    p.add_argument("--grid", help="also save a grid of 16 samples, each evaluated dataset's first ones, to this PNG "
+                   "(for a video model an mp4, or a GIF when the path ends in .gif)")
     return p.parse_intermixed_args(argv)  # overrides may follow the flags, as ff-train's
 
 
@@ -55,8 +56,8 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
 
 
 def evaluate_config(cfg, checkpoint=None):
-    """(summary over every test prompt, this process's rollouts of each part: ``sampling.eval_parts``) of ``cfg``'s
-    eval rewards on its test prompts, each dataset's sampled at its own eval steps and guidance; on several processes
+    """(summary over every test prompt, this process's rollouts of each part: ``sampling.eval_parts``, each test
+    prompt's dataset) of ``cfg``'s eval rewards on its test prompts, each dataset's sampled at its own eval steps and guidance; on several processes
     each samples its share of each part (``data.share_slice``)."""
     import torch
     from accelerate import Accelerator
@@ -67,7 +68,7 @@ def evaluate_config(cfg, checkpoint=None):
     from .precision import Precision, avoid_cudnn_attention, run_mixed_precision
     from .prompt_cache import ConditionCache, PromptCache
     from .rewards import RewardSet
-    from .sampling import eval_parts, load_split, sample_eval, split_size
+    from .sampling import eval_items, eval_parts, load_split, sample_eval, split_size
     from .sharding import accelerator_kwargs
 
     # this process's rank and device; made before the rewards, whose default one would not join the other
@@ -81,7 +82,7 @@ def evaluate_config(cfg, checkpoint=None):
     adapter_cls = get_adapter_class(cfg.model.model_type)
     items = load_split(cfg, "test", adapter_cls)  # as the Trainer's eval: the same checks and size
     size = split_size(cfg, "eval", items, adapter_cls)
-    items = items[: ev.num_samples] if ev.num_samples else items
+    items = eval_items(items, ev.num_samples)
     rewards = RewardSet.from_configs(cfg.eval_rewards or cfg.rewards, accelerator=acc)
     from .models.preflight import check_experts, check_reward_inputs
 
@@ -105,7 +106,7 @@ def evaluate_config(cfg, checkpoint=None):
     # a reward routed to some datasets scored only their prompts (NaN for the others): its summary is theirs
     datasets = [it.dataset for it in items]
     scores = {k: v[rewards.scored_mask(k, datasets, len(v))] for k, v in scores.items()}
-    return summarise(scores), parts
+    return summarise(scores), parts, datasets
 
 
 def main(argv=None) -> int:
@@ -125,12 +126,14 @@ def main(argv=None) -> int:
     from .guards import NonFiniteError
 
     try:
-        summary, parts = evaluate_config(cfg, args.checkpoint)
+        summary, parts, datasets = evaluate_config(cfg, args.checkpoint)
     except (CheckpointError, NonFiniteError, FileNotFoundError, PromptFileError) as e:
         print(f"ff-eval: {e}", file=sys.stderr)
         return 2
     from accelerate import PartialState
     from accelerate.utils import gather_object
+
+    from .sampling import grid_samples
 
     # every process's samples, in prompt order (shares may differ in size); the main process writes them
     # a reward routed to other datasets did not score a sample (NaN): the sample has no entry for it
@@ -138,6 +141,7 @@ def main(argv=None) -> int:
                for sample in gather_object([{"prompt": p, **{k: v[i].item() for k, v in rollouts.rewards.items()
                                                              if not math.isnan(v[i].item())}}
                                             for i, p in enumerate(rollouts.prompts)])]
+    shown = grid_samples(parts, datasets) if args.grid else []  # each dataset's, from every process
     if not PartialState().is_main_process:
         return 0
     print(format_table(summary))
@@ -148,18 +152,12 @@ def main(argv=None) -> int:
                                "model": cfg.model.model_name_or_path, "rewards": summary, "samples": samples},
                               indent=1))
     if args.grid:
-        from .media import VIDEO_FORMATS, VIDEO_FPS, caption, sample_grid, save_grid
+        from .media import VIDEO_FORMATS, VIDEO_FPS, eval_grid, save_grid
         from .models import get_adapter_class
 
-        rollouts = next((r for r in parts if r.prompts), parts[0])  # the main process's share of the first part
-        shown = min(16, len(rollouts.prompts))
-        caps = [caption(p, {k: v[i].item() for k, v in rollouts.rewards.items() if not math.isnan(v[i].item())})
-                for i, p in enumerate(rollouts.prompts[:shown])]
-        conditions = rollouts.conditions.per_sample()[:shown] if rollouts.conditions else None
         # a video grid: the format --grid's suffix names, else the config's log.video_format
         named = Path(args.grid).suffix.lstrip(".")
-        save_grid(sample_grid(rollouts.media[:shown], caps, conditions=conditions), args.grid,
-                  named if named in VIDEO_FORMATS else cfg.log.video_format,
+        save_grid(eval_grid(shown), args.grid, named if named in VIDEO_FORMATS else cfg.log.video_format,
                   getattr(get_adapter_class(cfg.model.model_type), "frame_rate", VIDEO_FPS))
     print(f"ff-eval: wrote {out}")
     return 0

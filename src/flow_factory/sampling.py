@@ -300,6 +300,51 @@ def eval_parts(cfg, items: list, size: tuple[int, int] | None = None) -> list[tu
     return parts
 
 
+def even_picks(datasets: list, n: int) -> list[int]:
+    """Indices of ``n`` of the entries (all when fewer), as evenly over their ``datasets`` as their sizes allow:
+    each dataset's first ones, one of each in turn, what a small dataset lacks going to the others; in index order."""
+    by_dataset: dict = {}
+    for i, name in enumerate(datasets):
+        by_dataset.setdefault(name, []).append(i)
+    picks, turn = [], 0
+    while len(picks) < min(n, len(datasets)):
+        picks += [ids[turn] for ids in by_dataset.values() if turn < len(ids)][: n - len(picks)]
+        turn += 1
+    return sorted(picks)
+
+
+def eval_items(items: list, num_samples: int | None) -> list:
+    """The test prompts evaluated: all, or ``eval.num_samples`` of them split evenly over their datasets
+    (``even_picks``; the config refuses a cap that would leave an evaluated dataset out), each dataset's together."""
+    return [items[i] for i in even_picks([it.dataset for it in items], num_samples)] if num_samples else items
+
+
+def grid_samples(parts: list, datasets: list, shown: int = 16) -> list[tuple]:
+    """The eval samples a grid shows: ``shown`` of them split evenly over the evaluated datasets (``even_picks``;
+    every dataset at least one), in test-prompt order, each (prompt, media, its rewards, its condition media),
+    the prompt led by its dataset's name when there are several. ``parts``: this process's rollouts of each part
+    (``sample_eval``), ``datasets``: each test prompt's. A collective: each process holds its share of each part,
+    and every process gets them all."""
+    import math
+
+    from accelerate.utils import gather_object
+
+    picks = set(even_picks(datasets, max(shown, len(set(datasets)))))
+    several = len(set(datasets)) > 1
+    mine = []
+    for rollouts in parts:
+        conditions = rollouts.conditions.per_sample() if rollouts.conditions else None
+        for j, i in enumerate(rollouts.group_ids.tolist()):
+            if i in picks:
+                rewards = {k: v[j].item() for k, v in (rollouts.rewards or {}).items() if not math.isnan(v[j].item())}
+                prompt = f"[{datasets[i]}] {rollouts.prompts[j]}" if several else rollouts.prompts[j]
+                # as arrays: a tensor view would carry its whole batch's storage through the gather
+                mine.append((i, prompt, rollouts.media[j].float().cpu().numpy().copy(), rewards,
+                             [c.float().cpu().numpy().copy() for c in conditions[j]] if conditions else []))
+    return [(prompt, torch.from_numpy(media), rewards, [torch.from_numpy(c) for c in conditions])
+            for _, prompt, media, rewards, conditions in sorted(gather_object(mine), key=lambda sample: sample[0])]
+
+
 def eval_guidance(cfg, dataset: str | None) -> float:
     """The guidance scale ``dataset``'s test prompts are sampled (and so encoded) with."""
     own = next((s.eval_guidance_scale for s in cfg.data.sources if s.name == dataset), None)

@@ -198,7 +198,19 @@ class Config(Section):
                         out.append(f"{key}: {unknown} are not datasets of the run; data.datasets names {names}")
                     elif given:
                         out += self._routed_to_unread(key, part, given)
-        return out + self._eval_only_problems()
+        return out + self._eval_only_problems() + self._eval_cap_problems()
+
+    def _eval_cap_problems(self) -> list[str]:
+        """eval.num_samples is split evenly over the evaluated datasets (``sampling.eval_items``): a cap below their
+        number would leave some out of the evaluation."""
+        evaluated = [s.name for s in self.data.sources if s.eval] if self.data.datasets is not None else []
+        cap = self.eval.num_samples
+        if cap is None or cap >= len(evaluated):
+            return []
+        return [f"eval.num_samples: {cap} test prompts, split evenly over the {len(evaluated)} evaluated datasets "
+                f"{evaluated}, would leave {evaluated[cap:]} out of the evaluation; make it at least "
+                f"{len(evaluated)} or null (every test prompt), or cap each dataset with "
+                "data.datasets[].eval_max_dataset_size"]
 
     def _routed_to_unread(self, key: str, part: str, given: list[str]) -> list[str]:
         """A reward routed to datasets whose samples it would never score: a training reward to evaluation-only

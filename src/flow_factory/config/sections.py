@@ -353,7 +353,9 @@ class EvalConfig(Section):
                                         "a dataset without a test split is not evaluated")
     per_device_batch_size: PositiveInt | None = setting(
         None, "eval batch size per process; null = train.per_device_batch_size")
-    num_samples: PositiveInt | None = setting(None, "evaluate on at most this many test prompts; null = all")
+    num_samples: PositiveInt | None = setting(
+        None, "evaluate on at most this many test prompts, split evenly over the evaluated datasets (each its first "
+        "ones); null = all")
     seed: int | None = setting(None, "seed of the eval noise; null = the training seed")
 
     @field_validator("resolution", "condition_image_size", mode="before")

@@ -114,3 +114,12 @@ def save_grid(grid: Image.Image | list[Image.Image], path: str | Path, video_for
 def caption(prompt: str, rewards: dict[str, float]) -> str:
     scores = " ".join(f"{k}={v:.4g}" for k, v in rewards.items())
     return f"{scores} | {prompt}"
+
+
+def eval_grid(samples: list[tuple]) -> Image.Image | list[Image.Image]:
+    """The grid of an eval's ``samples`` (prompt, media, rewards, condition media), each captioned with its rewards
+    (``sampling.grid_samples`` picks them)."""
+    conditions = [cond for *_, cond in samples]
+    return sample_grid(torch.stack([media for _, media, _, _ in samples]),
+                       [caption(prompt, rewards) for prompt, _, rewards, _ in samples],
+                       conditions=conditions if any(conditions) else None)

@@ -12,7 +12,7 @@ import torch
 
 from ..checkpoint import write_atomic
 from ..data.sources import per_source_means, source_indices
-from ..media import caption, plot_curves, sample_grid, save_grid
+from ..media import eval_grid, plot_curves, save_grid
 from ..timer import PhaseTimer
 
 
@@ -72,14 +72,11 @@ def eval_means(every: dict[str, torch.Tensor], items: list, reward_set, source_n
     return means
 
 
-def save_eval_grid(rollouts, path: Path, video_format: str, fps: int, shown: int = 16):
-    """The first ``shown`` samples of ``rollouts``, captioned with their rewards and beside their conditions: a PNG,
-    or for a video model an mp4 or an animated GIF (``log.video_format``); returns (the grid, its file)."""
-    shown = min(shown, len(rollouts.prompts))
-    captions = [caption(rollouts.prompts[i], {k: v[i].item() for k, v in rollouts.rewards.items()})
-                for i in range(shown)]
-    conditions = rollouts.conditions.per_sample()[:shown] if rollouts.conditions else None
-    grid = sample_grid(rollouts.media[:shown], captions, conditions=conditions)
+def save_eval_grid(samples: list[tuple], path: Path, video_format: str, fps: int):
+    """The eval's ``samples`` (``sampling.grid_samples``: each dataset's), captioned with their rewards and beside
+    their conditions: a PNG, or for a video model an mp4 or an animated GIF (``log.video_format``); returns (the
+    grid, its file)."""
+    grid = eval_grid(samples)
     return grid, save_grid(grid, path, video_format, fps)
 
 

@@ -30,8 +30,8 @@ from ..models import get_adapter_class
 from ..models.preflight import check_before_loading, check_reward_inputs
 from ..rewards import RewardSet
 from ..rollout_cache import RolloutCache
-from ..sampling import (Rollouts, SamplingServices, SamplingSettings, collect_rollouts, condition_size, eval_parts,
-                        sample_eval)
+from ..sampling import (Rollouts, SamplingServices, SamplingSettings, collect_rollouts, condition_size, eval_items,
+                        eval_parts, grid_samples, sample_eval)
 from ..seeding import generator
 from ..timer import PhaseTimer
 from .backends import Backend, make_accelerator
@@ -242,7 +242,7 @@ class Trainer:
         """ODE samples of the test prompts at the eval resolution, each dataset's at its own eval steps and guidance;
         rewards, and a grid saved as PNG."""
         ev = self.cfg.eval
-        items = self.test_prompts[: ev.num_samples] if ev.num_samples else self.test_prompts
+        items = eval_items(self.test_prompts, ev.num_samples)
         self.adapter.guidance_scale_2 = ev.guidance_scale_2
         train_strength = getattr(self.adapter, "strength", None)  # video-to-video's
         if ev.strength is not None:
@@ -259,10 +259,10 @@ class Trainer:
         # the mean over every test prompt once, whatever the shares' sizes
         means = eval_means(scores, items, self.eval_rewards, self.data.eval_source_names)
         self.eval_history.append({"epoch": epoch, **means})
-        if self.accelerator.is_main_process:  # its grid: its own share of the first part, the first test prompts
-            rollouts = next((r for r in parts if r.prompts), parts[0])
+        shown = grid_samples(parts, [it.dataset for it in items])  # each dataset's, from every process
+        if self.accelerator.is_main_process:
             fps = getattr(self.adapter, "frame_rate", VIDEO_FPS)  # LTX-2's 24; Wan's 16
-            grid, path = save_eval_grid(rollouts, self.run_dir / "samples" / f"eval_epoch_{epoch:04d}",
+            grid, path = save_eval_grid(shown, self.run_dir / "samples" / f"eval_epoch_{epoch:04d}",
                                         self.cfg.log.video_format, fps)
             log_media(self.accelerator, self.tracker, "eval/samples", grid, epoch, path, fps)
             self.accelerator.log(means, step=epoch)
