@@ -156,3 +156,21 @@ def straight_and_resumed(tmp: Path, make_config, epochs: int, stop_after: int) -
 
     stopped = run(tmp / "b", stop_after) / "checkpoints" / f"epoch_{stop_after}"
     return run(tmp / "a", epochs), run(tmp / "b", epochs, resume=stopped, name="resumed")
+
+
+def assert_same_state(a, b) -> None:
+    """Two saved states (nested dicts, lists and tensors) equal exactly: a resumed run against the straight one."""
+    import torch
+
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same_state(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_state(x, y)
+    elif isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    else:
+        assert a == b

@@ -15,8 +15,7 @@ from safetensors.torch import load_file
 from flow_factory.models import get_adapter_class
 from flow_factory.train import main
 
-from helpers_runs import TINY_MODELS, write_config
-from test_distillation_run import _same
+from helpers_runs import TINY_MODELS, assert_same_state, write_config
 from test_opd import opd_train_config, save_teacher
 from test_roles import dmd2_config
 from test_train_cli import _pipeline_output
@@ -90,12 +89,12 @@ def test_a_resumed_run_ends_with_every_role_exactly_as_the_straight_one(runs):
     assert [p.name for p in resumed.parent.iterdir()] == ["epoch_2"]  # it trained the second epoch alone
     lora = load_file(straight / LORA)
     assert max(float(v.abs().max()) for k, v in lora.items() if "lora_B" in k) > 0  # lora_B starts at 0: it trained
-    _same(lora, load_file(resumed / LORA))
+    assert_same_state(lora, load_file(resumed / LORA))
     roles = sorted(p.name for p in straight.glob("*.pt"))
     assert ROLE_FILES.get(trainer, {"optimizer.pt", "fake_lora.pt", "fake_optimizer.pt"}) <= set(roles)
     assert roles == sorted(p.name for p in resumed.glob("*.pt"))
     for name in roles:
-        _same(torch.load(straight / name, weights_only=True), torch.load(resumed / name, weights_only=True))
+        assert_same_state(torch.load(straight / name, weights_only=True), torch.load(resumed / name, weights_only=True))
 
 
 def test_the_generator_loads_in_the_familys_diffusers_pipeline(runs):
@@ -107,6 +106,6 @@ def test_the_generator_loads_in_the_familys_diffusers_pipeline(runs):
     pipe.load_lora_weights(straight)  # the user's call; the other roles' adapters are not in the file
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=pipe.transformer.active_adapters()[0])
     saved = load_file(straight / LORA)
-    _same({k: v.float() for k, v in loaded.items()}, {k.removeprefix("transformer."): v for k, v in saved.items()})
+    assert_same_state({k: v.float() for k, v in loaded.items()}, {k.removeprefix("transformer."): v for k, v in saved.items()})
     base, tuned = (_pipeline_output(pipe_cls, model, lora, family) for lora in (None, straight))
     assert not torch.allclose(base, tuned, atol=1e-6), "the generator's LoRA does not change the output"

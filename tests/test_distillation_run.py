@@ -19,7 +19,7 @@ from flow_factory.config import parse_config
 from flow_factory.dynamics import ODE
 from flow_factory.train import main
 
-from helpers_runs import write_config
+from helpers_runs import assert_same_state, write_config
 from test_sharded_training import TOOLS_PATH, _why_no_deepspeed, needs_deepspeed
 from test_roles import dmd2_config
 
@@ -63,29 +63,14 @@ def generator_weights(checkpoint) -> dict:
     return load_file(lora if lora.is_file() else checkpoint / "transformer" / "diffusion_pytorch_model.safetensors")
 
 
-def _same(a, b):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _same(x, y)
-    elif isinstance(a, torch.Tensor):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    else:
-        assert a == b
-
-
 def test_a_resumed_run_ends_with_every_role_exactly_as_the_straight_one(runs):
     _, finetune, straight, resumed = runs
-    _same(generator_weights(straight), generator_weights(resumed))
+    assert_same_state(generator_weights(straight), generator_weights(resumed))
     others = ["optimizer.pt", FAKE_WEIGHTS[finetune], "fake_optimizer.pt", "fake_ema.pt"]
     if (straight / "surrogate_lora.pt").is_file():  # tdm-r1: the surrogate, its optimizer and its slow copy
         others += ["surrogate_lora.pt", "surrogate_optimizer.pt", "surrogate_slow.pt"]
     for name in others:
-        _same(torch.load(straight / name, weights_only=True), torch.load(resumed / name, weights_only=True))
+        assert_same_state(torch.load(straight / name, weights_only=True), torch.load(resumed / name, weights_only=True))
 
 
 def test_a_roles_ema_moves_after_each_epoch_at_its_own_decay(runs):
@@ -146,12 +131,12 @@ def test_the_generator_loads_in_plain_diffusers(runs):
     saved = generator_weights(straight)
     if finetune == "full":  # the user's call for a full fine-tune's transformer
         transformer = SD3Transformer2DModel.from_pretrained(straight / "transformer")
-        _same({k: v for k, v in transformer.state_dict().items() if k in saved}, saved)
+        assert_same_state({k: v for k, v in transformer.state_dict().items() if k in saved}, saved)
         return
     pipe = StableDiffusion3Pipeline.from_pretrained(model)
     pipe.load_lora_weights(straight)  # the user's call; the fake score's adapter is not in the file
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=pipe.transformer.active_adapters()[0])
-    _same({k: v.float() for k, v in loaded.items()}, {k.removeprefix("transformer."): v for k, v in saved.items()})
+    assert_same_state({k: v.float() for k, v in loaded.items()}, {k.removeprefix("transformer."): v for k, v in saved.items()})
 
 
 def test_ff_sample_samples_a_checkpoint_with_the_generators_few_steps(runs, capsys):
@@ -408,18 +393,18 @@ def test_under_fsdp2_the_roles_are_sharded_gathered_and_resumed(tmp_path, tiny_p
     assert all(isinstance(k, str) for k in torch.load(straight / "fake_optimizer.pt", weights_only=True)["state"])
 
     resumed = _dmd2_launch(tmp_path / "fsdp", model, finetune, 2, "fsdp2", straight.parent / "epoch_1", "resumed")
-    _same(_role_files(straight, finetune, names), _role_files(resumed, finetune, names))
+    assert_same_state(_role_files(straight, finetune, names), _role_files(resumed, finetune, names))
     for name in ("optimizer.pt", "fake_optimizer.pt"):
-        _same(torch.load(straight / name, weights_only=True), torch.load(resumed / name, weights_only=True))
+        assert_same_state(torch.load(straight / name, weights_only=True), torch.load(resumed / name, weights_only=True))
 
     if finetune == "full":  # the user's call for a full fine-tune's transformer
         transformer = SD3Transformer2DModel.from_pretrained(straight / "transformer")
-        _same({k: v for k, v in transformer.state_dict().items() if k in sharded["generator"]}, sharded["generator"])
+        assert_same_state({k: v for k, v in transformer.state_dict().items() if k in sharded["generator"]}, sharded["generator"])
         return
     pipe = StableDiffusion3Pipeline.from_pretrained(model)
     pipe.load_lora_weights(straight)
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=pipe.transformer.active_adapters()[0])
-    _same({k: v.float() for k, v in loaded.items()}, sharded["generator"])
+    assert_same_state({k: v.float() for k, v in loaded.items()}, sharded["generator"])
 
 
 @needs_deepspeed
@@ -456,7 +441,7 @@ def test_under_zero2_the_lora_roles_train_beside_the_engine(tmp_path, tiny_pipel
     pipe = StableDiffusion3Pipeline.from_pretrained(model)
     pipe.load_lora_weights(straight)
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=pipe.transformer.active_adapters()[0])
-    _same({k: v.float() for k, v in loaded.items()}, beside["generator"])
+    assert_same_state({k: v.float() for k, v in loaded.items()}, beside["generator"])
 
 
 @pytest.mark.parametrize("trainer", ["dmd2", "tdm", "tdm-r1"])

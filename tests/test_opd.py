@@ -22,7 +22,7 @@ from flow_factory.dynamics import ODE, make_dynamics
 from flow_factory.train import main
 from safetensors.torch import load_file
 
-from helpers_runs import tiny_run_config, write_config, write_dataset
+from helpers_runs import assert_same_state, tiny_run_config, write_config, write_dataset
 
 
 def test_the_loss_against_hand_computed_values():
@@ -326,7 +326,7 @@ def test_ff_train_distils_both_teachers_and_a_resumed_run_ends_exactly_as_the_st
     for name in ("pytorch_lora_weights.safetensors", "optimizer.pt"):
         a = load_file(straight / name) if name.endswith("safetensors") else torch.load(straight / name, weights_only=True)
         b = load_file(resumed / name) if name.endswith("safetensors") else torch.load(resumed / name, weights_only=True)
-        assert_same(a, b)
+        assert_same_state(a, b)
     state = json.loads((straight / "trainer_state.json").read_text())
     assert state["global_step"] == 2  # one optimizer step an epoch, over both of its distilled steps
     for record in state["history"]:  # one sample of each dataset an epoch (weights 1:1), each by its teacher
@@ -347,23 +347,8 @@ def test_the_student_loads_in_plain_diffusers(runs):
     pipe.load_lora_weights(straight)  # the user's call
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=pipe.transformer.active_adapters()[0])
     saved = load_file(straight / "pytorch_lora_weights.safetensors")
-    assert_same({k: v.float() for k, v in loaded.items()}, {k.removeprefix("transformer."): v for k, v in saved.items()})
+    assert_same_state({k: v.float() for k, v in loaded.items()}, {k.removeprefix("transformer."): v for k, v in saved.items()})
     assert pipe.transformer.peft_config[pipe.transformer.active_adapters()[0]].r == 4  # the student's rank
-
-
-def assert_same(a, b):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same(x, y)
-    elif isinstance(a, torch.Tensor):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    else:
-        assert a == b
 
 
 def test_upstreams_example_layout_reads_as_ours(tmp_path):

@@ -248,6 +248,24 @@ def _lora_layers(transformer: nn.Module) -> list[BaseTunerLayer]:
     return [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
 
 
+def run_adapter(transformer: nn.Module, name: str) -> None:
+    """Make adapter ``name`` the one ``transformer`` runs, every adapter's ``requires_grad`` left as it is (peft's
+    ``set_adapter`` would reset them: the roles decide which one trains)."""
+    for layer in _lora_layers(transformer):
+        layer._active_adapter = name
+
+
+@contextmanager
+def adapter_running(transformer: nn.Module, name: str):
+    """Adapter ``name`` runs inside (a query of another role or a teacher); the adapter that ran before, after."""
+    before = _lora_layers(transformer)[0].active_adapter
+    run_adapter(transformer, name)
+    try:
+        yield
+    finally:
+        run_adapter(transformer, before)
+
+
 @contextmanager
 def lora_disabled(transformer: nn.Module):
     """Run the base model (the reference policy): LoRA off inside, restored exactly on exit."""

@@ -37,13 +37,12 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from ..checkpoint import CheckpointError
 from ..config import ConfigError
 from ..config.distillation import DISTILLATION_SPECS, GENERATOR, RoleOptimizerSettings, role_optimizers
-from ..models.lora import ADAPTER_NAME, lora_disabled
+from ..models.lora import ADAPTER_NAME, adapter_running, lora_disabled, run_adapter
 from ..sharding import (full_optimizer_state, full_state_dict, load_full_optimizer_state, load_full_state_dict,
                         local, reshard_all, shard_on_cpu)
 from ..algorithms.distillation.tdm_r1 import slow_surrogate_decay
@@ -296,19 +295,10 @@ class LoraRoles(Roles):
     def module(self, role: str) -> torch.nn.Module:
         return self.transformer
 
-    def _layers(self) -> list[BaseTunerLayer]:
-        return [m for m in self.transformer.modules() if isinstance(m, BaseTunerLayer)]
-
-    def _run(self, adapter_name: str) -> None:
-        """That adapter is the one the transformer runs (peft's ``set_adapter`` would also reset every adapter's
-        ``requires_grad``, which ``_activate`` decides)."""
-        for layer in self._layers():
-            layer._active_adapter = adapter_name
-
     def _activate(self, role: str) -> None:
         if self.sharded:  # FSDP2 copies a shard's requires_grad to its gathered weight when it gathers: free them
             reshard_all([self.transformer])
-        self._run(self.adapters[role])
+        run_adapter(self.transformer, self.adapters[role])
         for other, params in self.params.items():
             for p in params:
                 p.requires_grad_(other == role)
@@ -328,15 +318,9 @@ class LoraRoles(Roles):
             self.adapter.callers = callers
             self._activate(GENERATOR)
 
-    @contextmanager
     def switched(self, role: str):
         """``role`` runs, for a query without gradients, inside another role's phase."""
-        current = self._layers()[0].active_adapter
-        self._run(self.adapters[role])
-        try:
-            yield
-        finally:
-            self._run(current)
+        return adapter_running(self.transformer, self.adapters[role])
 
     def teacher(self):
         return lora_disabled(self.transformer)

@@ -9,12 +9,9 @@ sit inside the network the engine wraps, outside its optimizer, whole on every p
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
-
-from peft.tuners.tuners_utils import BaseTunerLayer
 
 from ..config import ConfigError
-from ..models.lora import ADAPTER_NAME, fetch_lora
+from ..models.lora import ADAPTER_NAME, adapter_running, fetch_lora, run_adapter
 
 
 class LoraTeachers:
@@ -38,7 +35,7 @@ class LoraTeachers:
             if any(f".{adapter}." in name for adapter in self.adapters.values()):
                 p.requires_grad_(False)
                 self.loaded[p] = p.data
-        self._run(ADAPTER_NAME)  # loading made the last one run
+        run_adapter(transformer, ADAPTER_NAME)  # loading made the last one run
 
     def keep_as_loaded(self) -> int:
         """Put back each teacher weight a backend cast (DeepSpeed's engine casts the whole network it wraps to the
@@ -50,18 +47,6 @@ class LoraTeachers:
         self.loaded = {}
         return len(cast)
 
-    def _run(self, adapter: str) -> None:
-        for layer in self.transformer.modules():
-            if isinstance(layer, BaseTunerLayer):
-                layer._active_adapter = adapter
-
-    @contextmanager
     def running(self, teacher: str):
         """The teacher named ``teacher`` runs inside (its adapter alone), the adapter that ran before after."""
-        layers = [m for m in self.transformer.modules() if isinstance(m, BaseTunerLayer)]
-        before = layers[0].active_adapter
-        self._run(self.adapters[teacher])
-        try:
-            yield
-        finally:
-            self._run(before)
+        return adapter_running(self.transformer, self.adapters[teacher])
