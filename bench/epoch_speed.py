@@ -19,6 +19,7 @@ CPU seconds the process spent by then (a loaded machine slows it far less than t
 "start_rss_mb" its peak RSS by then; "peak_rss_mb" is the whole run's, the final save included
 (both the process's VmHWM), and "exit_rss_mb" the peak as the kernel counts it once the process
 has ended (wait4's, what ``/usr/bin/time`` prints).
+Each child starts as ff-train starts its process (``command_process``), then builds the Trainer itself.
 Each tree is compiled to bytecode first, as an installed package is (where PYTHONDONTWRITEBYTECODE
 is set, every launch would otherwise compile each of our modules again). ``--floor`` also imports,
 alone and in the same order, the third-party modules each revision's run held at its first epoch:
@@ -114,11 +115,14 @@ def run_one(case: str, model: Path, family: str, overrides: list[str], launched_
     def stage(name):
         stages[name] = (rss_mb("VmRSS"), peak_rss_mb(), cpu_seconds())
     stage("python started")
+    own_process = command_process()
     import torch
     stage("import torch")
     from flow_factory.config import parse_config
     stage("import flow_factory.config")
     from flow_factory.trainer import Trainer
+    if own_process:
+        own_process.imports_done()
     stage("import flow_factory.trainer")
     from model_clock import ModelClock  # bench/, this script's folder
 
@@ -153,6 +157,17 @@ def run_one(case: str, model: Path, family: str, overrides: list[str], launched_
     return {"epoch": epoch, "first_epoch": history[0]["time/epoch"], "startup": startup, **at_first_epoch,
             **phases, "outside_model": epoch - statistics.mean(model_time[1:]),
             "peak_rss_mb": peak_rss_mb(), "stages": stages}
+
+
+def command_process():
+    """Start this process as ff-train starts its own (``flow_factory.own_process``: full collections held off until
+    the trainer's imports are done, then what they left frozen), in a revision that has it: that module, or None."""
+    try:
+        from flow_factory import own_process
+    except ImportError:  # an older revision: its ff-train started as a plain process
+        return None
+    own_process.start()
+    return own_process
 
 
 OWN_MODULES = ("flow_factory", "epoch_speed", "model_clock", "__main__", "__mp_main__")

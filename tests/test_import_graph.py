@@ -138,7 +138,7 @@ def launch_path() -> dict:
             "assert start_checks.servers_problem([]) is None and start_checks.backend_problem('none') is None; "
             "import gc; before = gc.get_threshold(); "
             "from flow_factory.trainer import Trainer; from flow_factory.models import ADAPTERS; ADAPTERS['sd3-5']; "
-            "print(json.dumps({'modules': sorted(sys.modules), 'gc': [before, gc.get_threshold(), gc.isenabled()]}))")
+            "print(json.dumps({'modules': sorted(sys.modules), 'gc': [before, gc.get_threshold(), gc.isenabled(), gc.get_freeze_count()]}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -187,9 +187,10 @@ def test_a_run_imports_no_backend_tracker_server_or_planner_it_does_not_use():
 
 def test_the_trainers_import_gives_the_garbage_collector_back():
     """``flow_factory.trainer`` holds off the cyclic GC's full collections while its ~4000 modules load (a lean
-    start): the collector is on, with the thresholds it had."""
-    before, after, enabled = launch_path()["gc"]
-    assert after == before and enabled
+    start): the collector is on, with the thresholds it had, and nothing is frozen (only a command's own process
+    freezes its imports: ``own_process``)."""
+    before, after, enabled, frozen = launch_path()["gc"]
+    assert after == before and enabled and frozen == 0
 
 
 def test_every_adapter_is_reached_through_the_family_table_and_agrees_with_its_line():

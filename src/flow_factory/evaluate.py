@@ -27,6 +27,7 @@ import math
 import sys
 from pathlib import Path
 
+from . import own_process
 from .config import load_config_for_cli
 
 
@@ -70,6 +71,8 @@ def evaluate_config(cfg, checkpoint=None):
     from .rewards import RewardSet
     from .sampling import eval_items, eval_parts, load_split, sample_eval, split_size
     from .sharding import accelerator_kwargs
+
+    own_process.imports_done()
 
     # this process's rank and device; made before the rewards, whose default one would not join the other
     # processes of a launch on CPU. The run's precision (mixed_precision), so the numbers are the run's eval's
@@ -163,5 +166,11 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli() -> int:
+    """The ``ff-eval`` command: ``main`` in a process of its own (``own_process``)."""
+    own_process.start()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

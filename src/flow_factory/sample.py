@@ -30,6 +30,8 @@ import json
 import sys
 from pathlib import Path
 
+from . import own_process
+
 # The settings a run's eval decides, and ff-sample's defaults for them when no run config is found. Their flags
 # parse to None unless given, so a flag given is told apart from a default (and overrides the run's setting).
 PLAIN_DEFAULTS = {"model": None, "model_type": "sd3-5", "resolution": 64, "num_frames": None,
@@ -183,6 +185,8 @@ def main(argv=None) -> int:
     from .precision import Precision, run_mixed_precision
     from .sampling import SamplingSettings, sample_prompts
 
+    own_process.imports_done()
+
     precision = Precision.of(run_mixed_precision(args.mixed_precision), "cuda" if torch.cuda.is_available() else "cpu")
     print(f"ff-sample: {precision.describe()}", file=sys.stderr)
     try:
@@ -268,5 +272,11 @@ def write_samples(args, adapter, items: list, rollouts, out: Path) -> tuple[int,
     return len(rows), grid
 
 
+def cli() -> int:
+    """The ``ff-sample`` command: ``main`` in a process of its own (``own_process``)."""
+    own_process.start()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import launcher
+from . import launcher, own_process
 from .config import ConfigError, load_config_for_cli
 from .launch_configs import resolve as resolve_launch_config
 from .start_checks import start_problems
@@ -130,6 +130,7 @@ def train(cfg, config_path: str) -> int:
     from .trainer.interrupt import TrainingInterrupted
     from .trainer.run_folder import RunFolderError
 
+    own_process.imports_done()
     trainer = None
     try:
         trainer = Trainer(cfg)
@@ -173,5 +174,11 @@ def finished(config_path: str, run_dir: Path, history: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cli() -> int:
+    """The ``ff-train`` command: ``main`` in a process of its own (``own_process``)."""
+    own_process.start()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())
