@@ -187,9 +187,10 @@ class TrainConfig(Section):
     ttur_fake_updates: PositiveInt = setting(
         5, "dmd2, tdm: fake-score optimizer steps before each generator step (the two time-scale update rule)")
     perturbation_timestep_range: list[float] = setting(
-        default_factory=lambda: [0.02, 0.98], description="dmd2: the sigma range, in [0, 1], the generator's "
-        "samples are re-noised in for the fake score's loss and the scores' queries (tdm accepts it and queries "
-        "inside each stage instead)", expects="[lower, upper]")
+        default_factory=lambda: [0.02, 0.98], description="dmd2: the noise levels (sigma, drawn "
+        "uniformly in [lower, upper] within [0, 1], one per sample) at which the generator's clean predictions are "
+        "noised again, for the fake score's loss and both scores' queries; tdm accepts the key but draws its "
+        "queries inside each stage of its schedule", expects="[lower, upper]")
     real_guidance_scale: float | None = setting(
         None, "dmd2, tdm: the CFG scale of the frozen teacher's score; null = guidance_scale", ge=1)
     replay_rtol: float = setting(1e-4, "dmd2, tdm, tdm-r1: the rollout replay's relative tolerance: the generator's "
