@@ -464,13 +464,14 @@ def test_each_trainer_trains_in_a_gpus_precision(tmp_path, tiny_pipeline, traine
     assert max(t.abs().max() for k, t in lora.items() if "lora_B" in k) > 0  # lora_B starts at 0: it trained
 
 
-@needs_deepspeed
-def test_diffusion_opd_under_zero2_makes_one_processs_update(tmp_path, tiny_pipeline):
-    """diffusion-opd (datasets A and B, each its LoRA teacher) on 2 processes under DeepSpeed ZeRO-2, each one
-    sample, against one process with both in its micro-batch: the engine holds the student's optimizer, the teachers
-    are frozen adapters inside the network it wraps, outside that optimizer. The student ends as one process's to
-    float32 rounding (AdamW's step linear in the gradient; measured 6.1e-7 of its move, bound 1e-3 as the roles'
-    tests), its LoRA file the student's adapter alone; a teacher the engine trained, or left cast, would move it
+@pytest.mark.parametrize("backend", [pytest.param("zero2", marks=needs_deepspeed), "fsdp2"])
+def test_diffusion_opd_sharded_makes_one_processs_update(tmp_path, tiny_pipeline, backend):
+    """diffusion-opd (datasets A and B, each its LoRA teacher) on 2 processes, each one sample, against one process
+    with both in its micro-batch. Under DeepSpeed ZeRO-2 the engine holds the student's optimizer, the teachers
+    frozen adapters inside the network it wraps, outside that optimizer; under FSDP2 the teachers are shards of the
+    transformer, gathered with it for each query. The student ends as one process's to float32 rounding (AdamW's
+    step linear in the gradient; measured 6.1e-7 of its move under zero2, bound 1e-3 as the roles' tests), its LoRA
+    file the student's adapter alone; a teacher trained, left cast or queried from its shard alone would move it
     elsewhere. (The bf16 cast the engine makes, undone for the teachers: test_opd.py.)"""
     import os
 
@@ -482,7 +483,7 @@ def test_diffusion_opd_under_zero2_makes_one_processs_update(tmp_path, tiny_pipe
     model, students = tiny_pipeline("sd3-5"), {}
     save_teacher(model, tmp_path / "ta", 2, 1)
     save_teacher(model, tmp_path / "tb", 4, 2)
-    for processes, backend in ((1, None), (2, "zero2")):
+    for processes, backend in ((1, None), (2, backend)):
         config = opd_train_config(tmp_path, model, max_epochs=1, num_inference_steps=3, unique_sample_num_per_epoch=2,
                                   per_device_batch_size=2 // processes, ema_decay=0, learning_rate=1e9,
                                   adam_epsilon=1e8, adam_weight_decay=0.0)

@@ -393,12 +393,10 @@ def _sharded_role_problems(cfg, kind: str, others: str) -> list[str]:
     shards every role (LoRA: adapters of the one transformer it shards; full: each copy and the teacher sharded
     too), each role's optimizer over its own shards; DeepSpeed ZeRO-1/2 hold the generator's optimizer in the engine
     and train the other roles' LoRA adapters beside it, each with its own optimizer, as DDP does; diffusion-opd's
-    teachers are frozen adapters beside the student's there (``Roles._beside_engine``)."""
+    teachers are frozen adapters beside the student's there (``Roles._beside_engine``), and under FSDP2 shards of the
+    transformer as the roles' adapters are."""
     train, name, where = cfg.train, cfg.train.trainer_type, f"config_file: {cfg.config_file} runs {kind}"
     teachers_only = len(DISTILLATION_SPECS[name].roles) == 1  # diffusion-opd: one optimizer, teachers beside it
-    if teachers_only and kind == "FSDP":
-        return [f"{where}, which {name}'s {others} are not built for (not sharded with the transformer here); use "
-                "zero1 or zero2, multi_gpu (DDP) or one process"]
     if kind == "DEEPSPEED" and cfg.model.finetune_type != "lora" and not teachers_only:  # opd: its own error
         return [f"{where}: without LoRA {name}'s other roles are whole copies of the transformer, outside DeepSpeed's "
                 "one engine (which holds the generator's optimizer alone): each would train whole on every process, "

@@ -4,7 +4,9 @@ rank, alpha and targets its file's metadata gives (diffusers' ``load_lora_adapte
 the student's. ``running(name)`` makes one the adapter the transformer runs, for a query without gradients; outside
 it the student runs, as every other part of the trainer expects. Nothing of theirs is checkpointed (the student's
 LoRA file is its adapter's alone): a resumed run loads them from their paths again. Under DeepSpeed ZeRO-1/2 they
-sit inside the network the engine wraps, outside its optimizer, whole on every process (``keep_as_loaded``)."""
+sit inside the network the engine wraps, outside its optimizer, whole on every process (``keep_as_loaded``); under
+FSDP2 they are loaded before the backend shards the transformer, so they are sharded with it and gathered with it
+for each query, frozen (outside every optimizer, which takes the trained weights alone)."""
 
 from __future__ import annotations
 
