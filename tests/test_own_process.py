@@ -53,3 +53,16 @@ def test_ff_train_freezes_after_its_imports_and_before_it_builds_the_trainer(col
     cfg = parse_config(tiny_run_config(tmp_path, "sd3-5", tmp_path / "no model"))
     assert train.train(cfg, "config.yaml") == 2
     assert events == ["frozen", "Trainer"]
+
+
+def test_the_installed_commands_enter_through_cli():
+    """``ff-train``, ``ff-eval`` and ``ff-sample`` as pip installs them (pyproject's scripts) start their process as
+    a command's own; ``python -m`` runs the same ``cli``."""
+    import tomllib
+    from pathlib import Path
+
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {name: scripts[name] for name in ("ff-train", "ff-eval", "ff-sample")} == {
+        "ff-train": "flow_factory.train:cli", "ff-eval": "flow_factory.evaluate:cli", "ff-sample": "flow_factory.sample:cli"}
+    for module in (train, evaluate, sample):
+        assert "sys.exit(cli())" in Path(module.__file__).read_text()
