@@ -253,14 +253,15 @@ def test_plan_cli_json(tiny_sd3_path, capsys):
 
 
 def test_a_reward_this_version_lacks_is_a_note_not_the_end_of_the_plan():
-    """Flow-Factory's LTX-2 example loads but names its ``clap`` reward: the plan counts the rest and says so."""
+    """Flow-Factory's LTX-2 example loads but names its ``imagebind`` reward: the plan counts the rest and says so."""
     from flow_factory.plan.build import reward_models
 
     cfg = parse_config({"model": {"model_name_or_path": "m", "model_type": "sd3-5"}, "data": {"dataset_dir": "d"},
-                        "rewards": [{"reward_model": "clap"}, {"reward_model": "jpeg_compressibility"}]})
+                        "rewards": [{"reward_model": "imagebind"}, {"reward_model": "jpeg_compressibility"}]})
     notes = []
     assert reward_models(cfg, notes) == (0, []) and len(notes) == 1
-    assert notes[0].startswith("rewards[0].reward_model: unknown reward 'clap'") and "a run stops there" in notes[0]
+    assert notes[0].startswith("rewards[0].reward_model: 'imagebind' is Flow-Factory's built-in reward imagebind")
+    assert "a run stops there" in notes[0]
 
 
 def test_an_offline_trainer_is_planned_without_rollouts(tiny_sd3_path, tmp_path):

@@ -30,7 +30,7 @@ SPELLINGS = {
     "train.timestep_fraction": "train.timestep_range",
     "run_name": "log.run_name", "project": "log.project", "logging_backend": "log.logging_backend",
     "train.save_freq": "log.save_freq", "train.save_dir": "log.save_dir", "train.eval_freq": "eval.eval_freq",
-    "reward": "rewards",
+    "reward": "rewards", "eval_reward": "eval_rewards",  # its reward guide's first layout
     "model.trainable_parameters_dtype": "model.master_weight_dtype",
     "train.weighting_scheme": "train.time_sampling_strategy",  # dpo's uniform / logit_normal
 }

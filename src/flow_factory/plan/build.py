@@ -125,7 +125,7 @@ def weight_copies(cfg, trained_bytes: int, reference_bytes: int) -> tuple[dict[s
 
 def reward_models(cfg, notes: list[str]) -> tuple[int, list]:
     """Bytes of the reward models on the device, and (name, meta model) of each that was built; a reward this
-    version does not have (a config of Flow-Factory's naming one of its rewards: LTX-2's ``clap``) is a note."""
+    version does not have (a config of Flow-Factory's naming one of its rewards: LTX-2's ``imagebind``) is a note."""
     from ..precision import dtype_of
     from ..rewards.registry import resolve_reward_class
 

@@ -20,7 +20,7 @@ from .base import (
     images_to_pil,
     videos_to_pil,
 )
-from .registry import register_reward, registered_rewards, resolve_reward_class
+from .registry import register_reward, register_reward_model, registered_rewards, resolve_reward_class
 from .reward_set import RewardSet, build_reward
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "build_reward",
     "images_to_pil",
     "register_reward",
+    "register_reward_model",
     "registered_rewards",
     "resolve_reward_class",
     "videos_to_pil",
