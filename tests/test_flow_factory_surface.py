@@ -122,3 +122,20 @@ def test_flow_factorys_flow_factory_train_command_is_ff_train():
 
     scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["flow-factory-train"] == scripts["ff-train"]
+
+
+def test_clap_scores_an_ltx2_rollouts_soundtrack(clap_path, tiny_ltx2_path):
+    """Through the sampler as a run scores it: the rollout's decoded audio, at the vocoder's rate, given to clap."""
+    from flow_factory.data.prompts import PromptItem
+    from flow_factory.dynamics import ODE
+    from flow_factory.models import load_adapter
+    from flow_factory.sampling import SamplingServices, SamplingSettings, collect_rollouts
+
+    adapter = load_adapter("ltx2_t2av", tiny_ltx2_path)
+    rewards = RewardSet.from_configs([{"reward_model": "clap", "model_name_or_path": clap_path}])
+    settings = SamplingSettings(32, 32, 9, num_steps=2, guidance_scale=1.0, batch_size=2, seed=0)
+    rollouts = collect_rollouts(adapter, ODE(), [PromptItem(p) for p in PROMPTS[:2]], torch.tensor([0, 1]), [0, 1],
+                                settings, epoch=0, services=SamplingServices(rewards))
+    waves, rate = adapter.decode_audio(rollouts.latents[:, -1])
+    want = _reference(clap_path, PROMPTS[:2], [mono_at(w.numpy(), rate) for w in waves])
+    torch.testing.assert_close(rollouts.rewards["clap"], want, rtol=1e-4, atol=1e-5)
