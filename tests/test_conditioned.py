@@ -438,7 +438,7 @@ def test_auto_resize_generates_at_the_conditions_aspect_ratio(tmp_path, tiny_flu
     config["log"]["logging_backend"] = "none"  # no trackers: train() starts them, this test does not call it
     trainer = Trainer(parse_config(config))
     try:
-        assert (trainer.data.train_size, trainer.data.eval_size) == ((48, 80), (64, 64))
+        assert (trainer.data.train_size, trainer.data.eval_sizes) == ((48, 80), {"default": (64, 64)})
         rollouts = trainer.sample_epoch(0)
         assert rollouts.media.shape[-2:] == (48, 80) and rollouts.latents.shape[-2:] == (6, 10)
         assert rollouts.conditions.images[0].shape == (1, 3, 48, 80)  # null condition size: the size generated

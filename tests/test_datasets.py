@@ -242,7 +242,7 @@ def test_each_dataset_is_evaluated_with_its_own_steps_and_guidance(tmp_path, mon
                                  log_probs=empty, sigmas=empty, sde_steps=[], cond={}, media=empty,
                                  rewards={"r": torch.tensor([float(i) for i in sample_ids])})
     monkeypatch.setattr(sampling, "sample_prompts", sample_prompts)
-    scores, _ = sampling.sample_eval(None, items, sampling.eval_parts(cfg, items, (64, 64)), lambda n: slice(0, n))
+    scores, _ = sampling.sample_eval(None, items, sampling.eval_parts(cfg, items), lambda n: slice(0, n))
     assert calls == [(["a", "b"], 5, 4.5, [0, 1]), (["c", "c"], 2, 1.0, [2, 3])]
     assert scores["r"].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert [sampling.eval_guidance(cfg, it.dataset) for it in items] == [4.5, 4.5, 1.0, 1.0]
@@ -287,7 +287,7 @@ def test_the_eval_grid_shows_each_datasets_samples_labelled(tmp_path, monkeypatc
                                  sde_steps=[], cond={}, media=torch.tensor(sample_ids).float().reshape(-1, 1, 1, 1),
                                  rewards={"r": torch.tensor([float(i) for i in sample_ids])})
     monkeypatch.setattr(sampling, "sample_prompts", sample_prompts)
-    parts = sampling.eval_parts(cfg, items, (64, 64))
+    parts = sampling.eval_parts(cfg, items)
     _, rollouts = sampling.sample_eval(None, items, parts, lambda n: slice(0, n))
     assert len(rollouts) == 2 and len(rollouts[0].prompts) == 21  # a's 20 and b's 1; c's 2
     shown = sampling.grid_samples(rollouts, [it.dataset for it in items])
@@ -324,6 +324,15 @@ def test_the_eval_grid_shows_each_datasets_samples_labelled(tmp_path, monkeypatc
     (lambda c: c["eval"].update(num_samples=2),
      "eval.num_samples: 2 test prompts, split evenly over the 3 evaluated datasets ['a', 'b', 'c'], would leave "
      "['c'] out of the evaluation; make it at least 3"),
+    (lambda c: c["data"]["datasets"][2].update(eval_resolution=[32, 72]),
+     "data.datasets[2].eval_resolution: sd3-5 needs height and width in multiples of 16 (VAE x8, then 2x2 "
+     "transformer patches), got [32, 72]; nearest valid: [32, 64] or [32, 80]"),
+    (lambda c: c["data"]["datasets"][2].update(eval_resolution=[64, 64, 64]),
+     "data.datasets[2].eval_resolution: expected an integer or [height, width], got a list of 3 values"),
+    (lambda c: c["data"]["datasets"][2].update(eval_resolution=[0, 64]),
+     "data.datasets[2].eval_resolution: sizes must be positive, got [0, 64]"),
+    (lambda c: c["data"]["datasets"][0].update(eval=False, eval_resolution=64),
+     "data.datasets[0]: eval_resolution: 'a' is not evaluated (eval: false); remove it"),
 ])
 def test_what_an_evaluation_only_dataset_cannot_mean_is_refused_naming_the_key(tmp_path, change, message):
     config = _eval_only_config(tmp_path)
@@ -346,7 +355,7 @@ def test_an_evaluation_only_dataset_without_a_test_split_is_refused_before_the_m
 def test_flow_factorys_eval_only_datasets_read_as_ours(tmp_path):
     """Upstream's layout (X-GenGroup/Flow-Factory 5f6cda1a, examples/opd): ``train: null`` is an evaluation-only
     dataset, an absent or null ``eval`` (or ``enabled: false``) one not evaluated, and each dataset's
-    ``eval.num_inference_steps`` / ``eval.guidance_scale`` its own; their eval resolutions must agree."""
+    ``eval.num_inference_steps`` / ``eval.guidance_scale`` its own."""
     upstream = minimal()
     upstream["data"] = {"datasets": [
         {"name": "a", "dataset_dir": "a", "train": {"weight": 1}, "eval": {"num_inference_steps": 40,
@@ -358,17 +367,6 @@ def test_flow_factorys_eval_only_datasets_read_as_ours(tmp_path):
     assert (a.train, a.eval, a.eval_num_inference_steps, a.eval_guidance_scale) == (True, True, 40, 4.5)
     assert (b.weight, b.train, b.eval) == (2, True, False)
     assert (no_cfg.train, no_cfg.eval, no_cfg.eval_guidance_scale, d.train, d.eval) == (False, True, 1.0, False, True)
-    upstream["data"]["datasets"][0]["eval"]["resolution"] = 512
-    upstream["data"]["datasets"][2]["eval"]["resolution"] = 256
-    with pytest.raises(ConfigError, match=re.escape("data.datasets[2].eval.resolution: 256, and data.datasets[0]'s "
-                                                    "512 (null: the eval section's); one eval.resolution holds")):
-        parse_config(upstream)
-    upstream["data"]["datasets"][2]["eval"]["resolution"] = upstream["data"]["datasets"][3]["eval"]["resolution"] = 512
-    assert parse_config(upstream).eval.resolution == 512
-    del upstream["data"]["datasets"][2]["eval"]["resolution"]  # the eval section's (null: train's, whatever it is)
-    with pytest.raises(ConfigError, match=re.escape("data.datasets[2].eval.resolution: null, and data.datasets[0]'s "
-                                                    "512")):
-        parse_config(upstream)
     one = minimal(eval={"eval_freq": 20})
     one["data"] = {"datasets": [{"name": "a", "dataset_dir": "a", "train": {"weight": 1}}]}
     assert parse_config(one).eval.eval_freq == 0  # upstream evaluates no dataset without an eval block
@@ -378,6 +376,105 @@ def test_flow_factorys_eval_only_datasets_read_as_ours(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("data.datasets[0].train: the run's one dataset is "
                                                     "evaluation-only")):
         parse_config(one)
+
+
+def test_flow_factorys_per_dataset_eval_resolution_is_each_datasets_own():
+    """Upstream's ``data.datasets[].eval.resolution`` (hparams/dataset_args.py, ``DatasetEvalSpec.resolution``: an
+    int or [height, width], null inheriting the eval section's; ``get_merged_eval_kwargs`` samples the dataset at
+    it): each dataset's ``eval_resolution`` here, the eval section's left as it is (before: refused unless the
+    datasets agreed)."""
+    from flow_factory.sampling import eval_resolution
+
+    upstream = minimal(eval={"resolution": 256})
+    upstream["data"] = {"datasets": [
+        {"name": "a", "dataset_dir": "a", "train": {"weight": 1}, "eval": {"resolution": [32, 64]}},
+        {"name": "b", "dataset_dir": "b", "train": {"weight": 1}, "eval": {}},
+        {"name": "c", "dataset_dir": "c", "train": None, "eval": {"resolution": 48, "guidance_scale": 1.0}}]}
+    cfg = parse_config(upstream)
+    assert [s.eval_resolution for s in cfg.data.sources] == [[32, 64], None, 48] and cfg.eval.resolution == 256
+    assert [eval_resolution(cfg, name) for name in ("a", "b", "c")] == [(32, 64), (256, 256), (48, 48)]
+    upstream["data"]["datasets"][1]["eval"]["resolution"] = [40, 64]
+    with pytest.raises(ConfigError, match=re.escape("data.datasets[1].eval_resolution: sd3-5 needs height and width "
+                                                    "in multiples of 16")):
+        parse_config(upstream)
+
+
+def test_each_test_prompt_is_prepared_at_its_datasets_eval_size(tmp_path, monkeypatch):
+    """c has its own eval_resolution [32, 64], a and b the eval section's (train's 512): the run's sizes are each
+    dataset's, its eval parts sample at them, and the condition cache holds each test prompt's conditions at its
+    dataset's geometry (a condition image is resized to the size generated)."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from flow_factory.data import load_sources
+    from flow_factory.models import get_adapter_class
+    from flow_factory.sampling import SamplingSettings, eval_parts
+    from flow_factory.trainer import caches
+    from flow_factory.trainer.run_data import load_run_data
+
+    cfg = parse_config(_eval_only_config(tmp_path, eval_resolution=[32, 64]))
+    data = load_run_data(cfg, get_adapter_class("sd3-5"), num_processes=1, seed=0)
+    assert data.eval_sizes == {"a": (512, 512), "b": (512, 512), "c": (32, 64)}
+    items = load_sources(cfg.data.split_sources("test"), "test")
+    parts = eval_parts(cfg, items, data.eval_sizes)
+    assert [([it.dataset for it in items[part]], (s.height, s.width)) for part, s in parts] == [
+        (["a", "b"], (512, 512)), (["c", "c"], (32, 64))]
+    requests = []
+    monkeypatch.setattr(caches.ConditionCache, "build",
+                        classmethod(lambda cls, adapter, wanted, *args, **kwargs: requests.extend(wanted)))
+    adapter = SimpleNamespace(condition_inputs=("images",), text_reads_conditions=False)
+    acc = SimpleNamespace(autocast=nullcontext, local_process_index=0, num_processes=1, is_local_main_process=True,
+                          wait_for_everyone=lambda: None)
+    train = SamplingSettings(64, 64, None, 2, 1.0, 2, 0)
+    caches.build_condition_cache(cfg, acc, adapter, data, train)
+    tested = requests[len(data.train_prompts):]
+    assert [(it.dataset, geometry[:2]) for it, geometry, _ in tested] == [
+        ("a", (512, 512)), ("b", (512, 512)), ("c", (32, 64)), ("c", (32, 64))]
+
+
+def _two_resolutions_config(tmp_path, tiny_sd3_path) -> dict:
+    """A tiny SD3 run whose dataset 'square' is evaluated at the eval section's 64 x 64 and its evaluation-only copy
+    'wide' at its own eval_resolution [32, 64]: one test prompt of each."""
+    config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path)
+    folder = config["data"].pop("dataset_dir")
+    config["data"]["datasets"] = [{"name": "square", "dataset_dir": folder},
+                                  {"name": "wide", "dataset_dir": folder, "train": False, "eval_resolution": [32, 64]}]
+    config["eval"].update(num_samples=2, num_inference_steps=2)
+    config["log"]["logging_backend"] = "none"
+    return config
+
+
+def test_each_dataset_is_sampled_at_its_own_eval_resolution(tmp_path, tiny_sd3_path):
+    """The eval ff-eval and the Trainer share (``evaluate_config``: ``eval_sizes`` -> ``eval_parts`` ->
+    ``sample_eval``): each part's images have its dataset's size, and each is scored."""
+    from flow_factory.evaluate import evaluate_config
+
+    summary, parts, datasets = evaluate_config(parse_config(_two_resolutions_config(tmp_path, tiny_sd3_path)))
+    assert datasets == ["square", "wide"]
+    assert [tuple(rollouts.media.shape) for rollouts in parts] == [(1, 3, 64, 64), (1, 3, 32, 64)]
+    assert summary["jpeg"]["n"] == 2 and math.isfinite(summary["jpeg"]["mean"])
+
+
+def test_ff_eval_grid_shows_samples_of_two_sizes_each_fit_to_its_cell(tmp_path, tiny_sd3_path):
+    """ff-eval --grid with datasets evaluated at 64 x 64 and 32 x 64: one row of two 256-px cells, each sample
+    scaled to fit its cell with its aspect ratio kept and centred, the rest of the cell white (before, the samples
+    were stacked into one tensor, which different sizes cannot be)."""
+    import numpy as np
+    from PIL import Image
+
+    from flow_factory.evaluate import main as ff_eval
+
+    path = write_config(tmp_path, _two_resolutions_config(tmp_path, tiny_sd3_path))
+    out, grid_path = tmp_path / "eval.json", tmp_path / "grid.png"
+    assert ff_eval([str(path), "--out", str(out), "--grid", str(grid_path)]) == 0
+    assert [s["prompt"] for s in json.loads(out.read_text())["samples"]] == ["a purple cube", "a purple cube"]
+    grid, tile = np.asarray(Image.open(grid_path).convert("RGB")), 256
+    assert grid.shape[1] == 2 * tile
+    for cell, (height, width) in enumerate([(64, 64), (32, 64)]):
+        shown = round(height * tile / max(height, width))  # the sample's height once fit to the cell
+        top = (tile - shown) // 2
+        white = (grid[:tile, cell * tile:(cell + 1) * tile] == 255).all(axis=(1, 2))  # each row of the cell's tile
+        assert white[:top].all() and white[top + shown:].all() and not white[top:top + shown].any(), (cell, top)
 
 
 def test_a_run_evaluates_its_evaluation_only_dataset_under_its_own_name(tmp_path, tiny_sd3_path, monkeypatch):

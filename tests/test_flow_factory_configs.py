@@ -386,10 +386,6 @@ def test_a_reward_routed_to_the_one_dataset_by_name_applies_to_every_sample():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"data": {"datasets": [{"name": "a", "dataset_dir": "a", "train": {}, "eval": {"resolution": 512}},
-                            {"name": "b", "dataset_dir": "b", "train": {}, "eval": {"resolution": 256}}]}},
-     r"data.datasets\[1\].eval.resolution: 256, and data.datasets\[0\]'s 512 \(null: the eval section's\); one "
-     r"eval.resolution holds for every dataset here"),
     ({"optimizers": [{"learning_rate": 1e-4}, {"learning_rate": 1e-5}]}, "one optimizer trains the transformer"),
     ({"optimizers": [{"learning_rate": 1e-4, "momentum": 0.9}]}, r"optimizers\[0\]: unknown keys \['momentum'\]"),
     ({"optimizers": [{"learning_rate": 1e-4}], "train": {"learning_rate": 1e-5}},

@@ -5,8 +5,8 @@ The ``section.key=value`` overrides may stand anywhere after the config, before 
 Every eval reward of the config (``eval_rewards``, else ``rewards``) over its test
 prompts (the test split of ``data.dataset_dir``, or of each evaluated dataset of ``data.datasets``;
 ``eval.num_samples`` of them split evenly over the datasets), sampled with the eval settings (ODE, ``eval.resolution``, ``eval.num_inference_steps``,
-``eval.guidance_scale`` and ``guidance_scale_2``, or a dataset's own ``eval_num_inference_steps`` and
-``eval_guidance_scale``, noise seeded by ``eval.seed``) through the same components as
+``eval.guidance_scale`` and ``guidance_scale_2``, or a dataset's own ``eval_num_inference_steps``,
+``eval_guidance_scale`` and ``eval_resolution``, noise seeded by ``eval.seed``) through the same components as
 the Trainer's eval, so the numbers match a run's ``eval/reward/*`` at that checkpoint.
 Prints a table (reward, mean, std, min, max, n) and writes it as JSON with each
 sample's prompt and scores, from which a benchmark can make its own tables (the
@@ -58,8 +58,8 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
 
 def evaluate_config(cfg, checkpoint=None):
     """(summary over every test prompt, this process's rollouts of each part: ``sampling.eval_parts``, each test
-    prompt's dataset) of ``cfg``'s eval rewards on its test prompts, each dataset's sampled at its own eval steps and guidance; on several processes
-    each samples its share of each part (``data.share_slice``)."""
+    prompt's dataset) of ``cfg``'s eval rewards on its test prompts, each dataset's sampled at its own eval steps,
+    guidance and resolution; on several processes each samples its share of each part (``data.share_slice``)."""
     import torch
     from accelerate import Accelerator
 
@@ -69,7 +69,7 @@ def evaluate_config(cfg, checkpoint=None):
     from .precision import Precision, avoid_cudnn_attention, run_mixed_precision
     from .prompt_cache import ConditionCache, PromptCache
     from .rewards import RewardSet
-    from .sampling import eval_items, eval_parts, load_split, sample_eval, split_size
+    from .sampling import eval_items, eval_parts, eval_sizes, load_split, sample_eval
     from .sharding import accelerator_kwargs
 
     own_process.imports_done()
@@ -84,7 +84,7 @@ def evaluate_config(cfg, checkpoint=None):
     ev = cfg.eval
     adapter_cls = get_adapter_class(cfg.model.model_type)
     items = load_split(cfg, "test", adapter_cls)  # as the Trainer's eval: the same checks and size
-    size = split_size(cfg, "eval", items, adapter_cls)
+    sizes = eval_sizes(cfg, items, adapter_cls)  # each dataset's
     items = eval_items(items, ev.num_samples)
     rewards = RewardSet.from_configs(cfg.eval_rewards or cfg.rewards, accelerator=acc)
     from .models.preflight import check_experts, check_reward_inputs
@@ -103,7 +103,7 @@ def evaluate_config(cfg, checkpoint=None):
     cache = PromptCache.open(adapter, cfg.data.cache_dir) if cfg.data.enable_preprocess else None
     conditions = (ConditionCache.open(adapter, cfg.data.cache_dir) if cfg.data.enable_preprocess and
                   adapter.condition_inputs else None)
-    scores, parts = sample_eval(adapter, items, eval_parts(cfg, items, size),
+    scores, parts = sample_eval(adapter, items, eval_parts(cfg, items, sizes),
                                 lambda n: share_slice(n, acc.process_index, acc.num_processes), reward_set=rewards,
                                 prompt_cache=cache, condition_cache=conditions, autocast=precision.autocast)
     # a reward routed to some datasets scored only their prompts (NaN for the others): its summary is theirs

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from .config.base import resolution_pair
 from .data import load_sources
 from .data.conditions import check_batchable, check_conditions, generated_size
 from .dynamics.ode import ODE
@@ -89,13 +90,25 @@ def load_split(cfg, split: str, adapter_cls, items: list | None = None) -> list:
     return items
 
 
-def split_size(cfg, section: str, items: list, adapter_cls) -> tuple[int, int]:
-    """The (height, width) the ``train`` or ``eval`` section generates ``items`` at: its resolution, or with
-    auto_resize (null: the model's default) its conditions' aspect ratio at that area."""
+def split_size(cfg, section: str, items: list, adapter_cls,
+               resolution: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The (height, width) the ``train`` or ``eval`` section generates ``items`` at: ``resolution`` (None: the
+    section's), or with auto_resize (null: the model's default) its conditions' aspect ratio at that area."""
     config = getattr(cfg, section)
     auto = adapter_cls.auto_resize if config.auto_resize is None else config.auto_resize
-    return generated_size(items, config.height_width, auto and bool(adapter_cls.condition_inputs),
+    return generated_size(items, resolution or config.height_width, auto and bool(adapter_cls.condition_inputs),
                           adapter_cls.pixel_factor, f"{section}.auto_resize")
+
+
+def eval_sizes(cfg, items: list, adapter_cls) -> dict[str, tuple[int, int]]:
+    """The (height, width) each dataset's test prompts ``items`` are generated at (``split_size`` of its own):
+    its eval resolution (``eval_resolution``), or with eval.auto_resize its conditions' aspect ratio at that area.
+    Each dataset is sampled apart (``eval_parts``), so each may have a size of its own."""
+    by_dataset: dict = {}
+    for item in items:
+        by_dataset.setdefault(item.dataset, []).append(item)
+    return {name: split_size(cfg, "eval", rows, adapter_cls, eval_resolution(cfg, name))
+            for name, rows in by_dataset.items()}
 
 
 @dataclass
@@ -283,16 +296,24 @@ def sample_prompts(adapter, items: list, settings: SamplingSettings, *, sample_i
     return collect_rollouts(adapter, ODE(), items, torch.tensor(ids), ids, settings, epoch=-1, services=services)
 
 
-def eval_parts(cfg, items: list, size: tuple[int, int] | None = None) -> list[tuple[slice, SamplingSettings]]:
+def eval_settings(cfg, dataset: str | None, size: tuple[int, int] | None = None) -> SamplingSettings:
+    """How ``dataset``'s test prompts are sampled: the eval section's settings (``SamplingSettings.for_eval``) with
+    the dataset's own ``eval_num_inference_steps`` / ``eval_guidance_scale`` / ``eval_resolution`` over them;
+    ``size``: the (height, width) generated (``eval_sizes``), None: its eval resolution."""
+    base = SamplingSettings.for_eval(cfg.eval, size or eval_resolution(cfg, dataset))
+    steps = _own_eval_setting(cfg, dataset, "eval_num_inference_steps")
+    return replace(base, num_steps=steps or base.num_steps, guidance_scale=eval_guidance(cfg, dataset))
+
+
+def eval_parts(cfg, items: list, sizes: dict | None = None) -> list[tuple[slice, SamplingSettings]]:
     """The eval of ``items`` (test prompts, each dataset's together, as ``load_sources`` reads them) in consecutive
-    runs sampled alike: the eval section's settings (``SamplingSettings.for_eval``), with a dataset's own
-    ``eval_num_inference_steps`` / ``eval_guidance_scale`` over them."""
-    base = SamplingSettings.for_eval(cfg.eval, size)
-    own = {s.name: replace(base, num_steps=s.eval_num_inference_steps or base.num_steps,
-                           guidance_scale=eval_guidance(cfg, s.name)) for s in cfg.data.sources}
+    runs sampled alike: each dataset's ``eval_settings``, at its size in ``sizes`` (``eval_sizes``; None or a
+    dataset it lacks: its eval resolution)."""
+    own = {name: eval_settings(cfg, name, (sizes or {}).get(name)) for name in dict.fromkeys(it.dataset
+                                                                                            for it in items)}
     parts = []
     for i, item in enumerate(items):
-        settings = own.get(item.dataset, base)
+        settings = own[item.dataset]
         if parts and parts[-1][1] == settings:
             parts[-1] = (slice(parts[-1][0].start, i + 1), settings)
         else:
@@ -345,10 +366,23 @@ def grid_samples(parts: list, datasets: list, shown: int = 16) -> list[tuple]:
             for _, prompt, media, rewards, conditions in sorted(gather_object(mine), key=lambda sample: sample[0])]
 
 
+def _own_eval_setting(cfg, dataset: str | None, key: str):
+    """``dataset``'s own ``key`` (an ``eval_*`` setting of its ``data.datasets`` entry); None: unset, or not a
+    dataset of the config's."""
+    return next((getattr(s, key) for s in cfg.data.sources if s.name == dataset), None)
+
+
 def eval_guidance(cfg, dataset: str | None) -> float:
     """The guidance scale ``dataset``'s test prompts are sampled (and so encoded) with."""
-    own = next((s.eval_guidance_scale for s in cfg.data.sources if s.name == dataset), None)
+    own = _own_eval_setting(cfg, dataset, "eval_guidance_scale")
     return cfg.eval.guidance_scale if own is None else own
+
+
+def eval_resolution(cfg, dataset: str | None) -> tuple[int, int]:
+    """The (height, width) ``dataset``'s test prompts are evaluated at: its ``eval_resolution``, else
+    ``eval.resolution`` (before auto_resize: ``eval_sizes``)."""
+    own = _own_eval_setting(cfg, dataset, "eval_resolution")
+    return cfg.eval.height_width if own is None else resolution_pair(own)
 
 
 def sample_eval(adapter, items: list, parts: list, share_of, **services) -> tuple[dict[str, Tensor], list[Rollouts]]:

@@ -139,7 +139,7 @@ def read_flow_factory_spellings(data: dict) -> dict:
     if found and _upstream_layout(datasets) and len(datasets) == 1:
         _read_dataset(data, dict(datasets[0]))
     elif found and _upstream_layout(datasets):
-        _put(data, "data.datasets", _read_datasets(data, datasets), "data.datasets")
+        _put(data, "data.datasets", _read_datasets(datasets), "data.datasets")
     elif found:  # ours: [{name, dataset_dir, weight, ...}]
         data.setdefault("data", {})["datasets"] = datasets
     _read_ema_warmup(data)
@@ -298,7 +298,7 @@ def _upstream_layout(datasets) -> bool:
 SOURCE_KEYS = {"name": "name", "dataset_dir": "dataset_dir", "image_dir": "image_dir", "video_dir": "video_dir",
                "train.weight": "weight", "train.max_dataset_size": "max_dataset_size",
                "eval.max_dataset_size": "eval_max_dataset_size", "eval.num_inference_steps": "eval_num_inference_steps",
-               "eval.guidance_scale": "eval_guidance_scale"}
+               "eval.guidance_scale": "eval_guidance_scale", "eval.resolution": "eval_resolution"}
 
 
 def _split_part(dataset: dict, part: str, where: str) -> dict | None:
@@ -319,11 +319,11 @@ def _split_part(dataset: dict, part: str, where: str) -> dict | None:
     return block
 
 
-def _read_datasets(data: dict, datasets: list) -> list[dict]:
+def _read_datasets(datasets: list) -> list[dict]:
     """Several Flow-Factory datasets as ours: a dataset whose ``train`` is null is evaluation-only (``train:
-    false``), one whose ``eval`` is null or absent is not evaluated (``eval: false``); each keeps its own eval steps
-    and guidance. One eval resolution holds for the run here, so the evaluated datasets' must agree."""
-    ours, resolutions = [], []
+    false``), one whose ``eval`` is null or absent is not evaluated (``eval: false``); each keeps its own eval steps,
+    guidance and resolution (its ``eval.resolution``, null: the eval section's, as upstream's)."""
+    ours = []
     for i, dataset in enumerate(datasets):
         where = f"data.datasets[{i}]"
         if not isinstance(dataset, dict):
@@ -332,33 +332,14 @@ def _read_datasets(data: dict, datasets: list) -> list[dict]:
         flat = {k: v for k, v in dataset.items() if k not in ("train", "eval")}
         flat.update({f"train.{k}": v for k, v in (train or {}).items()})
         flat.update({f"eval.{k}": v for k, v in (evaluated or {}).items()})
-        if evaluated is not None:  # null: the eval section's
-            resolutions.append((where, flat.pop("eval.resolution", None)))
         unknown = sorted(set(flat) - set(SOURCE_KEYS))
         if unknown:
             raise problem(f"{where}: keys {unknown} are not taken here; valid: {', '.join(SOURCE_KEYS)}, "
-                          "eval.resolution, train.enabled, eval.enabled")
+                          "train.enabled, eval.enabled")
         entry = {SOURCE_KEYS[k]: v for k, v in flat.items()}
         ours.append({**entry, **({} if train is not None else {"train": False}),
                      **({} if evaluated is not None else {"eval": False})})
-    _one_eval_resolution(data, resolutions)
     return ours
-
-
-def _one_eval_resolution(data: dict, resolutions: list) -> None:
-    """The evaluated datasets' eval resolutions (``(where, value)``; None: the eval section's) as the run's one
-    ``eval.resolution``, or an error naming a dataset whose differs."""
-    shared = (data.get("eval") or {}).get("resolution") if isinstance(data.get("eval"), dict) else None
-    first = None
-    for where, value in resolutions:
-        value = shared if value is None else value
-        if first is not None and value != first[1]:
-            raise problem(f"{where}.eval.resolution: {show(value)}, and {first[0]}'s {show(first[1])} (null: the eval "
-                          "section's); one eval.resolution holds for every dataset here (each dataset's own eval "
-                          "steps and guidance are kept)")
-        first = first or (where, value)
-    if first is not None and first[1] is not None:
-        _put(data, "eval.resolution", first[1], f"{first[0]}.eval.resolution")
 
 
 def without_effect(cfg) -> list[str]:

@@ -383,6 +383,8 @@ class Config(Section):
         name = self.model.model_type
         family = model_family(name)
         sizes = [("train.resolution", self.train.resolution), ("eval.resolution", self.eval.resolution)]
+        sizes += [(f"data.datasets[{i}].eval_resolution", source.eval_resolution)
+                  for i, source in enumerate(self.data.datasets or [])]
         conditioned = [(f"{part}.{key}", getattr(section, key)) for part, section in (("train", self.train),
                        ("eval", self.eval)) for key in ("condition_image_size", "auto_resize")
                        if getattr(section, key) is not None]

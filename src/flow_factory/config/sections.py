@@ -58,6 +58,14 @@ class DatasetSource(Section):
         None, "ODE steps its test prompts are evaluated with; null = eval.num_inference_steps")
     eval_guidance_scale: float | None = setting(
         None, "CFG / guidance scale its test prompts are evaluated with; null = eval.guidance_scale", ge=0)
+    eval_resolution: int | list[int] | None = setting(
+        None, "size its test prompts are evaluated at, an int or [height, width] (a video model's frames stay "
+        "eval.num_frames); null = eval.resolution", expects="an integer, [height, width] or null")
+
+    @field_validator("eval_resolution", mode="before")
+    @classmethod
+    def _eval_resolution(cls, value):
+        return check_resolution(value)
 
     @model_validator(mode="after")
     def _read_by_the_run(self):
@@ -66,8 +74,8 @@ class DatasetSource(Section):
         if not self.train and "weight" in self.model_fields_set:
             raise problem(f"weight: {self.name!r} is evaluation-only (train: false), never drawn for training; "
                           "remove its weight")
-        given = [k for k in ("eval_max_dataset_size", "eval_num_inference_steps", "eval_guidance_scale")
-                 if getattr(self, k) is not None]
+        given = [k for k in ("eval_max_dataset_size", "eval_num_inference_steps", "eval_guidance_scale",
+                             "eval_resolution") if getattr(self, k) is not None]
         if not self.eval and given:
             raise problem(f"{given[0]}: {self.name!r} is not evaluated (eval: false); remove it")
         return self
@@ -333,7 +341,8 @@ class SchedulerConfig(Section):
 
 class EvalConfig(Section):
     resolution: int | list[int] | None = setting(
-        None, "eval image size, an int or [height, width]; null = train.resolution",
+        None, "eval image size, an int or [height, width]; null = train.resolution (a dataset's own "
+        "eval_resolution replaces it for that dataset's test prompts)",
         expects="an integer, [height, width] or null")
     num_frames: PositiveInt | None = setting(None, "video frames at eval; null = train.num_frames")
     frame_rate: float | None = setting(None, "Flow-Factory compatibility: as train.frame_rate", gt=0)

@@ -38,19 +38,23 @@ def _fit(image: torch.Tensor, tile: int) -> Image.Image:
     return pil.resize((max(1, round(pil.width * scale)), max(1, round(pil.height * scale))), Image.NEAREST)
 
 
-def sample_grid(media: torch.Tensor, captions: list[str], tile: int = 256, columns: int | None = None,
+def sample_grid(media: torch.Tensor | list[torch.Tensor], captions: list[str], tile: int = 256,
+                columns: int | None = None,
                 conditions: list[list[torch.Tensor]] | None = None) -> Image.Image | list[Image.Image]:
-    """Tile the samples (each fit into ``tile`` px) with a few wrapped caption lines below.
+    """Tile the samples (each fit into ``tile`` px, its aspect ratio kept, centred) with a few wrapped caption
+    lines below.
 
     ``media``: images (N, 3, H, W) give one image; videos (N, F, 3, H, W) one grid per frame, an
-    animation (``save_grid`` writes it as an mp4 or a GIF). ``conditions``: per sample, the condition images
-    (3, H, W) or videos (F, 3, H, W) it was generated from, shown left of it."""
+    animation (``save_grid`` writes it as an mp4 or a GIF); or a list of N images (3, H, W) or videos
+    (F, 3, H, W) whose sizes may differ (datasets evaluated at their own resolutions). ``conditions``: per
+    sample, the condition images (3, H, W) or videos (F, 3, H, W) it was generated from, shown left of it."""
     n = len(captions)
     conditions = conditions or [[] for _ in range(n)]
     per_cell = 1 + max((len(c) for c in conditions), default=0)
     columns = columns or min(n, max(1, 4 // per_cell))
     rows = math.ceil(n / columns)
-    frames = max([media.shape[1] if media.ndim == 5 else 1]
+    video = media[0].ndim == 4
+    frames = max([max(m.shape[0] for m in media) if video else 1]
                  + [c.shape[0] for cs in conditions for c in cs if c.ndim == 4])
     font = ImageFont.load_default()
     line_h, chars = 12, max(16, per_cell * tile // 6)
@@ -69,7 +73,7 @@ def sample_grid(media: torch.Tensor, captions: list[str], tile: int = 256, colum
             for k, line in enumerate(textwrap.wrap(captions[i], chars)[:CAPTION_LINES]):
                 draw.text((x + 3, y + tile + 3 + k * line_h), line, fill="black", font=font)
         grids.append(grid)
-    return grids if media.ndim == 5 or len(grids) > 1 else grids[0]
+    return grids if video or len(grids) > 1 else grids[0]
 
 
 def gif_bytes(frames: list[Image.Image], fps: int = VIDEO_FPS) -> bytes:
@@ -118,8 +122,8 @@ def caption(prompt: str, rewards: dict[str, float]) -> str:
 
 def eval_grid(samples: list[tuple]) -> Image.Image | list[Image.Image]:
     """The grid of an eval's ``samples`` (prompt, media, rewards, condition media), each captioned with its rewards
-    (``sampling.grid_samples`` picks them)."""
+    (``sampling.grid_samples`` picks them); each dataset's samples may have a size of their own."""
     conditions = [cond for *_, cond in samples]
-    return sample_grid(torch.stack([media for _, media, _, _ in samples]),
+    return sample_grid([media for _, media, _, _ in samples],
                        [caption(prompt, rewards) for prompt, _, rewards, _ in samples],
                        conditions=conditions if any(conditions) else None)

@@ -172,7 +172,8 @@ def check_pipeline_class(folder: Path, adapter: type[FlowAdapter]) -> None:
 
 
 def check_sizes(folder: Path, adapter: type[FlowAdapter], cfg) -> None:
-    """train / eval resolution against this checkpoint's own factor, when its config files give it."""
+    """train / eval resolution (and each dataset's own eval resolution) against this checkpoint's own factor, when
+    its config files give it."""
     vae = read_json(folder / "vae" / "config.json") or {}
     transformer = read_json(folder / "transformer" / "config.json") or {}
     factor = adapter.pixel_factor_of(vae, transformer)
@@ -181,6 +182,8 @@ def check_sizes(folder: Path, adapter: type[FlowAdapter], cfg) -> None:
     sizes = [("train.resolution", cfg.train.resolution)]
     if cfg.eval.resolution != cfg.train.resolution:  # an unset eval.resolution is train's: report it once
         sizes.append(("eval.resolution", cfg.eval.resolution))
+    sizes += [(f"data.datasets[{i}].eval_resolution", source.eval_resolution)
+              for i, source in enumerate(cfg.data.datasets or []) if source.eval_resolution is not None]
     problems = [size_problem(key, value, factor, f"the pipeline in {folder}",
                              "read from its vae/ and transformer/ config.json") for key, value in sizes]
     problems = [p for p in problems if p]

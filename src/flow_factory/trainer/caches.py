@@ -5,7 +5,7 @@ conditioned model's condition files encoded once for the sizes train and eval pr
 from __future__ import annotations
 
 from ..prompt_cache import ConditionCache, PromptCache
-from ..sampling import SamplingSettings, eval_guidance
+from ..sampling import SamplingSettings, eval_guidance, eval_settings
 
 
 def cache_share(cfg, accelerator) -> dict:
@@ -35,14 +35,16 @@ def build_prompt_cache(cfg, accelerator, adapter, data) -> PromptCache | None:
 
 
 def build_condition_cache(cfg, accelerator, adapter, data, train_settings: SamplingSettings) -> ConditionCache | None:
-    """A conditioned model's condition files, for train's geometry (``train_settings``) and eval's."""
+    """A conditioned model's condition files, for train's geometry (``train_settings``) and eval's (each test
+    prompt's dataset's: its own eval resolution)."""
     if not cfg.data.enable_preprocess or not adapter.condition_inputs:
         return None
-    train, test = train_settings.geometry, SamplingSettings.for_eval(cfg.eval, data.eval_size).geometry
+    train = train_settings.geometry
+    test = {name: eval_settings(cfg, name, size).geometry for name, size in data.eval_sizes.items()}
     # the guidance scale each split's prompts are encoded at: what a model whose text encoder reads the conditions
     # encodes them with here
     requests = ([(it, train, cfg.train.conditioning_guidance_scale) for it in data.train_prompts]
-                + [(it, test, eval_guidance(cfg, it.dataset)) for it in data.test_prompts])
+                + [(it, test[it.dataset], eval_guidance(cfg, it.dataset)) for it in data.test_prompts])
     with accelerator.autocast():  # as the rollout would encode them
         cache = ConditionCache.build(adapter, requests, cfg.data.cache_dir, cfg.data.preprocessing_batch_size,
                                      **cache_share(cfg, accelerator))

@@ -15,7 +15,7 @@ from ..config.algorithms import OFFLINE_TRAINER_TYPES
 from ..data import MissingPromptFile, epoch_sampler
 from ..data.offline import OFFLINE_KINDS, load_offline_sources, offline_video
 from ..data.sources import source_indices
-from ..sampling import load_split, split_size
+from ..sampling import eval_sizes, load_split, split_size
 from ..start_checks import check_prompt_counts
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ class RunData:
     train_prompts: list
     test_prompts: list  # empty: evaluation is off
     train_size: tuple[int, int]  # (height, width) of train's samples
-    eval_size: tuple[int, int]
+    eval_sizes: dict[str, tuple[int, int]]  # (height, width) of each evaluated dataset's samples
     sampler: object | None  # the epoch's draw of prompts and groups (None: offline)
     offline_records: list | None  # sft, offline-dpo: the dataset's records train instead of rollouts
     source_names: list[str]  # several datasets: the names of those that train (empty: one dataset)
@@ -58,7 +58,7 @@ def load_run_data(cfg, adapter_cls, num_processes: int, seed: int) -> RunData:
     names = [s.name for s in cfg.data.split_sources("train")] if several else []
     return RunData(train_prompts, test_prompts,
                    train_size=split_size(cfg, "train", train_prompts, adapter_cls),
-                   eval_size=split_size(cfg, "eval", test_prompts, adapter_cls),
+                   eval_sizes=eval_sizes(cfg, test_prompts, adapter_cls),
                    sampler=None if records else epoch_sampler(cfg, train_prompts, seed),
                    offline_records=records, source_names=names,
                    train_sources=source_indices(train_prompts, names) if names else None,

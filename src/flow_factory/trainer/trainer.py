@@ -239,8 +239,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, epoch: int) -> dict[str, float]:
-        """ODE samples of the test prompts at the eval resolution, each dataset's at its own eval steps and guidance;
-        rewards, and a grid saved as PNG."""
+        """ODE samples of the test prompts, each dataset's at its own eval resolution, steps and guidance; rewards,
+        and a grid saved as PNG."""
         ev = self.cfg.eval
         items = eval_items(self.test_prompts, ev.num_samples)
         self.adapter.guidance_scale_2 = ev.guidance_scale_2
@@ -248,7 +248,7 @@ class Trainer:
         if ev.strength is not None:
             self.adapter.strength = ev.strength
         try:  # what ff-eval samples for the same config: its numbers agree with these
-            scores, parts = sample_eval(self.adapter, items, eval_parts(self.cfg, items, self.data.eval_size),
+            scores, parts = sample_eval(self.adapter, items, eval_parts(self.cfg, items, self.data.eval_sizes),
                                         self._local_share, reward_set=self.eval_rewards,
                                         autocast=self.accelerator.autocast, prompt_cache=self.prompt_cache,
                                         condition_cache=self.condition_cache)
