@@ -181,8 +181,8 @@ def test_the_folders_own_factor_is_checked_before_loading(tmp_path):
     check_before_loading(parse_config(config(path=folder, resolution=64)))
     # a dataset's own eval resolution, likewise
     several = config(path=folder, resolution=64)
-    several["data"] = {"datasets": [{"name": "a", "dataset_dir": "prompts"},
-                                    {"name": "b", "dataset_dir": "prompts", "train": False, "eval_resolution": [64, 48]}]}
+    own = {"name": "b", "dataset_dir": "prompts", "train": False, "eval_resolution": [64, 48]}
+    several["data"] = {"datasets": [{"name": "a", "dataset_dir": "prompts"}, own]}
     assert preflight_error(several) == (
         f"data.datasets[1].eval_resolution: the pipeline in {folder} needs height and width in multiples of 32 (read "
         "from its vae/ and transformer/ config.json), got [64, 48]; nearest valid: [64, 32] or [64, 64]")
