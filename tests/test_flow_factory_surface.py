@@ -139,3 +139,30 @@ def test_clap_scores_an_ltx2_rollouts_soundtrack(clap_path, tiny_ltx2_path):
     waves, rate = adapter.decode_audio(rollouts.latents[:, -1])
     want = _reference(clap_path, PROMPTS[:2], [mono_at(w.numpy(), rate) for w in waves])
     torch.testing.assert_close(rollouts.rewards["clap"], want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_dataset_guides_audio_dir_loads_and_says_it_changes_nothing():
+    """Flow-Factory's dataset guide sets ``audio_dir`` per dataset (and under ``data``); no model here reads a row's
+    audio, so the config loads and the note names each one."""
+    from flow_factory.config import ConfigError, parse_config
+    from flow_factory.config.compat import without_effect
+    from test_config import minimal
+
+    upstream = {"name": "example", "dataset_dir": "dataset/example", "image_dir": "dataset/example",
+                "video_dir": "/shared/videos", "audio_dir": "/shared/audio", "train": {"weight": 1}, "eval": {}}
+    def with_data(data):
+        config = minimal()
+        config["data"] = data
+        return config
+
+    one = parse_config(with_data({"datasets": [upstream]}))
+    assert one.data.audio_dir == "/shared/audio"
+    two = parse_config(with_data({"datasets": [upstream, {**upstream, "name": "b", "audio_dir": None}]}))
+    assert [d.audio_dir for d in two.data.datasets] == ["/shared/audio", None]
+    for cfg, named in ((one, "data.audio_dir"), (two, "data.datasets[0].audio_dir")):
+        notes = [n for n in without_effect(cfg) if "audio" in n]
+        assert notes == [f"{named}: no model here reads a dataset row's audio / audios column (an sft or offline-dpo "
+                         "record names its audio relative to dataset_dir), so it changes nothing"]
+    assert not [n for n in without_effect(parse_config(minimal())) if "audio" in n]
+    with pytest.raises(ConfigError, match="audio_dir: with datasets, set it per dataset"):
+        parse_config(with_data({"audio_dir": "a", "datasets": [{"name": "a", "dataset_dir": "d"}]}))

@@ -56,6 +56,7 @@ OPTIMIZER_KEYS = {"optimizer": "optimizer", "learning_rate": "learning_rate", "w
                   "betas": "adam_betas", "eps": "adam_epsilon", "max_grad_norm": "max_grad_norm"}
 # the single dataset of its newest layout (``data.datasets: [{...}]``) -> ours
 DATASET_KEYS = {"dataset_dir": "data.dataset_dir", "image_dir": "data.image_dir", "video_dir": "data.video_dir",
+                "audio_dir": "data.audio_dir",
                 "train.max_dataset_size": "data.max_dataset_size",
                 "eval.max_dataset_size": "eval.num_samples", "eval.resolution": "eval.resolution",
                 "eval.num_inference_steps": "eval.num_inference_steps", "eval.guidance_scale": "eval.guidance_scale"}
@@ -296,6 +297,7 @@ def _upstream_layout(datasets) -> bool:
 
 # what one of several Flow-Factory datasets may set -> our data.datasets entry's key
 SOURCE_KEYS = {"name": "name", "dataset_dir": "dataset_dir", "image_dir": "image_dir", "video_dir": "video_dir",
+               "audio_dir": "audio_dir",
                "train.weight": "weight", "train.max_dataset_size": "max_dataset_size",
                "eval.max_dataset_size": "eval_max_dataset_size", "eval.num_inference_steps": "eval_num_inference_steps",
                "eval.guidance_scale": "eval_guidance_scale", "eval.resolution": "eval_resolution"}
@@ -350,6 +352,11 @@ def without_effect(cfg) -> list[str]:
     if data.dataloader_num_workers and "dataloader_num_workers" in data.model_fields_set:
         notes.append("data.dataloader_num_workers: prompts are read into memory once; there is no loader to "
                      "give workers")
+    audio_dirs = ["data.audio_dir"] if data.audio_dir is not None else []
+    audio_dirs += [f"data.datasets[{i}].audio_dir" for i, d in enumerate(data.datasets or []) if d.audio_dir is not None]
+    if audio_dirs:
+        notes.append(f"{', '.join(audio_dirs)}: no model here reads a dataset row's audio / audios column (an sft or "
+                     "offline-dpo record names its audio relative to dataset_dir), so it changes nothing")
     if data.sampler_type != "auto" or data.sampler_subgroup_size is not None:
         notes.append(f"data.sampler_type: {data.sampler_type} places samples on processes; here each process takes "
                      "a contiguous share of the epoch's group-ordered samples, dgpo its share of each global "

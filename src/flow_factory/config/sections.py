@@ -46,6 +46,8 @@ class DatasetSource(Section):
                                     "dataset_dir/images")
     video_dir: str | None = setting(None, "folder its jsonl rows' video paths are relative to; null = "
                                     "dataset_dir/videos")
+    audio_dir: str | None = setting(None, "Flow-Factory's folder for a jsonl row's audio / audios paths; no model "
+                                    "here reads a row's audio, so it changes nothing (a note says so)")
     weight: PositiveInt = setting(1, "its share of each epoch's groups: weight / the sum of the training datasets' "
                                   "weights")
     train: bool = setting(True, "false: an evaluation-only dataset, no epoch's groups drawn from it, its test split "
@@ -93,6 +95,9 @@ class DataConfig(Section):
     video_dir: str | None = setting(
         None, "folder the jsonl rows' video / videos paths are relative to (condition videos); null = "
         "dataset_dir/videos")
+    audio_dir: str | None = setting(
+        None, "Flow-Factory's folder for the jsonl rows' audio / audios paths; no model here reads a row's audio, so "
+        "it changes nothing (a note says so)")
     max_dataset_size: PositiveInt | None = setting(None, "use at most this many prompts per split; null = all")
     enable_preprocess: bool = setting(True, "encode every train and test prompt (and a conditioned model's condition "
                                       "files) once before training, into the cache under cache_dir; false = encode "
@@ -132,7 +137,8 @@ class DataConfig(Section):
             if not any(d.train for d in self.datasets):
                 raise problem("datasets: every dataset has train: false, so there is none to train from; give at "
                               "least one dataset train: true (the default)")
-            shared = [k for k in ("image_dir", "video_dir", "max_dataset_size") if getattr(self, k) is not None]
+            shared = [k for k in ("image_dir", "video_dir", "audio_dir", "max_dataset_size")
+                      if getattr(self, k) is not None]
             if shared:
                 raise problem(f"{', '.join(shared)}: with datasets, set {'them' if len(shared) > 1 else 'it'} "
                               "per dataset")
@@ -144,7 +150,8 @@ class DataConfig(Section):
         if self.datasets is not None:
             return list(self.datasets)
         return [DatasetSource(name="default", dataset_dir=self.dataset_dir, image_dir=self.image_dir,
-                              video_dir=self.video_dir, max_dataset_size=self.max_dataset_size)]
+                              video_dir=self.video_dir, audio_dir=self.audio_dir,
+                              max_dataset_size=self.max_dataset_size)]
 
     def split_sources(self, split: str) -> list[DatasetSource]:
         """The datasets whose ``split`` (train / test) the run reads: those that train, those evaluated."""
