@@ -73,3 +73,27 @@ def test_a_class_path_is_found_in_the_working_directory(clean_lookup, tmp_path, 
             f"--reward 'cwd_rewardz.Found': no module named 'cwd_rewardz'; looked in {tmp_path.resolve()} and the "
             f"installed packages; put cwd_rewardz.py in the working directory or add its folder to PYTHONPATH")):
         import_class("cwd_rewardz.Found", "--reward")
+
+
+def test_a_files_path_and_class_name_a_reward_as_flow_factorys_help_writes_it(clean_lookup, tmp_path):
+    """``path/to/file.py:Class``, relative to the config's folder (then the working directory) or absolute, with or
+    without ``.py`` (Flow-Factory's reward_model help: ``/path/to/your/model:class_name``)."""
+    configs = tmp_path / "configs"
+    (configs / "rewards").mkdir(parents=True)
+    (configs / "rewards" / "my_rewards_file.py").write_text(guide_reward_module(), encoding="utf-8")
+    class_path.look_beside_config(configs / "run.yaml")
+    relative = import_class("rewards/my_rewards_file.py:Brightness", "reward class path")
+    assert relative.__name__ == "Brightness"
+    assert Path(sys.modules["my_rewards_file"].__file__) == configs / "rewards" / "my_rewards_file.py"
+    absolute = import_class(f"{configs / 'rewards' / 'my_rewards_file'}:Brightness", "reward class path")
+    assert absolute is relative
+    assert class_path.missing_module("rewards/my_rewards_file.py:Brightness", "reward class path") is None
+
+
+def test_a_missing_file_says_where_it_was_looked_for(clean_lookup, tmp_path):
+    class_path.look_beside_config(tmp_path / "run.yaml")
+    with pytest.raises(ImportError, match=re.escape(f"reward class path 'rewards/my_rewards_nope.py:Brightness': "
+                                                    f"no file 'rewards/my_rewards_nope.py' in {tmp_path}")):
+        import_class("rewards/my_rewards_nope.py:Brightness", "reward class path")
+    assert class_path.missing_module("rewards/my_rewards_nope.py:X", "reward class path") == (
+        "reward class path 'rewards/my_rewards_nope.py:X': no file 'rewards/my_rewards_nope.py'")

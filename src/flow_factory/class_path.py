@@ -1,4 +1,6 @@
-"""A class named by its path in a config: ``package.module.ClassName`` or ``package.module:ClassName``.
+"""A class named by its path in a config: ``package.module.ClassName`` or ``package.module:ClassName``, or
+a file's path and the class, ``path/to/my_reward.py:ClassName`` (Flow-Factory's reward help writes
+``/path/to/your/model:class_name``; ``.py`` may be left out).
 
 How users bring their own rewards (``rewards[].reward_model``) and model adapters
 (``model.model_type``). Imports nothing of its own, so the config can use it without torch.
@@ -9,7 +11,10 @@ first in the folder of the config file this process loaded last (``load_config``
 folder that holds the module is put at the front of ``sys.path`` (once, and only that folder,
 only when a class path's module is found there), as Python does with a script's folder: so the
 module's own imports of its neighbours work, and so do the processes it starts. Every
-process of a run loads the config itself, so each finds the module the same way.
+process of a run loads the config itself, so each finds the module the same way. A file's path,
+relative or absolute, is read the same way: a relative one from the config's folder first, then
+the working directory; its folder goes at the front of ``sys.path`` and the module is the file's
+stem.
 """
 
 from __future__ import annotations
@@ -50,10 +55,39 @@ def folder_holding(module_name: str) -> Path | None:
     return None
 
 
+def _file_module(module: str) -> bool:
+    """Whether a class path's module part is a file's path (``dir/name.py``, ``/abs/name``) rather than a
+    dotted module name."""
+    return "/" in module or "\\" in module or module.endswith(".py")
+
+
+def _module_file(module: str) -> Path | None:
+    """The file a file-form module part names, looked for as ``lookup_folders`` says, or None."""
+    written = Path(module).expanduser()
+    names = [written] if written.suffix == ".py" else [written.with_name(written.name + ".py"), written]
+    folders = [Path()] if written.is_absolute() else lookup_folders()
+    return next((folder / name for folder in folders for name in names if (folder / name).is_file()), None)
+
+
+def _file_as_module(path: str, label: str, module: str) -> str:
+    """A file-form module part as an importable module name (the file's stem), its folder put at the front of
+    sys.path; ImportError saying where it was looked for when there is no such file."""
+    found = _module_file(module)
+    if found is None:
+        where = "" if Path(module).expanduser().is_absolute() else f" in {', '.join(map(str, lookup_folders()))}"
+        raise ImportError(f"{label} {path!r}: no file {module!r}{where}")
+    folder = found.resolve().parent
+    if folder not in {Path(entry or ".").resolve() for entry in sys.path}:
+        sys.path.insert(0, str(folder))
+    return found.stem
+
+
 def missing_module(path: str, label: str) -> str | None:
     """``import_class``'s message for ``path`` when its top-level module is nowhere to be found, else None.
     Only looks at files: nothing is imported, so the config checks a reward's class path without torch."""
     module_name, _ = split_class_path(path, label)
+    if _file_module(module_name):
+        return None if _module_file(module_name) else f"{label} {path!r}: no file {module_name!r}"
     top = module_name.partition(".")[0]
     if top in sys.modules or folder_holding(top) is not None or importlib.util.find_spec(top) is not None:
         return None
@@ -96,6 +130,8 @@ def import_class(path: str, label: str) -> object:
     """The object ``path`` names, its module looked up as the module docstring says; ImportError saying
     which part is missing (and, for a missing module, where it was looked for)."""
     module_name, attr = split_class_path(path, label)
+    if _file_module(module_name):
+        module_name = _file_as_module(path, label, module_name)
     _put_on_path(module_name)
     try:
         module = importlib.import_module(module_name)

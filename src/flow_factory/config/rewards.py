@@ -27,7 +27,8 @@ SET_FIELDS = ("name", "reward_model", "weight", "applicable_datasets", "async_re
 
 class RewardConfig(Section):
     name: str | None = setting(None, "unique name of this reward in logs and weights; null = reward_model")
-    reward_model: str = setting(description="registered reward name or a dotted class path (pkg.module.Class)")
+    reward_model: str = setting(description="registered reward name, a dotted class path (pkg.module.Class), or a "
+                                "file's path and the class (path/to/my_reward.py:MyReward)")
     weight: float | dict[str, float] = setting(
         1.0, "weight of this reward when rewards are combined; or, with data.datasets, a weight per dataset "
         "({name: weight}: a dataset left out is not scored by this reward)")
