@@ -504,3 +504,68 @@ def test_diffusion_opd_sharded_makes_one_processs_update(tmp_path, tiny_pipeline
     moved = max(float(v.abs().max()) for k, v in students[1].items() if "lora_B" in k)
     difference = max(float((students[2][k].double() - v.double()).abs().max()) for k, v in students[1].items())
     assert moved > 1e-4 and difference <= 1e-3 * moved, (difference / moved, moved)
+
+
+def _unshift(sigma, s: float):
+    """The unshifted u of sigma = s u / (1 + (s - 1) u)."""
+    return sigma / (s - (s - 1) * sigma)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_sd3_path", "tiny_wan_path"])
+def test_a_static_flow_shift_unshifts_the_models_schedule_to_an_even_grid(request, fixture):
+    """The shift the model reports is its schedule's: unshifted, its sigmas are evenly spaced (the scheduler's
+    linear grid), which no other shift makes them."""
+    from flow_factory.models import load_adapter
+
+    model_type = {"tiny_sd3_path": "sd3-5", "tiny_wan_path": "wan2_t2v"}[fixture]
+    adapter = load_adapter(model_type, request.getfixturevalue(fixture))
+    s = adapter.static_flow_shift()
+    size, frames = (32, 5) if adapter.is_video else (64, None)
+    sigmas = adapter.sigmas(8, size, size, frames)[:-1].double().cpu()  # the last, 0, is appended after the grid
+    steps = _unshift(sigmas, s).diff()
+    assert s > 1 and torch.allclose(steps, steps.mean().expand_as(steps), atol=1e-6)
+    other = _unshift(sigmas, s + 1).diff()
+    assert not torch.allclose(other, other.mean().expand_as(other), atol=1e-3)
+
+
+def test_source_uniform_draws_uniformly_in_the_unshifted_stage(tmp_path, tiny_sd3_path):
+    """TDM-R1's official query (upstream's tdm_r1 OCR example): each level's unshifted coordinate is uniform in
+    its stage's unshifted interval (mean position 1/2), where actual_uniform's is not."""
+    from flow_factory.models import load_adapter
+
+    adapter = load_adapter("sd3-5", tiny_sd3_path)
+    s = adapter.static_flow_shift()
+    sigmas = adapter.sigmas(3, 64, 64)
+    states = torch.zeros(400, 4, 1, 1)
+    rollouts = SimpleNamespace(sigmas=sigmas, cond={"text": torch.arange(400)},
+                               latents_at=lambda idx, step: states[idx, step])
+
+    def positions(distribution):
+        cfg = parse_config(dmd2_config(tmp_path, tiny_sd3_path, trainer_type="tdm", num_inference_steps=3,
+                                       tdm_query_distribution=distribution)).train
+        algorithm = make_algorithm("tdm", cfg, ODE())
+        algorithm.bind_model(adapter)
+        batch, = algorithm.micro_batches(rollouts, torch.zeros(400), torch.arange(400)[:, None],
+                                         torch.Generator().manual_seed(0))
+        lo, hi, at = (_unshift(x.double(), s) for x in (batch.sigma_next, batch.sigma, batch.sigma_t))
+        return (at - lo) / (hi - lo)
+
+    uniform = positions("source_uniform")
+    assert ((uniform > 0) & (uniform < 1)).all() and abs(uniform.mean().item() - 0.5) < 0.03
+    assert abs(positions("actual_uniform").mean().item() - 0.5) > 0.05
+
+
+def test_source_uniform_on_a_resolution_dependent_shift_says_how_to_fix_it(tmp_path, tiny_sd3_path, tiny_flux_path):
+    from flow_factory.config import ConfigError
+    from flow_factory.models.preflight import check_static_shift
+
+    cfg = parse_config(dmd2_config(tmp_path, tiny_sd3_path, trainer_type="tdm",
+                                   tdm_query_distribution="source_uniform"))
+    algorithm = make_algorithm("tdm", cfg.train, ODE())
+    with pytest.raises(ConfigError, match="flux1's scheduler shifts it by resolution .*set scheduler.flow_shift"):
+        algorithm.bind_model(SimpleNamespace(model_type="flux1", static_flow_shift=lambda: None))
+    check_static_shift(Path(tiny_sd3_path), cfg)  # a static shift: nothing to say
+    with pytest.raises(ConfigError, match="scheduler_config.json shifts it by resolution"):
+        check_static_shift(Path(tiny_flux_path), cfg)  # before the model loads
+    cfg.scheduler.flow_shift = 3.0
+    check_static_shift(Path(tiny_flux_path), cfg)

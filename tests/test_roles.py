@@ -119,8 +119,6 @@ def test_tdm_r1s_per_role_defaults_are_upstreams(tmp_path, tiny_sd3_path):
     ({"train.ttur_fake_updates": 0}, "ttur_fake_updates"),
     ({"scheduler.dynamics_type": "Flow-SDE"}, "scheduler.dynamics_type: dmd2 replays deterministic ODE"),
     ({"train.use_huber": False}, "train: use_huber are tdm's; dmd2 does not use them"),
-    ({"train.trainer_type": "tdm", "train.tdm_query_distribution": "source_uniform"},
-     "tdm_query_distribution: source_uniform"),
     ({"train.trainer_type": "tdm", "train.tdm_query_interval": "reverse", "train.tdm_query_max_sigma": 0},
      "tdm_query_max_sigma"),
     ({"train.trainer_type": "tdm-r1", "train.group_size": 2}, "rewards: at least one reward is needed"),

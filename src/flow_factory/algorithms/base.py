@@ -146,6 +146,10 @@ class Algorithm:
         self.cfg = train_cfg
         self.dynamics = dynamics
 
+    def bind_model(self, adapter) -> None:
+        """Read what the algorithm needs of the loaded model before it trains (TDM's ``source_uniform``: the
+        schedule's static flow shift). Default: nothing."""
+
     @property
     def needs_reference(self) -> bool:
         """The loss calls policy.reference_velocity, so the policy keeps the starting weights."""

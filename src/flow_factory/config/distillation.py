@@ -458,9 +458,6 @@ def distillation_contradictions(cfg) -> list[str]:
                    f"{train.per_device_batch_size}")
     if train.reward_optimization_overlap:
         out.append(f"train.reward_optimization_overlap: {name} trains on no reward; use false")
-    if getattr(train, "tdm_query_distribution", None) == "source_uniform":
-        out.append("train.tdm_query_distribution: source_uniform draws in the rollout's unshifted schedule, whose "
-                   "flow shift the loss does not see here yet; use actual_uniform or conditional_logit_normal")
     if train.rollout_cache != "none":
         out.append(f"train.rollout_cache: {name} trains the generator on its own rollout's states, which a lossy "
                    "cache would change; use none")

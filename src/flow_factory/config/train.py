@@ -209,8 +209,9 @@ class TrainConfig(Section):
         "trajectory", "tdm: where a transition's scores are queried: inside its stage (sigma_{k+1}, sigma_k), or "
         "reverse: (sigma_{k+1}, tdm_query_max_sigma)")
     tdm_query_distribution: Literal["actual_uniform", "conditional_logit_normal", "source_uniform"] = setting(
-        "actual_uniform", "tdm: how the query level is drawn in its interval: uniform in sigma, or a logit-normal "
-        "truncated to it (source_uniform, uniform in the unshifted schedule, is not built here)")
+        "actual_uniform", "tdm: how the query level is drawn in its interval: uniform in sigma, a logit-normal "
+        "truncated to it, or source_uniform: uniform in the unshifted schedule of the model's static flow shift "
+        "(a resolution-dependent shift needs scheduler.flow_shift)")
     tdm_query_max_sigma: float = setting(1.0, "tdm: the upper end of the reverse query interval", gt=0, le=1)
     tdm_query_logit_mean: float = setting(0.0, "tdm: conditional_logit_normal's mean")
     tdm_query_logit_std: float = setting(1.0, "tdm: conditional_logit_normal's standard deviation", gt=0)

@@ -202,6 +202,15 @@ class FlowAdapter:
         self.pipeline.scheduler = type(scheduler).from_config(
             scheduler.config, **{k: v for k, v in override.items() if k in scheduler.config})
 
+    def static_flow_shift(self) -> float | None:
+        """The s of this model's sigma schedule, sigma = s u / (1 + (s - 1) u) of the unshifted u, when it does not
+        depend on the size: the scheduler's static ``shift`` (Wan's UniPC: ``flow_shift``; ``scheduler.flow_shift``
+        sets both); None for a resolution-dependent one (``use_dynamic_shifting``: FLUX.1, Qwen-Image, FLUX.2)."""
+        config = self.pipeline.scheduler.config
+        if config.get("use_dynamic_shifting", False):
+            return None
+        return float(config.get("flow_shift") or config.get("shift") or 1.0)
+
     def compile_transformers(self, strategy: str = "auto", **options) -> dict[str, str]:
         """``torch.compile`` every denoising network in place (``model.torch_compile``; ``options`` go to
         ``torch.compile``): its repeated blocks (``regional``; ``auto`` where the model declares them) or

@@ -44,6 +44,7 @@ def check_before_loading(cfg) -> None:
     check_pipeline_class(folder, adapter)
     check_experts(adapter.experts(read_json(folder / "model_index.json")), cfg, str(folder / "model_index.json"))
     check_sizes(folder, adapter, cfg)
+    check_static_shift(folder, cfg)
     if cfg.model.torch_compile == "regional":
         check_regional_compile(folder, adapter)
 
@@ -116,6 +117,18 @@ def check_attention_backend(name: str) -> None:
             requirements(AttentionBackendName(name))
         except (RuntimeError, ImportError, ValueError) as e:
             raise ConfigError(f"model.attn_backend: {name!r} cannot run here: {e}") from None
+
+
+def check_static_shift(folder: Path, cfg) -> None:
+    """TDM's ``source_uniform`` query draw needs the schedule's static flow shift: a pipeline folder whose scheduler
+    shifts by resolution is refused unless ``scheduler.flow_shift`` fixes one (hub ids: checked once loaded)."""
+    if getattr(cfg.train, "tdm_query_distribution", None) != "source_uniform" or cfg.scheduler.flow_shift is not None:
+        return
+    path = folder / "scheduler" / "scheduler_config.json"
+    if (read_json(path) or {}).get("use_dynamic_shifting", False):
+        raise ConfigError(f"train.tdm_query_distribution: source_uniform draws uniformly in the unshifted schedule, "
+                          f"and {path} shifts it by resolution (use_dynamic_shifting); set scheduler.flow_shift (a "
+                          "static shift), or use actual_uniform or conditional_logit_normal")
 
 
 def pipeline_folder(name_or_path: str) -> Path | None:

@@ -102,6 +102,7 @@ class Trainer:
         self.dynamics = self.adapter.sampling_dynamics(make_dynamics(cfg.scheduler.dynamics_type,
                                                                      cfg.scheduler.noise_level))
         self.algorithm = make_algorithm(train.trainer_type, train, self.dynamics)
+        self.algorithm.bind_model(self.adapter)  # what it reads of the loaded model (TDM: the flow shift)
         self.trained = make_trainable(self.adapter, cfg, self.precision.master)
         self.roles = Roles.of(cfg, self.adapter, self.precision.master)  # distillation: roles beside the generator
         check_trained_steps(cfg, self.adapter, self.data.train_size)

@@ -31,6 +31,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from ...config import ConfigError
 from ...config.distillation import GENERATOR
 from ...seeding import derived_seed
 from ...models.conditioning import Conditioning, index_cond
@@ -179,6 +180,19 @@ class TDM(DMD2):
 
     name = "tdm"
     needs_groups = False  # TDM-R1's micro-batches carry each row's next state and group
+    source_shift: float | None = None  # the rollouts' static flow shift, for source_uniform's draws (bind_model)
+
+    def bind_model(self, adapter) -> None:
+        """``source_uniform`` draws uniformly in the unshifted coordinate of the rollouts' schedule: its static
+        flow shift, read from the model (a resolution-dependent one is refused, naming the way out)."""
+        if self.cfg.tdm_query_distribution != "source_uniform":
+            return
+        self.source_shift = adapter.static_flow_shift()
+        if self.source_shift is None:
+            raise ConfigError(f"train.tdm_query_distribution: source_uniform draws uniformly in the unshifted "
+                              f"schedule, and {adapter.model_type}'s scheduler shifts it by resolution "
+                              "(use_dynamic_shifting); set scheduler.flow_shift (a static shift), or use "
+                              "actual_uniform or conditional_logit_normal")
 
     def micro_steps_per_chunk(self, rollouts: RolloutsLike) -> int:
         return len(rollouts.sigmas) - 1  # every transition: the batch joins one part per transition
@@ -197,7 +211,8 @@ class TDM(DMD2):
         draws = sample_generators(rollouts, idx, generator)
         sigma_t = torch.stack([sample_query_sigma(
             lower[:, i], upper[:, i], cfg.tdm_query_distribution, logit_mean=cfg.tdm_query_logit_mean,
-            logit_std=cfg.tdm_query_logit_std, generator=g) for i, g in enumerate(draws)], dim=1).reshape(-1)
+            logit_std=cfg.tdm_query_logit_std, source_shift=self.source_shift, generator=g)
+            for i, g in enumerate(draws)], dim=1).reshape(-1)
         fresh = torch.stack([torch.randn((steps, *x.shape[1:]), generator=g, dtype=torch.float32) for g in draws],
                             dim=1).reshape(x.shape)
         device = x.device
