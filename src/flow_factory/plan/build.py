@@ -3,8 +3,9 @@
 ``make_plan(cfg, gpu)`` builds the pipeline on the meta device (plan/pipeline.py), trains it as the
 trainer does (LoRA through ``models.lora.apply_lora`` on ``model.target_components``, gradient
 checkpointing, trained weights in ``master_weight_dtype``), measures one sampling call, one training
-micro-batch and one decode (plan/measure.py), and puts the figures together with the config's epoch
-arithmetic (``Config.samples_per_epoch``, ``micro_steps_per_epoch``) and the algorithm's own
+micro-batch and one decode (plan/measure.py), and the eval's calls and decodes at each of its sizes
+(plan/evaluation.py), and puts the figures together with the config's epoch arithmetic
+(``Config.samples_per_epoch``, ``micro_steps_per_epoch``, ``eval.eval_freq``) and the algorithm's own
 ``kept_states`` and weight snapshots.
 """
 
@@ -21,6 +22,7 @@ from ..precision import Precision
 from . import memory
 from .blocks import measure_scaled
 from .conditioning import conditioning
+from .evaluation import EvalCall, EvalPlan, eval_plan
 from .gpus import GPUS, UTILISATION
 from .measure import Measured, measure_call, measure_velocity
 from .memory import OPTIMIZER_STATE
@@ -39,10 +41,11 @@ class Plan:
     components: dict[str, dict]  # name -> class, params, bytes, role
     trained: dict[str, int]  # trained parameters per network
     sizes: memory.Sizes
-    calls: dict[str, Measured]  # rollout, training, decode
+    calls: dict[str, Measured]  # rollout, training, decode, and the eval's (plan/evaluation.py)
     flops: dict[str, float] = field(default_factory=dict)  # per GPU per epoch, by phase
     notes: list[str] = field(default_factory=list)
     utilisation: float = UTILISATION
+    evaluation: EvalPlan | None = None  # None: the run does not evaluate
 
     def memory(self, backend: str | None = None) -> dict[str, dict[str, int]]:
         return memory.per_gpu(self.sizes, backend or self.backend, self.num_processes)
@@ -57,9 +60,17 @@ class Plan:
     def fits(self, backend: str | None = None) -> bool:
         return self.peak(backend)[1] <= self.usable
 
+    def seconds(self, flops: float) -> float:
+        return flops / (GPUS[self.gpu].bf16_flops * self.utilisation)
+
     @property
     def seconds_per_epoch(self) -> float:
-        return sum(self.flops.values()) / (GPUS[self.gpu].bf16_flops * self.utilisation)
+        return self.seconds(sum(self.flops.values()))
+
+    @property
+    def eval_flops(self) -> float:
+        """FLOPs of one eval on the busiest GPU (its prompts counted where the test split was read)."""
+        return self.evaluation.flops(self.calls) if self.evaluation else 0.0
 
 
 def largest_block(module: nn.Module) -> int:
@@ -123,18 +134,19 @@ def weight_copies(cfg, trained_bytes: int, reference_bytes: int) -> tuple[dict[s
     return copies, tuple(copies)
 
 
-def reward_models(cfg, notes: list[str]) -> tuple[int, list]:
-    """Bytes of the reward models on the device, and (name, meta model) of each that was built; a reward this
-    version does not have (a config of Flow-Factory's naming one of its rewards: LTX-2's ``imagebind``) is a note."""
+def reward_models(cfg, notes: list[str], part: str = "rewards") -> tuple[int, list]:
+    """Bytes of the reward models (``part``: rewards or eval_rewards) on the device, and (name, meta model) of each
+    that was built; a reward this version does not have (a config of Flow-Factory's naming one of its rewards:
+    LTX-2's ``imagebind``) is a note."""
     from ..precision import dtype_of
     from ..rewards.registry import resolve_reward_class
 
     total, built = 0, []
-    for i, entry in enumerate(cfg.rewards):
+    for i, entry in enumerate(getattr(cfg, part) or []):
         try:
             cls = resolve_reward_class(entry.reward_model)
         except (ValueError, ImportError, TypeError) as err:  # the plan of the rest still answers; the run would stop
-            notes.append(f"rewards[{i}].reward_model: {str(err).split('. ')[0]}; a run stops there (not counted)")
+            notes.append(f"{part}[{i}].reward_model: {str(err).split('. ')[0]}; a run stops there (not counted)")
             continue
         sources = cls.models_to_load(entry.constructor_options())
         model = build_model(sources[0], dtype_of(entry.dtype)) if sources else None
@@ -164,12 +176,15 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
     condition_size = None if train.condition_image_size is None else resolution_pair(train.condition_image_size)
     latent = adapter.latent_shape(height, width, frames)
 
-    def call(rows: int, scale: float, grad: bool) -> Measured:
-        cond = conditioning(adapter, rows, scale, height, width, frames, condition_size, text_tokens)
+    def call(rows: int, scale: float, grad: bool, at: EvalCall | None = None) -> Measured:
+        """A transformer call at the training size, or at an eval call's (``at``)."""
+        h, w, f, c = (height, width, frames, condition_size) if at is None else \
+            (at.height, at.width, at.num_frames, at.condition_size)
+        shape, cond = adapter.latent_shape(h, w, f), conditioning(adapter, rows, scale, h, w, f, c, text_tokens)
         return unless_values_read(lambda: measure_scaled(
-            lambda: measure_velocity(adapter, torch.zeros(rows, *latent), 0.9 if grad else 1.0, cond, scale, grad,
+            lambda: measure_velocity(adapter, torch.zeros(rows, *shape), 0.9 if grad else 1.0, cond, scale, grad,
                                      precision.autocast_dtype), adapter.transformers),
-            f"{'training' if grad else 'sampling'} call", notes)
+            f"{'training' if grad else 'sampling' if at is None else at.key} call", notes)
 
     b = train.per_device_batch_size
     per_call = cfg.trained_steps_per_sample if train.steps_per_call == "all" else train.steps_per_call
@@ -181,12 +196,19 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
                           ("decode", lambda: decode(adapter, b, latent, precision, notes))):
         calls[name] = calls[name] if name in calls else measure()
     add_phase_calls(cfg, adapter, call, calls, Call(rows * per_call, float(loss_scale), True))  # distillation
+    evaluation = eval_plan(cfg, type(adapter), n, notes)
+    add_eval_calls(evaluation, calls, call, lambda at: decode(adapter, at.rows, adapter.latent_shape(
+        at.height, at.width, at.num_frames), precision, notes))
 
     networks = denoisers(adapter, trained, precision, calls["training"])
     trained_bytes = sum(net.trained * net.master_bytes for net in networks)
     reference = sum(net.params * net.load_bytes for net in networks if net.trained)
     copies, sharded = weight_copies(cfg, trained_bytes, reference)
     reward_bytes, rewards = reward_models(cfg, notes)
+    eval_rewards = rewards
+    if cfg.eval_rewards:  # a reward set of their own, loaded beside the training one for the whole run
+        eval_bytes, eval_rewards = reward_models(cfg, notes, "eval_rewards")
+        reward_bytes += eval_bytes
     cond_bytes = sum(v[0].numel() * precision.load.itemsize for v in
                      conditioning(adapter, 1, train.guidance_scale, height, width, frames, condition_size,
                                   text_tokens).values())
@@ -201,18 +223,32 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
         copies=copies, sharded_copies=sharded, trajectories=epoch, trajectory_batch=batch,
         offload_samples=train.offload_samples_to_cpu, text_encoders_stay=not cfg.data.enable_preprocess,
         rollout_activations=calls["rollout"].peak, decode_activations=calls["decode"].peak,
-        train_activations=training_peak(cfg, calls), **role_memory(cfg, networks, precision, notes))
+        train_activations=training_peak(cfg, calls), **role_memory(cfg, networks, precision, notes),
+        eval_activations=evaluation.activations(calls) if evaluation else None)
     plan = Plan(cfg, gpu, n, memory.backend_of(cfg.config_file), precision, meta.source,
                 {name: {"class": c.class_name, "params": c.params, "bytes": c.bytes, "role": c.role}
                  for name, c in meta.components.items()}, trained, sizes, calls, notes=notes + meta.notes,
-                utilisation=utilisation)
+                utilisation=utilisation, evaluation=evaluation)
     plan.flops = epoch_flops(cfg, n, calls, rewards, per_call)
+    if evaluation and evaluation.counted:  # every eval_freq epochs: its share of each epoch
+        evaluation.reward_flops_per_sample = reward_flops(cfg, eval_rewards, 1, cfg.eval.num_frames)
+        plan.flops["eval"] = plan.eval_flops / evaluation.eval_freq
     return plan
+
+
+def add_eval_calls(evaluation: EvalPlan | None, calls: dict[str, Measured], call, decode_at) -> None:
+    """``calls`` gains each distinct eval call (``call(rows, guidance, False, at)``, no gradients) and decode
+    (``decode_at(at)``) the eval makes, unless it holds it (another plan's)."""
+    for at in dict.fromkeys(part.call for part in evaluation.parts) if evaluation else ():
+        if at.key not in calls:
+            calls[at.key] = call(at.rows, at.guidance, False, at)
+        if at.decode_key not in calls:
+            calls[at.decode_key] = decode_at(at)
 
 
 def offline_calls(cfg, notes: list[str]) -> dict[str, Measured]:
     """An offline trainer's (sft, offline-dpo) calls that do not run: it samples nothing and decodes nothing
-    in an epoch, so neither is measured nor counted (eval rollouts are left out for every trainer)."""
+    in an epoch, so neither is measured nor counted (its eval samples and decodes as every trainer's does)."""
     if cfg.train.trainer_type not in OFFLINE_TRAINER_TYPES:
         return {}
     notes.append(f"{cfg.train.trainer_type} trains on the dataset's media: no rollout and no decode in an epoch; "
@@ -268,11 +304,11 @@ def epoch_flops(cfg, n: int, calls: dict[str, Measured], rewards: list, per_call
     return flops
 
 
-def reward_flops(cfg, rewards: list, samples: int) -> float:
+def reward_flops(cfg, rewards: list, samples: int, num_frames: int | None = None) -> float:
     """A CLIP-type reward model's forward per image (its image and text towers), times the samples a GPU scores
-    (each frame of a video). Other reward models: not counted."""
+    (each frame of a video: ``num_frames``, None: training's). Other reward models: not counted."""
     total = 0.0
-    frames = cfg.train.num_frames or 1
+    frames = (num_frames or cfg.train.num_frames) or 1
     for _, model in rewards:
         vision = getattr(getattr(model, "config", None), "vision_config", None)
         if vision is None or not hasattr(model, "get_image_features"):

@@ -1,10 +1,13 @@
 """The verdict against the GPU's memory, and the cheapest change that makes an over-budget config fit.
 
 The changes are tried one at a time, cheapest first: those that cost no compute (rollouts in CPU memory,
-weight copies in CPU memory), then sharding (communication; ZeRO-2 leaves the weights whole, FSDP2 splits
+weight copies in CPU memory), then, where the eval alone is over the GPU, a smaller eval batch (a slower eval,
+every ``eval_freq`` epochs), then sharding (communication; ZeRO-2 leaves the weights whole, FSDP2 splits
 them), then gradient checkpointing (a second forward in the backward), fewer steps per call, ZeRO-3 and
 FSDP2's CPU offload (slow), and last a smaller batch (fewer samples per call: the slowest epoch). When no
-single one fits, they are taken together in that order until the config fits.
+single one fits, they are taken together in that order until the config fits (a smaller eval batch only while
+the eval is still over). A plan fits when every phase does, the eval's included: a change that lowers training's
+memory and leaves the eval over the GPU does not fit.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ def _candidates(plan: Plan) -> list[str]:
         out.append("train.ema_device=cpu")
     if train.kl_beta > 0 and cfg.model.finetune_type == "full" and train.ref_param_device != "cpu":
         out.append("train.ref_param_device=cpu")
+    if not _eval_fits(plan):
+        out += _halved("eval.per_device_batch_size", cfg.eval.per_device_batch_size or train.per_device_batch_size)
     for backend in ("zero2", "fsdp2"):
         if plan.backend not in (backend, "zero3", "fsdp2_offload") and plan.num_processes > 1:
             out.append(f"config_file={backend}")
@@ -35,11 +40,22 @@ def _candidates(plan: Plan) -> list[str]:
         out.append("config_file=zero3")
     if plan.backend != "fsdp2_offload":
         out.append("config_file=fsdp2_offload")
-    batch = train.per_device_batch_size
+    return out + _halved("train.per_device_batch_size", train.per_device_batch_size)
+
+
+def _halved(key: str, batch: int) -> list[str]:
+    """``key=batch/2``, ``key=batch/4``, ... down to 1."""
+    out = []
     while batch > 1:
         batch //= 2
-        out.append(f"train.per_device_batch_size={batch}")
+        out.append(f"{key}={batch}")
     return out
+
+
+def _eval_fits(plan: Plan) -> bool:
+    """Whether the eval's phase fits the GPU (a run without an eval: yes)."""
+    phases = plan.memory()
+    return "eval" not in phases or sum(phases["eval"].values()) <= plan.usable
 
 
 def cheapest_fit(plan: Plan, replan: Callable[[list[str]], Plan]) -> tuple[list[str], Plan | None]:
@@ -69,10 +85,11 @@ def cheapest_fit(plan: Plan, replan: Callable[[list[str]], Plan]) -> tuple[list[
             return [change], candidate
     taken: list[str] = []
     for change in candidates:
-        if change.startswith("config_file=") and any(c.startswith("config_file=") for c in taken):
-            taken = [c for c in taken if not c.startswith("config_file=")]
-        if change.startswith("train.per_device_batch_size="):
-            taken = [c for c in taken if not c.startswith("train.per_device_batch_size=")]
+        key = change.split("=")[0]
+        if key == "eval.per_device_batch_size" and taken and _eval_fits(planned(list(taken)) or plan):
+            continue  # the eval fits already: no smaller eval batch than it needs
+        if key in ("config_file", "train.per_device_batch_size", "eval.per_device_batch_size"):
+            taken = [c for c in taken if not c.startswith(key + "=")]  # the new value replaces the one taken
         taken.append(change)
         candidate = planned(list(taken))
         if candidate is not None and candidate.fits():

@@ -9,7 +9,10 @@ The phases of a run, each a sum of what a GPU holds through it:
   VAE decode's own tensors (measured, plan/measure.py); a distillation run's other roles too (their weights,
   optimizer state and copies: plan/roles.py);
 - ``training``: the same, with the gradients and one training micro-batch's activations (measured; a
-  distillation run's: the largest phase's pass, plan/roles.py).
+  distillation run's: the largest phase's pass, plan/roles.py);
+- ``eval`` (a run that evaluates): the rollout phase's parts, its trajectories the last epoch's (the trainer's
+  loop still holds them when it evaluates), with the largest of the eval's sampling calls' and decodes' own
+  tensors at its sizes (plan/evaluation.py); the gradients are gone (set to None at each optimizer step).
 
 The backends differ in what is split over the ``n`` processes (docs/scaling.md): ``multi_gpu`` (DDP) keeps
 everything whole and a bucket copy of the gradients; ``zero1`` splits the optimizer state, ``zero2`` the
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 GiB = 2 ** 30
 RESERVE = 2 * GiB  # left free on every GPU: CUDA context, NCCL, the caching allocator's fragmentation
 BACKENDS = ("multi_gpu", "fsdp2", "fsdp2_offload", "zero2", "zero3")
-PHASES = ("prompt cache", "rollout", "training")
+PHASES = ("prompt cache", "rollout", "training", "eval")  # eval: only where the run evaluates
 OPTIMIZER_STATE = {"adamw": 2, "muon": 1}  # float32 values per trained parameter (AdamW's two moments)
 
 
@@ -79,6 +82,7 @@ class Sizes:
     # copies); and the largest other role's gradients (one role's at a time)
     roles: dict[str, tuple[int, str, str]] = field(default_factory=dict)
     role_gradients: int = 0
+    eval_activations: int | None = None  # the eval's largest call or decode; None: the run does not evaluate
 
     @property
     def trained(self) -> int:
@@ -161,7 +165,7 @@ def per_gpu(s: Sizes, backend: str, n: int) -> dict[str, dict[str, int]]:
     trajectories = s.trajectory_batch if s.offload_samples else s.trajectories
     grads = max(int(s.gradient_bytes * part["grads"]),
                 int(s.role_gradients * (1.0 if beside_engine else part["grads"])))
-    return {
+    phases = {
         "prompt cache": {"networks": frozen, "text encoders": s.text_encoders, "VAE and other encoders": s.other_networks,
                          "reward models": s.rewards},
         "rollout": {**fixed, "trajectories": s.trajectories if not s.offload_samples else 0,
@@ -170,6 +174,10 @@ def per_gpu(s: Sizes, backend: str, n: int) -> dict[str, dict[str, int]]:
                      "DDP gradient buckets": int(s.trained_bytes * part["bucket"]),
                      "activations": s.train_activations},
     }
+    if s.eval_activations is not None:
+        phases["eval"] = {**fixed, "last epoch's trajectories": s.trajectories if not s.offload_samples else 0,
+                          "eval call / decode activations": s.eval_activations}
+    return phases
 
 
 def peak(phases: dict[str, dict[str, int]]) -> tuple[str, int]:

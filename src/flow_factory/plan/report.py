@@ -13,13 +13,15 @@ from .roles import phase_passes
 
 GB = 1e9
 NOT_COUNTED = ("the CUDA context, NCCL buffers and allocator fragmentation (2 GiB kept free for them)",
-               "reward models' activations and eval rollouts (every eval_freq epochs)",
+               "reward models' activations",
                "autocast's float32 copies of some operators' inputs", "data loading and checkpoint writing",
                "communication time (all-reduce, FSDP gathers)")
 
 
-# keys whose change leaves the measured calls as they were: only where things are kept changes
-SAME_CALLS = ("config_file", "train.offload_samples_to_cpu", "train.ema_device", "train.ref_param_device")
+# keys whose change leaves the measured calls as they were: only where things are kept changes (a smaller eval
+# batch: its calls are measured anew, under keys of their own, the rest kept)
+SAME_CALLS = ("config_file", "train.offload_samples_to_cpu", "train.ema_device", "train.ref_param_device",
+              "eval.per_device_batch_size")
 
 
 def plan_for_cli(path: str, overrides: list[str], gpu: str, num_processes: int | None,
@@ -60,8 +62,45 @@ def as_json(plan: Plan, changes: list[str], fitted: Plan | None) -> dict:
         "calls": {k: dataclasses.asdict(v) for k, v in plan.calls.items()},
         "flops_per_epoch_per_gpu": plan.flops, "utilisation": plan.utilisation,
         "peak_flops": GPUS[plan.gpu].bf16_flops, "seconds_per_epoch": plan.seconds_per_epoch,
+        "eval": eval_json(plan, backends),
         "notes": plan.notes, "not_counted": list(NOT_COUNTED),
     }
+
+
+def eval_json(plan: Plan, backends: list[str]) -> dict | None:
+    """The eval's parts, its phase's bytes per backend, its FLOPs and seconds (None: the run does not evaluate)."""
+    ev = plan.evaluation
+    if ev is None:
+        return None
+    return {"eval_freq": ev.eval_freq,
+            "parts": [{"dataset": p.dataset, "height": p.call.height, "width": p.call.width,
+                       "num_frames": p.call.num_frames, "steps": p.steps, "guidance_scale": p.call.guidance,
+                       "rows_per_call": p.call.rows, "prompts_per_gpu": p.prompts,
+                       "call": p.call.key, "decode": p.call.decode_key} for p in ev.parts],
+            "activations": plan.sizes.eval_activations,
+            "bytes": {b: sum(plan.memory(b)["eval"].values()) for b in backends},
+            # None where the test prompts are not readable here: its time is not counted
+            "flops_per_eval_per_gpu": plan.eval_flops if ev.counted else None,
+            "seconds_per_eval": plan.seconds(plan.eval_flops) if ev.counted else None,
+            "flops_per_epoch_per_gpu": plan.flops.get("eval")}
+
+
+def eval_line(plan: Plan) -> list[str]:
+    """The report's lines on the eval: each part's size, its phase's peak, its seconds per eval."""
+    ev = plan.evaluation
+    if ev is None:
+        return ["eval: none (eval.eval_freq 0, no reward, or no dataset with a test split)"]
+    parts = "; ".join(
+        f"{p.dataset}: {p.call.height}x{p.call.width}{f'x{p.call.num_frames}' if p.call.num_frames else ''}, "
+        f"{p.steps} steps, guidance {p.call.guidance:g}, {p.call.rows} a call, "
+        f"{'test prompts unknown' if p.prompts is None else f'{p.prompts} prompts per GPU'}" for p in ev.parts)
+    phase, _ = plan.peak()
+    peak = sum(plan.memory()["eval"].values())
+    seconds = (f"{plan.seconds(plan.eval_flops):.0f} s per eval, {plan.seconds(plan.flops['eval']):.1f} s per epoch"
+               if ev.counted else "its time not counted (test prompts unknown)")
+    return [f"eval every {ev.eval_freq} epochs ({parts}): {_gib(peak)} GiB per GPU"
+            f"{' (the peak)' if phase == 'eval' else ''}, {_gib(plan.sizes.eval_activations)} of it the eval's "
+            f"sampling / decoding activations; {seconds}"]
 
 
 def _gib(n: float) -> str:
@@ -79,7 +118,7 @@ def as_text(plan: Plan, changes: list[str], fitted: Plan | None) -> str:
     backends = list(dict.fromkeys([plan.backend, *memory.BACKENDS]))
     lines += ["", "memory per GPU, GiB     " + "".join(f"{b:>14}" for b in backends)]
     tables = {b: plan.memory(b) for b in backends}
-    for phase in memory.PHASES:
+    for phase in tables[plan.backend]:
         lines.append(f"  {phase:<22}" + "".join(f"{_gib(sum(tables[b][phase].values())):>14}" for b in backends))
     lines.append(f"  {'fits ' + _gib(plan.usable) + ' usable':<22}" +
                  "".join(f"{'yes' if plan.fits(b) else 'no':>14}" for b in backends))
@@ -112,6 +151,7 @@ def as_text(plan: Plan, changes: list[str], fitted: Plan | None) -> str:
         lines.append("  an optimizer step's phases, per micro-batch: " + ", ".join(
             f"{role} {calls[f'{role} pass'].flops / 1e12:.1f} TFLOP x {n}" for role, n in passes) +
             " (each pass's calls: the trained role's forward and backward, the teacher's and other roles' forwards)")
+    lines += ["", *eval_line(plan)]
     lines += ["", "not counted: " + "; ".join([*plan.notes, *NOT_COUNTED])]
     return "\n".join(lines)
 
