@@ -106,6 +106,8 @@ TINY_PIPELINES = {
                                                           "qwen-image-edit-plus); 64x64 images, its processor folder "
                                                           "without a video processor (loaded by the adapter's "
                                                           "image-only fallback where torchvision is missing)."),
+    "tiny_z_image_omni_path": ("z-image-omni", "ZImageOmniPipeline (model_type z-image-omni, Z-Image's tiny model with "
+                                               "a SigLIP2 tower); 64x64 images, condition images optional."),
 }
 
 

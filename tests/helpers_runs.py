@@ -31,7 +31,8 @@ CONDITIONED_MODELS = {
 # conditioned models with a test file of their own (test_qwen_image_edit.py, test_ltx2_i2av.py), runnable by
 # tiny_run_config too
 OWN_FILE_CONDITIONED_MODELS = {"qwen-image-edit-plus": ("tiny_qwen_image_edit_path", 64, None, 2.5),
-                               "ltx2_i2av": ("tiny_ltx2_i2av_path", 32, 9, 4.0)}  # the first frame, with audio
+                               "ltx2_i2av": ("tiny_ltx2_i2av_path", 32, 9, 4.0),  # the first frame, with audio
+                               "z-image-omni": ("tiny_z_image_omni_path", 64, None, 2.0)}  # CFG above 0
 # the condition images of the conditioned datasets: (width, height), as the files are, and an RGB colour
 CONDITION_IMAGES = {"red.png": ((83, 50), (200, 30, 30)), "green.png": ((83, 50), (30, 200, 30)),
                     "blue.png": ((83, 50), (30, 30, 200))}

@@ -141,6 +141,7 @@ RELEASED = {
     "wan2_v2v": ({"temperal_downsample": [False, True, True]}, {"patch_size": [1, 2, 2]}),  # Wan2.1 T2V weights
     "qwen-image": ({"temperal_downsample": [False, True, True]}, {"patch_size": 2}),  # Qwen-Image, -2512
     "z-image": ({"block_out_channels": [128, 256, 512, 512]}, {"all_patch_size": [2]}),  # Z-Image, -Turbo
+    "z-image-omni": ({"block_out_channels": [128, 256, 512, 512]}, {"all_patch_size": [2]}),  # Z-Image's VAE, patches
     "flux2": ({"block_out_channels": [128, 256, 512, 512]}, {"patch_size": 1}),  # FLUX.2 [dev]
     "flux2-klein": ({"block_out_channels": [128, 256, 512, 512]}, {"patch_size": 1}),  # FLUX.2 [klein] 4B / 9B
     "hunyuanvideo15": ({"spatial_compression_ratio": 16}, {"patch_size": 1}),  # HunyuanVideo-1.5 480p / 720p
@@ -217,7 +218,7 @@ def test_a_pipeline_no_adapter_loads_lists_those_that_do(tmp_path):
         f"{folder / 'model_index.json'}: holds a StableDiffusionXLPipeline, but model.model_type 'sd3-5' loads a "
         "StableDiffusion3Pipeline; no adapter loads it; the adapters load StableDiffusion3Pipeline (sd3-5), "
         "FluxPipeline (flux1), WanPipeline (wan2_t2v), QwenImagePipeline (qwen-image), ZImagePipeline (z-image), "
-        "Flux2Pipeline (flux2), Flux2KleinPipeline (flux2-klein), HunyuanVideo15Pipeline (hunyuanvideo15), "
+        "ZImageOmniPipeline (z-image-omni), Flux2Pipeline (flux2), Flux2KleinPipeline (flux2-klein), HunyuanVideo15Pipeline (hunyuanvideo15), "
         "LTX2Pipeline (ltx2_t2av), LTX2ImageToVideoPipeline (ltx2_i2av), FluxKontextPipeline (flux1-kontext), "
         "WanImageToVideoPipeline (wan2_i2v), WanVideoToVideoPipeline (wan2_v2v), QwenImageEditPlusPipeline "
         "(qwen-image-edit-plus)")

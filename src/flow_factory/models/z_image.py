@@ -65,19 +65,23 @@ class ZImageAdapter(FlowAdapter):
         x = latents.to(self.device, self.dtype)
         t = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000
         t = (1000 - t) / 1000  # the pipeline's time runs from 0 (noise) to 1, from its scheduler's timestep
-        captions = self._captions(cond, "prompt_embeds")
         cfg = self.uses_cfg(guidance_scale)
-        if cfg:  # one call on [cond, uncond], the pipeline's order
-            if "negative_prompt_embeds" not in cond:
-                raise ValueError("guidance_scale > 0 needs the negative branch: encode() with the same guidance_scale")
-            captions += self._captions(cond, "negative_prompt_embeds")
-            x, t = torch.cat([x, x]), torch.cat([t, t])
-        out = self.denoiser(list(x.unsqueeze(2).unbind(0)), t, captions, return_dict=False)[0]
+        if cfg and "negative_prompt_embeds" not in cond:
+            raise ValueError("guidance_scale > 0 needs the negative branch: encode() with the same guidance_scale")
+        # one call on [cond, uncond], the pipeline's order
+        out = self._transformer(x, t, cond, ("", "negative_") if cfg else ("",))
         out = torch.stack([o.float() for o in out]).squeeze(2)
         if cfg:
             text, uncond = out.chunk(2)
             out = text + guidance_scale * (text - uncond)
         return -out
+
+    def _transformer(self, x: Tensor, t: Tensor, cond: Conditioning, branches: tuple[str, ...]) -> list[Tensor]:
+        """One transformer call on the latents once per branch (the prefixes of the prompt's keys), each sample
+        a (C, 1, H, W) entry of a list as the pipeline gives them; the per-sample predictions in that order."""
+        captions = [c for prefix in branches for c in self._captions(cond, f"{prefix}prompt_embeds")]
+        latents = list(x.unsqueeze(2).unbind(0)) * len(branches)
+        return self.denoiser(latents, t.repeat(len(branches)), captions, return_dict=False)[0]
 
     def _captions(self, cond: Conditioning, key: str) -> list[Tensor]:
         embeds, mask = cond[key].to(self.device, self.dtype), cond[f"{key}_mask"].to(self.device)

@@ -36,7 +36,9 @@ turns them into about a third of a second of stereo 16 kHz audio; ``ltx2_i2av`` 
 (``qwen-image-edit-plus``) is Qwen-Image's tiny model with a VL encoder that reads 4x4-pixel patches; its
 ``processor`` folder holds the image processor and tokenizer (no video processor, which needs torchvision), and
 the pipeline resizes condition images to its module's ``VAE_IMAGE_SIZE`` / ``CONDITION_IMAGE_SIZE`` areas
-(1024^2 and 384^2: tests shrink them to stay fast).
+(1024^2 and 384^2: tests shrink them to stay fast). Z-Image-Omni (``z-image-omni``) is Z-Image's tiny model with
+the transformer's SigLIP branch and a SigLIP2 tower of 8x8 patches (the PIL image processor); its pipeline VAE-encodes
+condition images in bfloat16 only, so a test that gives it some casts its VAE to bfloat16.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from pathlib import Path
 import torch
 
 TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15",
-                    "ltx2_t2av", "ltx2_i2av", "flux1-kontext", "wan2_i2v", "wan2_v2v", "qwen-image-edit-plus")
+                    "ltx2_t2av", "ltx2_i2av", "flux1-kontext", "wan2_i2v", "wan2_v2v", "qwen-image-edit-plus",
+                    "z-image-omni")
 # other tiny checkpoints, and the model_type that loads each
 TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v", "flux2-klein-base": "flux2-klein",
                  "wan2.2-i2v-a14b": "wan2_i2v", "wan2.1-flf2v": "wan2_i2v"}
@@ -335,7 +338,9 @@ def _build_qwen_image_edit_plus():
                                      processor=image_only_processor(image_processor, parts["tokenizer"]))
 
 
-def _build_z_image():
+def _build_z_image(omni: bool = False):
+    """ZImagePipeline; ``omni``: ZImageOmniPipeline, the same parts with the transformer's SigLIP branch and a SigLIP2
+    vision tower that reads 8x8 patches, at most 16 of them (a 64x64 condition image: a 4x4 grid)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
@@ -343,11 +348,12 @@ def _build_z_image():
     torch.manual_seed(0)
     transformer = ZImageTransformer2DModel(
         dim=32, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16,
-        axes_dims=[8, 4, 4], axes_lens=[1024, 64, 64],
+        axes_dims=[8, 4, 4], axes_lens=[1024, 64, 64], siglip_feat_dim=16 if omni else None,
     )
     with torch.no_grad():  # zeros (or uninitialised, in some diffusers versions); 1 makes padding visible
-        transformer.x_pad_token.fill_(1.0)
-        transformer.cap_pad_token.fill_(1.0)
+        for pad in ("x_pad_token", "cap_pad_token", "siglip_pad_token"):
+            if getattr(transformer, pad, None) is not None:
+                getattr(transformer, pad).fill_(1.0)
     torch.manual_seed(1)
     # the pipeline reads hidden_states[-2]: two layers
     text_encoder = Qwen3Model(Qwen3Config(
@@ -357,8 +363,20 @@ def _build_z_image():
     torch.manual_seed(2)
     vae = _image_vae()  # Z-Image uses FLUX.1's VAE
     # Z-Image-Turbo's scheduler: a fixed shift of 3, no dynamic shifting
-    return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae, text_encoder=text_encoder,
-                          tokenizer=tokenizer, transformer=transformer)
+    parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae, text_encoder=text_encoder,
+                 tokenizer=tokenizer, transformer=transformer)
+    if not omni:
+        return ZImagePipeline(**parts)
+    from diffusers import ZImageOmniPipeline
+    from transformers import Siglip2VisionConfig, Siglip2VisionModel
+    from transformers.models.siglip2.image_processing_pil_siglip2 import Siglip2ImageProcessorPil
+
+    torch.manual_seed(3)
+    siglip = Siglip2VisionModel(Siglip2VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, patch_size=8, num_patches=16))
+    # transformers' PIL backend: the default one needs torchvision
+    processor = Siglip2ImageProcessorPil(patch_size=8, max_num_patches=16)
+    return ZImageOmniPipeline(**parts, siglip=siglip, siglip_processor=processor)
 
 
 # FLUX.2 [dev]'s tokenizer is a PixtralProcessor, which needs torchvision; a plain tokenizer with
@@ -594,7 +612,8 @@ _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, 
              "flux1-kontext": lambda: _build_flux("FluxKontextPipeline"),
              "wan2_i2v": _build_wan_i2v, "wan2_v2v": _build_wan_v2v, "wan2.2-i2v-a14b": lambda: _build_wan_i2v("wan2.2"),
              "wan2.1-flf2v": lambda: _build_wan_i2v("wan2.1-flf2v"),
-             "qwen-image-edit-plus": _build_qwen_image_edit_plus}
+             "qwen-image-edit-plus": _build_qwen_image_edit_plus,
+             "z-image-omni": lambda: _build_z_image(omni=True)}
 
 
 def tiny_pipeline(model_type: str):
