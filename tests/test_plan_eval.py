@@ -72,8 +72,8 @@ def test_the_evals_calls_count_what_the_real_eval_sampling_counts(tmp_path, tiny
 
 def test_a_dataset_evaluated_at_twice_the_training_size_makes_the_eval_the_peak(tmp_path, tiny_sd3_path):
     """Trained and evaluated at 64 x 64, the run's peak is training's; with its dataset evaluated at 128 x 128 the
-    eval's phase (what stays on the device, the last epoch's rollouts, the eval's largest call or decode) is the
-    peak, and the report and the JSON name it."""
+    eval's phase (what stays on the device, the eval's largest call or decode) is the peak, and the report and the
+    JSON name it."""
     config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path)
     folder = config["data"].pop("dataset_dir")
     config["data"]["datasets"] = [{"name": "square", "dataset_dir": folder}]
@@ -84,11 +84,9 @@ def test_a_dataset_evaluated_at_twice_the_training_size_makes_the_eval_the_peak(
     assert same.peak()[0] != "eval"
     eval_phase = large.memory()["eval"]
     calls = [large.calls[key] for p in large.evaluation.parts for key in (p.call.key, p.call.decode_key)]
-    assert eval_phase["eval call / decode activations"] == max(c.peak for c in calls)
-    assert eval_phase["last epoch's trajectories"] == large.sizes.trajectories > 0
     kept = {part: size for part, size in large.memory()["rollout"].items()
             if part not in ("trajectories", "sampling / decoding activations")}
-    assert {part: eval_phase[part] for part in kept} == kept  # the weights, optimizer state, copies stay
+    assert eval_phase == {**kept, "eval call / decode activations": max(c.peak for c in calls)}  # no rollouts
     assert large.peak() == ("eval", sum(eval_phase.values())) and large.peak()[1] > same.peak()[1]
     assert {p: same.memory()[p] for p in ("prompt cache", "training")} == \
         {p: large.memory()[p] for p in ("prompt cache", "training")}
@@ -141,3 +139,33 @@ def test_a_change_that_fits_training_but_leaves_the_eval_over_is_no_fit(tmp_path
     assert not plan.fits() and changes != [offload]
     assert fitted is not None and fitted.fits() and sum(fitted.memory()["eval"].values()) <= fitted.usable
     assert any(c.startswith("eval.per_device_batch_size=") for c in changes), changes
+
+
+def test_the_trainer_evaluates_without_the_last_epochs_rollouts(tmp_path, tiny_sd3_path, monkeypatch):
+    """What the plan's eval phase leaves out is gone in the run: when the trainer evaluates (before epochs 0 and 1,
+    and the final weights), no epoch's rollouts are alive any more."""
+    import gc
+    import weakref
+
+    from flow_factory.trainer import Trainer
+
+    config = tiny_run_config(tmp_path, "sd3-5", tiny_sd3_path, max_epochs=2)
+    config["eval"]["eval_freq"] = 1
+    config["log"].update(save_freq=0, logging_backend="none")
+    trainer = Trainer(parse_config(config))
+    epochs, alive = [], []
+    sample, evaluate = trainer.sample_epoch, trainer.evaluate
+
+    def sampled(epoch):
+        rollouts = sample(epoch)
+        epochs.append(weakref.ref(rollouts))
+        return rollouts
+
+    def evaluating(epoch):
+        gc.collect()
+        alive.append([ref() is not None for ref in epochs])
+        return evaluate(epoch)
+    monkeypatch.setattr(trainer, "sample_epoch", sampled)
+    monkeypatch.setattr(trainer, "evaluate", evaluating)
+    trainer.train()
+    assert alive == [[], [False], [False, False]]

@@ -4,8 +4,8 @@ guidance, ``eval.per_device_batch_size`` prompts a call, ODE without gradients),
 
 Memory: the eval's largest transformer call or decode (measured as the rollout's are, at each distinct size and
 batch) on top of what stays on the device through it: the networks, the reward models, the optimizer state and
-the weight copies, and the last epoch's rollouts, which the trainer's loop still holds when it evaluates (unless
-they are kept in CPU memory). A dataset evaluated at a larger size than training can make it the run's peak.
+the weight copies (the trainer lets an epoch's rollouts go before it evaluates). A dataset evaluated at a larger
+size than training can make it the run's peak.
 
 Work: one eval's FLOPs on the busiest process (its share of each dataset's test prompts, ``data.share_slice``:
 the first processes take one more), per prompt its steps' transformer calls and its decode (the measured call's

@@ -10,9 +10,10 @@ The phases of a run, each a sum of what a GPU holds through it:
   optimizer state and copies: plan/roles.py);
 - ``training``: the same, with the gradients and one training micro-batch's activations (measured; a
   distillation run's: the largest phase's pass, plan/roles.py);
-- ``eval`` (a run that evaluates): the rollout phase's parts, its trajectories the last epoch's (the trainer's
-  loop still holds them when it evaluates), with the largest of the eval's sampling calls' and decodes' own
-  tensors at its sizes (plan/evaluation.py); the gradients are gone (set to None at each optimizer step).
+- ``eval`` (a run that evaluates): what stays on the device (the networks, reward models, optimizer state and
+  copies), with the largest of the eval's sampling calls' and decodes' own tensors at its sizes
+  (plan/evaluation.py); no trajectories (the trainer lets an epoch's rollouts go before it evaluates) and no
+  gradients (set to None at each optimizer step).
 
 The backends differ in what is split over the ``n`` processes (docs/scaling.md): ``multi_gpu`` (DDP) keeps
 everything whole and a bucket copy of the gradients; ``zero1`` splits the optimizer state, ``zero2`` the
@@ -175,8 +176,7 @@ def per_gpu(s: Sizes, backend: str, n: int) -> dict[str, dict[str, int]]:
                      "activations": s.train_activations},
     }
     if s.eval_activations is not None:
-        phases["eval"] = {**fixed, "last epoch's trajectories": s.trajectories if not s.offload_samples else 0,
-                          "eval call / decode activations": s.eval_activations}
+        phases["eval"] = {**fixed, "eval call / decode activations": s.eval_activations}
     return phases
 
 

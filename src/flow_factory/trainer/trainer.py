@@ -314,6 +314,8 @@ class Trainer:
                 else:
                     record["train/skipped_updates"] = cfg.gradient_steps_per_epoch * cfg.train.num_inner_epochs
             record.update(self._epoch_metrics(rollouts, advantages))
+            # the epoch's rollouts go now: not held through a checkpoint's gathering, the next eval and sampling
+            del rollouts, advantages
             self.epoch = epoch + 1
             self.history.append(record)
             acc.log({k: v for k, v in record.items() if k != "epoch"}, step=epoch)
