@@ -207,3 +207,12 @@ def test_ff_train_runs_from_rows_with_and_without_images(tiny_z_image_omni_path,
         noise = torch.randn((1, 16, 8, 8), generator=torch.Generator().manual_seed(0))
         outputs.append(_pipeline(pipe, ["blend them"], sources, noise))
     assert not torch.allclose(*outputs, atol=1e-6), "the trained LoRA does not change the pipeline's output"
+
+
+def test_upstreams_adapter_class_path_names_the_family(tmp_path, tiny_z_image_omni_path):
+    """Flow-Factory's registry has no name for its Z-Image-Omni adapter: its configs name the class by its path."""
+    from flow_factory.config import load_config
+
+    config = tiny_run_config(tmp_path, "z-image-omni", tiny_z_image_omni_path)
+    config["model"]["model_type"] = "flow_factory.models.z_image.z_image_omni.ZImageOmniAdapter"
+    assert load_config(write_config(tmp_path, config)).model.model_type == "z-image-omni"

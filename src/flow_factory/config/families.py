@@ -64,7 +64,9 @@ MODEL_FAMILIES = {family.model_type: family for family in (
                 aliases=("zimage", "z-image-turbo", "zimage-turbo")),
     # Z-Image-Omni: text-to-image, or from the condition images a row names (editing, references)
     ModelFamily("z-image-omni", _M + "z_image_omni:ZImageOmniAdapter", 16, _X8_PATCHES, conditions=("images",),
-                aliases=("zimage-omni", "z-image-omni-base", "zimage-omni-base")),
+                # the last: upstream's adapter class path, the one name its configs can give it (its registry has none)
+                aliases=("zimage-omni", "z-image-omni-base", "zimage-omni-base",
+                         "flow_factory.models.z_image.z_image_omni.ZImageOmniAdapter")),
     # FLUX.2 and Klein: text-to-image, or image-to-image from the reference images a row names
     ModelFamily("flux2", _M + "flux2:Flux2Adapter", 16, _X8_PATCHIFY, conditions=("images",),
                 aliases=("flux-2", "flux2-dev")),
