@@ -108,6 +108,8 @@ TINY_PIPELINES = {
                                                           "image-only fallback where torchvision is missing)."),
     "tiny_z_image_omni_path": ("z-image-omni", "ZImageOmniPipeline (model_type z-image-omni, Z-Image's tiny model with "
                                                "a SigLIP2 tower); 64x64 images, condition images optional."),
+    "tiny_qwen_image21_path": ("qwen-image-2.1", "QwenImage21Pipeline (model_type qwen-image-2.1); 64x64 RGBA "
+                                                 "images, its Qwen3VLProcessor folder without a video processor."),
 }
 
 

@@ -19,6 +19,7 @@ TINY_MODELS = {
     "flux2-klein": ("tiny_flux2_klein_path", 64, None, 1.0),  # step-distilled: no guidance
     "hunyuanvideo15": ("tiny_hunyuan_video15_path", 32, 5, 1.0),
     "ltx2_t2av": ("tiny_ltx2_path", 32, 9, 4.0),  # video with audio
+    "qwen-image-2.1": ("tiny_qwen_image21_path", 64, None, 1.0),  # the released model's default: no CFG
 }
 
 

@@ -150,6 +150,8 @@ RELEASED = {
                   {"patch_size": 1}),
     "ltx2_i2av": ({"patch_size": 4, "spatio_temporal_scaling": [True] * 4, "spatial_compression_ratio": 32},
                   {"patch_size": 1}),  # the same checkpoint, in LTX2ImageToVideoPipeline
+    # Qwen-Image-2.1: diffusers' AutoencoderKLQwenImage21 and QwenImage21Transformer2DModel defaults (its configs)
+    "qwen-image-2.1": ({"temperal_downsample": [False, True, True, True]}, {"patch_size": 1}),
 }
 
 
@@ -221,7 +223,7 @@ def test_a_pipeline_no_adapter_loads_lists_those_that_do(tmp_path):
         "ZImageOmniPipeline (z-image-omni), Flux2Pipeline (flux2), Flux2KleinPipeline (flux2-klein), HunyuanVideo15Pipeline (hunyuanvideo15), "
         "LTX2Pipeline (ltx2_t2av), LTX2ImageToVideoPipeline (ltx2_i2av), FluxKontextPipeline (flux1-kontext), "
         "WanImageToVideoPipeline (wan2_i2v), WanVideoToVideoPipeline (wan2_v2v), QwenImageEditPlusPipeline "
-        "(qwen-image-edit-plus)")
+        "(qwen-image-edit-plus), QwenImage21Pipeline (qwen-image-2.1)")
 
 
 WAN = ["diffusers", "WanTransformer3DModel"]

@@ -18,7 +18,8 @@ ADAPTERS = [("sd3-5", "tiny_sd3_path", 64, None, 3.0), ("flux1", "tiny_flux_path
             ("z-image", "tiny_z_image_path", 64, None, 4.0), ("flux2", "tiny_flux2_path", 64, None, 4.0),
             ("flux2-klein", "tiny_flux2_klein_base_path", 64, None, 3.0),  # Klein base: CFG
             ("hunyuanvideo15", "tiny_hunyuan_video15_path", 32, 5, 4.0),
-            ("ltx2_t2av", "tiny_ltx2_path", 32, 9, 4.0)]  # the noise on the video, the audio on the ODE
+            ("ltx2_t2av", "tiny_ltx2_path", 32, 9, 4.0),  # the noise on the video, the audio on the ODE
+            ("qwen-image-2.1", "tiny_qwen_image21_path", 64, None, 4.0)]
 TRAIN = TrainConfig(kl_type="v-based")  # defaults: clip_range 1e-4, adv_clip_range 5, no KL
 
 

@@ -51,7 +51,9 @@ def _run(tmp_path, config):
 
 def _pipeline_output(pipe_cls, path, lora_dir, model_type):
     _, resolution, frames, guidance = TINY_MODELS[model_type]
-    pipe = pipe_cls.from_pretrained(path)
+    # the pipeline's from_pretrained (through the adapter class only for Qwen-Image-2.1's processor without torchvision)
+    pipe = get_adapter_class(model_type).from_pretrained(path).pipeline
+    assert type(pipe) is pipe_cls
     if lora_dir is not None and not hasattr(pipe, "load_lora_weights"):  # no LoRA loader (HunyuanVideo-1.5)
         pipe.transformer.load_lora_adapter(lora_dir, weight_name="pytorch_lora_weights.safetensors",
                                            prefix="transformer")
@@ -60,7 +62,7 @@ def _pipeline_output(pipe_cls, path, lora_dir, model_type):
     kwargs = {"num_frames": frames} if frames else {}
     # Qwen-Image's CFG is true_cfg_scale with a negative prompt; its guidance_scale is for distilled models
     kwargs.update({"true_cfg_scale": guidance, "negative_prompt": ""} if model_type == "qwen-image"
-                  else {"guidance_scale": guidance})
+                  else {"true_cfg_scale": guidance} if model_type == "qwen-image-2.1" else {"guidance_scale": guidance})
     if model_type == "hunyuanvideo15":  # its CFG scale is its guider's
         pipe.guider = pipe.guider.new(guidance_scale=kwargs.pop("guidance_scale"))
     out = pipe(prompt="a red circle", height=resolution, width=resolution, num_inference_steps=2,

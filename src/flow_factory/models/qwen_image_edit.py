@@ -40,36 +40,41 @@ from .qwen_image import QwenImageAdapter
 logger = logging.getLogger(__name__)
 
 
-def image_only_processor(image_processor, tokenizer):
-    """A ``Qwen2VLProcessor`` of these two parts without its video processor, for a machine without torchvision
-    (transformers' processor needs it for the video processor alone).
+def image_only_processor(image_processor, tokenizer, processor_class: str = "Qwen2VLProcessor"):
+    """A ``Qwen2VLProcessor`` (or another Qwen-VL processor class of transformers: Qwen-Image-2.1's
+    ``Qwen3VLProcessor``) of these two parts without its video processor, for a machine without torchvision
+    (transformers' processor needs it for the video processor alone). Its chat template is the tokenizer's.
 
     What differs from the real one: no videos (Qwen-Image-Edit-Plus passes none), and the image processor is
     transformers' PIL backend (``Qwen2VLImageProcessorPil``), whose resize can differ from the torchvision
     backend's by rounding; the prompt template, the tokens and the patches are the same."""
-    from transformers import Qwen2VLProcessor
+    import transformers
 
-    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+    class ImageOnlyProcessor(getattr(transformers, processor_class)):
         def check_argument_for_proper_class(self, argument_name, argument):
             if argument_name == "video_processor" and argument is None:
                 return None  # the check transformers cannot make without torchvision
             return super().check_argument_for_proper_class(argument_name, argument)
 
-    return ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
+    ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"ImageOnly{processor_class}"
+    return ImageOnlyProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                              chat_template=getattr(tokenizer, "chat_template", None))
 
 
-def load_pipeline(path, dtype: torch.dtype = torch.float32, **kwargs) -> QwenImageEditPlusPipeline:
-    """``QwenImageEditPlusPipeline.from_pretrained``; without torchvision, with ``image_only_processor`` of the
-    checkpoint's ``processor`` folder (a warning says so)."""
+def load_pipeline(path, dtype: torch.dtype = torch.float32, pipeline_class=QwenImageEditPlusPipeline,
+                  processor_class: str = "Qwen2VLProcessor", **kwargs):
+    """``pipeline_class.from_pretrained``; without torchvision, with ``image_only_processor`` of the checkpoint's
+    ``processor`` folder (a warning says so)."""
     from transformers import AutoTokenizer, Qwen2VLImageProcessor
     from transformers.utils import is_torchvision_available
 
     if not is_torchvision_available() and "processor" not in kwargs:
-        logger.warning("qwen-image-edit-plus: torchvision is not installed, so transformers cannot load the "
-                       "Qwen2VLProcessor; using its image processor (PIL backend) and tokenizer without it")
+        logger.warning("%s: torchvision is not installed, so transformers cannot load the %s; using its image "
+                       "processor (PIL backend) and tokenizer without it", pipeline_class.__name__, processor_class)
         kwargs["processor"] = image_only_processor(Qwen2VLImageProcessor.from_pretrained(path, subfolder="processor"),
-                                                   AutoTokenizer.from_pretrained(path, subfolder="processor"))
-    return QwenImageEditPlusPipeline.from_pretrained(path, dtype=dtype, **kwargs)
+                                                   AutoTokenizer.from_pretrained(path, subfolder="processor"),
+                                                   processor_class)
+    return pipeline_class.from_pretrained(path, dtype=dtype, **kwargs)
 
 
 class QwenImageEditPlusAdapter(QwenImageAdapter):

@@ -38,7 +38,9 @@ turns them into about a third of a second of stereo 16 kHz audio; ``ltx2_i2av`` 
 the pipeline resizes condition images to its module's ``VAE_IMAGE_SIZE`` / ``CONDITION_IMAGE_SIZE`` areas
 (1024^2 and 384^2: tests shrink them to stay fast). Z-Image-Omni (``z-image-omni``) is Z-Image's tiny model with
 the transformer's SigLIP branch and a SigLIP2 tower of 8x8 patches (the PIL image processor); its pipeline VAE-encodes
-condition images in bfloat16 only, so a test that gives it some casts its VAE to bfloat16.
+condition images in bfloat16 only, so a test that gives it some casts its VAE to bfloat16. Qwen-Image-2.1
+(``qwen-image-2.1``): a VAE x16 of 16 latent channels that decodes RGBA, sizes in multiples of 32 (64x64 -> latents
+16x4x4), Qwen3-VL with a ``processor`` folder as Qwen-Image-Edit-Plus's.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import torch
 
 TINY_MODEL_TYPES = ("sd3-5", "flux1", "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15",
                     "ltx2_t2av", "ltx2_i2av", "flux1-kontext", "wan2_i2v", "wan2_v2v", "qwen-image-edit-plus",
-                    "z-image-omni")
+                    "z-image-omni", "qwen-image-2.1")
 # other tiny checkpoints, and the model_type that loads each
 TINY_VARIANTS = {"wan2.2-a14b": "wan2_t2v", "wan2.2-ti2v-5b": "wan2_t2v", "flux2-klein-base": "flux2-klein",
                  "wan2.2-i2v-a14b": "wan2_i2v", "wan2.1-flf2v": "wan2_i2v"}
@@ -338,6 +340,57 @@ def _build_qwen_image_edit_plus():
                                      processor=image_only_processor(image_processor, parts["tokenizer"]))
 
 
+# Qwen3-VL's ChatML: a message's content is a string or a list of text parts (the pipeline counts its system
+# prompt's tokens from the list form)
+_CHATML_PARTS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+                 "{{ m['content'] }}{% else %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _build_qwen_image21():
+    """QwenImage21Pipeline: Qwen3-VL (one layer, width 16; a vision tower of 16x16 patches merged 2x2, one slot
+    per 32x32 pixels as the VAE's 2x2 latents) behind an image-only Qwen3VLProcessor, a one-block transformer and
+    an x16 VAE of 16 latent channels (the released one has 64) and four image channels (RGBA)."""
+    from diffusers import (AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline,
+                           QwenImage21Transformer2DModel)
+    from transformers import Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from ..models.qwen_image_edit import image_only_processor
+
+    tokenizer = tiny_qwen_tokenizer(_CHATML_PARTS)
+    token = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(0)
+    transformer = QwenImage21Transformer2DModel(patch_size=1, in_channels=16, out_channels=16, num_layers=1,
+                                                attention_head_dim=16, num_attention_heads=2, context_in_dim=16,
+                                                axes_dims_rope=(4, 6, 6))
+    torch.manual_seed(1)
+    text_encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=8, bos_token_id=None,
+                         eos_token_id=token("<|im_end|>"), pad_token_id=tokenizer.pad_token_id,
+                         rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e6}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
+                           patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[]),
+        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
+    ))
+    torch.manual_seed(2)
+    vae = AutoencoderKLQwenImage21(
+        base_dim=8, decoder_base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True, True],
+        latents_mean=[0.1 * (i - 8) for i in range(16)], latents_std=[0.5 + 0.1 * i for i in range(16)],
+    )
+    image_processor = Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2,
+                                            size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256})
+    # Qwen-Image's scheduler config: a resolution-dependent exponential shift, stretched to end at 0.02
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=8192, base_shift=0.5,
+        max_shift=0.9, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    return QwenImage21Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, transformer=transformer,
+                               processor=image_only_processor(image_processor, tokenizer, "Qwen3VLProcessor"))
+
+
 def _build_z_image(omni: bool = False):
     """ZImagePipeline; ``omni``: ZImageOmniPipeline, the same parts with the transformer's SigLIP branch and a SigLIP2
     vision tower that reads 8x8 patches, at most 16 of them (a 64x64 condition image: a 4x4 grid)."""
@@ -613,7 +666,8 @@ _BUILDERS = {"sd3-5": _build_sd3, "flux1": _build_flux, "wan2_t2v": _build_wan, 
              "wan2_i2v": _build_wan_i2v, "wan2_v2v": _build_wan_v2v, "wan2.2-i2v-a14b": lambda: _build_wan_i2v("wan2.2"),
              "wan2.1-flf2v": lambda: _build_wan_i2v("wan2.1-flf2v"),
              "qwen-image-edit-plus": _build_qwen_image_edit_plus,
-             "z-image-omni": lambda: _build_z_image(omni=True)}
+             "z-image-omni": lambda: _build_z_image(omni=True),
+             "qwen-image-2.1": _build_qwen_image21}
 
 
 def tiny_pipeline(model_type: str):
@@ -637,14 +691,14 @@ def build_tiny_pipeline(model_type: str, path) -> Path:
     if processor is None:
         pipe.save_pretrained(path)
         return path
-    # Qwen-Image-Edit-Plus: its processor folder as the released checkpoints have it (image processor and
-    # tokenizer files; no video processor, which transformers cannot save or load without torchvision),
-    # named Qwen2VLProcessor in model_index.json as theirs is
+    # Qwen-Image-Edit-Plus, Qwen-Image-2.1: its processor folder as the released checkpoints have it (image
+    # processor and tokenizer files; no video processor, which transformers cannot save or load without
+    # torchvision), named Qwen2VLProcessor (Qwen3VLProcessor) in model_index.json as theirs is
     pipe.processor = None
     pipe.save_pretrained(path)
     processor.image_processor.save_pretrained(path / "processor")
     processor.tokenizer.save_pretrained(path / "processor")
     index = json.loads((path / "model_index.json").read_text())
-    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    index["processor"] = ["transformers", type(processor).__base__.__name__]  # the real class, not image-only
     (path / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
     return path
