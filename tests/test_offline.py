@@ -240,6 +240,8 @@ def test_ff_train_sft_fits_its_images_and_resumes_exactly(tmp_path, tiny_sd3_pat
     ("sd3-5", "tiny_sd3_path", "offline-dpo", "preference", False),
     ("flux1-kontext", "tiny_flux_kontext_path", "offline-dpo", "preference", True),  # pairs sharing a source image
     ("wan2_i2v", "tiny_wan_i2v_path", "sft", "demonstration", True),  # Wan2.1 I2V: videos from a first frame
+    ("z-image-omni", "tiny_z_image_omni_path", "sft", "demonstration", True),  # images from a condition image
+    ("z-image-omni", "tiny_z_image_omni_path", "offline-dpo", "preference", False),  # and from text alone
 ])
 def test_ff_train_offline_runs_two_epochs(request, tmp_path, model_type, fixture, trainer_type, kind, conditioned):
     path = request.getfixturevalue(fixture)

@@ -177,17 +177,18 @@ def _condition_dataset(folder):
     images = {"a.png": ((100, 72), (200, 30, 30)), "b.png": ((64, 80), (30, 200, 30))}
     for i, (name, (size, colour)) in enumerate(images.items()):
         write_condition_image(folder / "images" / name, size, colour, seed=i)
-    rows = {"train": [{"prompt": "make it red", "image": "a.png"}, {"prompt": "blend them", "images": ["a.png", "b.png"]},
-                      {"prompt": "a lake at dawn"}],
+    rows = {"train": [{"prompt": "make it red", "image": "a.png"},
+                      {"prompt": "blend them", "images": ["a.png", "b.png"]}, {"prompt": "a lake at dawn"}],
             "test": [{"prompt": "blend them", "images": ["b.png", "a.png"]}, {"prompt": "a red circle"}]}
     for split, lines in rows.items():
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     return folder
 
 
-def test_ff_train_runs_from_rows_with_and_without_images(tiny_z_image_omni_path, tmp_path):
-    """grpo for 2 epochs (CFG), a sample a call (rows with and without images), the conditions encoded once into the
-    condition cache; the saved LoRA loads with the pipeline's load_lora_weights and changes its output."""
+def test_ff_train_runs_from_rows_with_and_without_images(tiny_z_image_omni_path, tmp_path, gpu_precision):
+    """In a GPU's precision (bf16 autocast, fp16 trajectories): grpo for 2 epochs (CFG), a sample a call (rows with
+    and without images), the conditions encoded once into the condition cache; the saved LoRA loads with the
+    pipeline's load_lora_weights and changes its output."""
     config = tiny_run_config(tmp_path, "z-image-omni", tiny_z_image_omni_path, max_epochs=2, per_device_batch_size=1)
     config["data"]["dataset_dir"] = str(_condition_dataset(tmp_path / "refs"))
     config["eval"].update(per_device_batch_size=1)

@@ -12,9 +12,10 @@ What it adds to Z-Image (``z_image.py``, which it extends), each computed once p
   (``prompt_embeds_segments``).
 - Each condition image is resized as the pipeline resizes it: one of over 1024^2 pixels down to the generated
   image's area (the pipeline's, called with a height and width), or, with ``condition_image_size``, one over its
-  area down to it (Flow-Factory's); then floored to multiples of 16 and centre-cropped. The cropped image is VAE-encoded (the distribution's mode, shifted and scaled: the clean
-  latents the transformer reads at time 1); the one before the crop (kept in ``ConditionMedia.originals``) is
-  what SigLIP2 reads, a grid of patch states. Both are stored ragged, zero-padded, with each image's grid size.
+  area down to it (Flow-Factory's); then floored to multiples of 16 and centre-cropped. The cropped image is
+  VAE-encoded (the distribution's mode, shifted and scaled: the clean latents the transformer reads at time 1);
+  the one before the crop (kept in ``ConditionMedia.originals``) is what SigLIP2 reads, a grid of patch states.
+  Both are stored ragged, zero-padded, with each image's grid size.
 - ``velocity`` gives the transformer, per sample, the condition latents then the noisy latents (noise mask 0,
   then 1), the segments, and the SigLIP states followed by the pipeline's None for the generated image. The
   transformer skips SigLIP for a whole call when its first sample has none, so one call takes samples that all
@@ -102,7 +103,8 @@ class ZImageOmniAdapter(ZImageAdapter):
         processor, multiple = self.pipeline.image_processor, self.pipeline.vae_scale_factor * 2
         # the pipeline's: over 1024^2 pixels, down to the generated area; Flow-Factory's condition_image_size: over
         # its area, down to it
-        limit, area = (condition_size[0] * condition_size[1],) * 2 if condition_size else (PIPELINE_AREA, height * width)
+        limit, area = ((condition_size[0] * condition_size[1],) * 2 if condition_size
+                       else (PIPELINE_AREA, height * width))
         shown, seen = [], []
         for sample in images:
             resized = [processor._resize_to_target_area(im, area) if im.width * im.height > limit else im
