@@ -54,7 +54,8 @@ def test_public_transformers_at_their_makers_figures(hub_id, public, within):
 
 FAMILIES = [("tiny_sd3_path", "sd3-5", 64, None, 4.5), ("tiny_flux_path", "flux1", 64, None, 3.5),
             ("tiny_wan_path", "wan2_t2v", 32, 5, 5.0), ("tiny_qwen_image_path", "qwen-image", 64, None, 4.0),
-            ("tiny_z_image_path", "z-image", 64, None, 0.0), ("tiny_flux2_path", "flux2", 64, None, 4.0),
+            ("tiny_z_image_path", "z-image", 64, None, 0.0), ("tiny_z_image_omni_path", "z-image-omni", 64, None, 0.0),
+            ("tiny_flux2_path", "flux2", 64, None, 4.0),
             ("tiny_hunyuan_video15_path", "hunyuanvideo15", 32, 5, 6.0),
             ("tiny_ltx2_path", "ltx2_t2av", 32, 9, 4.0)]
 

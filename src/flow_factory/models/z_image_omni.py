@@ -65,13 +65,14 @@ class ZImageOmniAdapter(ZImageAdapter):
         branches = {"": prompts}
         if self.uses_cfg(guidance_scale):  # the pipeline's negative is "" unless given, with the same images
             branches["negative_"] = negative_prompts if negative_prompts is not None else [""] * len(prompts)
+        rows = {prefix: self._segments(list(texts), counts) for prefix, texts in branches.items()}
+        # both branches padded to one length, the longest prompt's (a sample's segments one after another)
+        longest = max(sum(len(s) for s in segments) for branch in rows.values() for segments in branch)
         cond = {}
-        for prefix, texts in branches.items():
-            rows = self._segments(list(texts), counts)
-            joined = [torch.cat(segments) for segments in rows]
+        for prefix, branch in rows.items():
             key = f"{prefix}prompt_embeds"
-            cond[key], cond[f"{key}_mask"] = pad_text(joined, max(len(r) for r in joined))
-            cond[f"{key}_segments"] = pad_cat([torch.tensor([len(s) for s in segments]) for segments in rows],
+            cond[key], cond[f"{key}_mask"] = pad_text([torch.cat(segments) for segments in branch], longest)
+            cond[f"{key}_segments"] = pad_cat([torch.tensor([len(s) for s in segments]) for segments in branch],
                                               stack=True).to(self.device)
         return cond
 

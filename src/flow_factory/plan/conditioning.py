@@ -19,7 +19,7 @@ import torch
 from ..models.base import FlowAdapter
 from ..models.conditioning import Conditioning
 
-PADDED_TEXT = ("qwen-image", "qwen-image-edit-plus", "z-image", "hunyuanvideo15")
+PADDED_TEXT = ("qwen-image", "qwen-image-edit-plus", "z-image", "z-image-omni", "hunyuanvideo15")
 
 
 def _mask(n: int, length: int, real: int, dtype=torch.bool) -> torch.Tensor:
@@ -54,6 +54,9 @@ def _text(adapter: FlowAdapter, n: int, text_tokens: int | dict[str, int] | None
                 "prompt_embeds_mask": _mask(n, length, real)}
     if kind == "z-image":
         return {"prompt_embeds": torch.zeros(n, length, config.cap_feat_dim), "prompt_embeds_mask": _mask(n, length, real)}
+    if kind == "z-image-omni":  # padded to the longest prompt; one without condition images is one segment
+        return {"prompt_embeds": torch.zeros(n, real, config.cap_feat_dim), "prompt_embeds_mask": _mask(n, real, real),
+                "prompt_embeds_segments": torch.full((n, 1), real)}
     if kind == "hunyuanvideo15":
         glyphs = 256  # the pipeline's ByT5 length
         return {"prompt_embeds": torch.zeros(n, length, config.text_embed_dim),
