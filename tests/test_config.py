@@ -66,6 +66,7 @@ def problem_of(data=None, overrides=()) -> str:
     ("ltx2_t2av_grpo_lora.yaml", 96, 288, 144),
     ("flux1_kontext_grpo_lora.yaml", 96, 96, 48),
     ("qwen_image_edit_plus_grpo_lora.yaml", 96, 96, 48),
+    ("z_image_omni_grpo_lora.yaml", 96, 96, 48),
 ])
 def test_examples_load_with_the_batch_arithmetic_their_comments_state(name, batches, micro, accumulation):
     cfg = load_config(EXAMPLES / name)
