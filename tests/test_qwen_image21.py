@@ -1,12 +1,28 @@
 """Qwen-Image-2.1 (model_type qwen-image-2.1) against its diffusers pipeline, beyond the shared tables
 (test_adapters.py, test_on_policy.py, test_lora.py, helpers_runs.py): its prompt encoding, its sigmas with and
-without a configured grid, its KV cache, why velocity calls the transformer once per text length, its sizes."""
+without a configured grid, its KV cache, why velocity calls the transformer once per text length, its sizes; and
+with condition images (the pipeline's ``image``): the rollout is the pipeline's, the resize its resize, the
+on-policy ratio 1, a saved LoRA the pipeline's, ff-train from rows with and without images."""
 
+import json
+
+import numpy as np
 import pytest
 import torch
+from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+from helpers_algorithms import assert_on_policy, perturb_lora
+from helpers_runs import ff_train_in_this_process, tiny_run_config, write_condition_image, write_config
+from PIL import Image
 
+from flow_factory.algorithms import make_algorithm
 from flow_factory.config import ConfigError, parse_config
-from flow_factory.models import index_cond, load_adapter
+from flow_factory.config.train import TrainConfig
+from flow_factory.data import load_prompts, read_image
+from flow_factory.dynamics import make_dynamics
+from flow_factory.dynamics.ode import ODE
+from flow_factory.models import apply_lora, cat_cond, index_cond, load_adapter, save_lora
+from flow_factory.trajectory import sample_trajectory
+from flow_factory.trainer.policy import AdapterPolicy
 
 PROMPTS = ["a red cube on a table", "two cats"]  # of different token lengths
 
@@ -111,3 +127,149 @@ def test_spellings_and_the_size_factor_of_32_before_loading():
                                           r"of 32 \(VAE x16, then 2x2 latents per text-encoder image slot\)"):
         parse_config({**base, "model": {"model_name_or_path": "org/name", "model_type": "qwen-image-2.1"},
                       "train": {**base["train"], "resolution": 48}})
+
+
+# --- condition images ---------------------------------------------------------------------------------------
+CONDITION_SIZE = 96  # condition_image_size [96, 96]: the pipeline's output_resolution 96 (its resize area)
+GUIDANCE = 3.0
+
+
+def _image(size, seed):
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def _sources(seed=0):
+    """A sample of one image and one of two, of other aspect ratios."""
+    return [[_image((83, 50), seed)], [_image((70, 90), seed + 1), _image((64, 64), seed + 2)]]
+
+
+def _conditioning(adapter, prompts, sources, guidance=GUIDANCE):
+    media = adapter.prepare_conditions(sources, None, 64, 64, None, (CONDITION_SIZE, CONDITION_SIZE))
+    return {**adapter.encode(prompts, None, guidance, conditions=media),
+            **adapter.encode_conditions(media, 64, 64, None)}
+
+
+def _pipeline_with_images(pipe, prompt, images, noise, guidance=GUIDANCE):
+    """One sample: the pipeline takes one set of images for its whole batch."""
+    pack, unpack = type(pipe)._pack_latents, type(pipe)._unpack_latents
+    out = pipe(prompt=prompt, image=images, negative_prompt="", true_cfg_scale=guidance, height=64, width=64,
+               num_inference_steps=3, latents=pack(noise.clone(), 1, *noise.shape[1:]), output_type="latent",
+               output_resolution=CONDITION_SIZE, use_kv_cache=False).images
+    return unpack(out, 64, 64, pipe.vae_scale_factor).squeeze(2)
+
+
+def _rollout(adapter, cond, noise, guidance=GUIDANCE):
+    return sample_trajectory(adapter, ODE(), cond, noise, adapter.sigmas(3, 64, 64), guidance).final
+
+
+def test_condition_images_reproduce_the_pipeline(adapter):
+    """Samples of one and two images of their own sizes in one call, with CFG: the ODE rollout is the pipeline's for
+    each sample, and the images change it."""
+    sources = _sources()
+    cond = _conditioning(adapter, PROMPTS, sources)
+    assert cond["image_shapes"].tolist() == [[[4, 8], [0, 0]], [[6, 6], [6, 6]]]  # 128x64, 96x96 twice: VAE x16
+    noise = adapter.initial_noise(2, 64, 64, torch.Generator().manual_seed(0))
+    final = _rollout(adapter, cond, noise)
+    expected = torch.cat([_pipeline_with_images(adapter.pipeline, p, images, noise[i:i + 1])
+                          for i, (p, images) in enumerate(zip(PROMPTS, sources))])
+    assert final.abs().max() > 0.1
+    torch.testing.assert_close(final, expected, rtol=0, atol=1e-5)
+    text_only = _rollout(adapter, adapter.encode(PROMPTS, None, GUIDANCE), noise)
+    assert (text_only - final).abs().max() > 1e-2
+
+
+def test_condition_images_are_resized_as_the_pipeline_resizes_them(adapter):
+    """To condition_image_size's area (default the pipeline's output_resolution^2) at the image's aspect ratio, in
+    multiples of 32: the pixels the pipeline's preprocess gives its VAE, alpha 1."""
+    source = _image((83, 50), 0)
+    media = adapter.prepare_conditions([[source]], None, 64, 64, None, (CONDITION_SIZE, CONDITION_SIZE))
+    width, height, _ = calculate_dimensions(CONDITION_SIZE ** 2, 83 / 50)
+    assert media.images[0].shape == (1, 3, height, width) == (1, 3, 64, 128)
+    expected = adapter.pipeline.image_processor.preprocess(source.convert("RGBA"), width=width, height=height)
+    torch.testing.assert_close(media.images[0][0] * 2 - 1, expected[0, :3], rtol=0, atol=0)
+    assert (expected[0, 3] == 1).all()
+    assert type(adapter).condition_sizes([(83, 50)], None) == (calculate_dimensions(1024 ** 2, 83 / 50)[:2],)
+
+
+def test_rows_with_and_without_images_concatenate_and_keep_their_own_velocity(adapter):
+    """Samples of other image counts and sizes, and one without: their conditioning concatenates (padded) and one
+    velocity call gives each what it gives alone; a row without images is text to image."""
+    x = adapter.initial_noise(3, 64, 64, torch.Generator().manual_seed(2))
+    sources = _sources(seed=3)
+    one, two = (_conditioning(adapter, [p], [images]) for p, images in zip(PROMPTS, sources))
+    none = _conditioning(adapter, PROMPTS[:1], [[]])
+    both = cat_cond([one, two, none])
+    sigma = torch.tensor([0.9, 0.7, 0.4])
+    with torch.no_grad():
+        together = adapter.velocity(x, sigma, both, GUIDANCE)
+        alone = [adapter.velocity(x[i:i + 1], sigma[i], c, GUIDANCE) for i, c in enumerate((one, two, none))]
+        text = adapter.velocity(x[2:], sigma[2], adapter.encode(PROMPTS[:1], None, GUIDANCE), GUIDANCE)
+    torch.testing.assert_close(together, torch.cat(alone), rtol=0, atol=1e-6)
+    assert torch.equal(alone[2], text)
+
+
+@pytest.mark.parametrize("dynamics_name", ["Flow-SDE", "Dance-SDE", "CPS"])
+def test_on_policy_ratio_is_one_with_condition_images(adapter, dynamics_name):
+    apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
+    perturb_lora(adapter.transformer, 0.05)
+    dynamics = make_dynamics(dynamics_name, 0.7)
+    algorithm = make_algorithm("grpo", TrainConfig(kl_type="v-based"), dynamics)
+    policy = AdapterPolicy(adapter, GUIDANCE, "lora", keep_reference=False)
+    cond = _conditioning(adapter, PROMPTS, _sources(seed=5))
+    noise = adapter.initial_noise(2, 64, 64, torch.Generator().manual_seed(1))
+    traj = sample_trajectory(adapter, dynamics, cond, noise, adapter.sigmas(3, 64, 64), GUIDANCE,
+                             generator=torch.Generator().manual_seed(2))
+    assert_on_policy(algorithm, policy, traj, cond)
+
+
+def test_lora_with_condition_images_loads_with_the_pipelines_load_lora_weights(adapter, tiny_qwen_image21_path,
+                                                                               tmp_path):
+    sources = _sources(seed=7)[1:]
+    noise = adapter.initial_noise(1, 64, 64, torch.Generator().manual_seed(0))
+    base = _pipeline_with_images(adapter.pipeline, PROMPTS[1], sources[0], noise)
+    apply_lora(adapter.transformer, rank=4, alpha=2.0, target_modules="default",
+               default_targets=adapter.default_lora_targets)
+    perturb_lora(adapter.transformer, 0.2, which="lora_")
+    tuned = _rollout(adapter, _conditioning(adapter, PROMPTS[1:], sources), noise)
+    save_lora(adapter.pipeline_class, adapter.transformer, tmp_path / "lora")
+    fresh = load_adapter("qwen-image-2.1", tiny_qwen_image21_path).pipeline
+    fresh.load_lora_weights(tmp_path / "lora")
+    reloaded = _pipeline_with_images(fresh, PROMPTS[1], sources[0], noise)
+    torch.testing.assert_close(reloaded, tuned, rtol=0, atol=1e-5)
+    assert (reloaded - base).abs().max() > 1e-3
+
+
+def _condition_dataset(folder):
+    """Rows with one or two condition images, and one without (text to image in the same run)."""
+    images = {"a.png": ((100, 72), (200, 30, 30)), "b.png": ((64, 80), (30, 200, 30))}
+    for i, (name, (size, colour)) in enumerate(images.items()):
+        write_condition_image(folder / "images" / name, size, colour, seed=i)
+    rows = {"train": [{"prompt": "make it red", "image": "a.png"},
+                      {"prompt": "blend them", "images": ["a.png", "b.png"]}, {"prompt": "a lake at dawn"}],
+            "test": [{"prompt": "blend them", "images": ["b.png", "a.png"]}, {"prompt": "a red circle"}]}
+    for split, lines in rows.items():
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return folder
+
+
+def test_ff_train_runs_from_rows_with_and_without_images(tiny_qwen_image21_path, tmp_path, gpu_precision):
+    """In a GPU's precision: grpo for 2 epochs from an editing dataset (condition_image_size as upstream's example
+    sets it, scaled down), rows with and without images in one batch; the saved LoRA loads with the pipeline's
+    load_lora_weights and changes its output with images."""
+    config = tiny_run_config(tmp_path, "qwen-image-2.1", tiny_qwen_image21_path, max_epochs=2,
+                             condition_image_size=[CONDITION_SIZE, CONDITION_SIZE])
+    config["data"]["dataset_dir"] = str(_condition_dataset(tmp_path / "refs"))
+    (_out, err), code = ff_train_in_this_process([write_config(tmp_path, config)])
+    assert code == 0, err
+    run_dir = tmp_path / "saves" / "run"
+    history = json.loads((run_dir / "history.json").read_text())
+    assert [r["epoch"] for r in history["train"]] == [0, 1] and "reward/jpeg/mean" in history["train"][-1]
+    sources = [read_image(f) for f in load_prompts(tmp_path / "refs", "test")[0].images]
+    noise = torch.randn((1, 16, 4, 4), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for lora in (None, run_dir / "checkpoints" / "epoch_2"):
+        pipe = load_adapter("qwen-image-2.1", tiny_qwen_image21_path).pipeline
+        if lora is not None:
+            pipe.load_lora_weights(lora)
+        outputs.append(_pipeline_with_images(pipe, "blend them", sources, noise))
+    assert not torch.allclose(*outputs, atol=1e-6), "the trained LoRA does not change the pipeline's output"

@@ -94,7 +94,7 @@ MODEL_FAMILIES = {family.model_type: family for family in (
     # Qwen-Image-2.1: a VAE x16 whose latents the transformer reads one a token, 2x2 of them per image slot of
     # its Qwen3-VL text encoder
     ModelFamily("qwen-image-2.1", _M + "qwen_image21:QwenImage21Adapter", 32,
-                "VAE x16, then 2x2 latents per text-encoder image slot",
+                "VAE x16, then 2x2 latents per text-encoder image slot", conditions=("images",),
                 aliases=("qwen-image-21", "qwenimage-2.1", "qwenimage21", "qwen-image2.1")),
 )}
 MODEL_TYPES = tuple(MODEL_FAMILIES)

@@ -77,6 +77,18 @@ def load_pipeline(path, dtype: torch.dtype = torch.float32, pipeline_class=QwenI
     return pipeline_class.from_pretrained(path, dtype=dtype, **kwargs)
 
 
+def sizes_at_area(model_type: str, sizes, area: int, calculate_dimensions) -> tuple:
+    """Each (width, height) brought to ``area`` pixels at its own aspect ratio by the pipeline's
+    ``calculate_dimensions`` (Qwen-Image-Edit-Plus's, Qwen-Image-2.1's: multiples of 32); ValueError for one that
+    comes out empty."""
+    resized = tuple(tuple(calculate_dimensions(area, w / h)[:2]) for w, h in sizes)
+    for (w, h), (new_w, new_h) in zip(sizes, resized):
+        if not (new_w and new_h):
+            raise ValueError(f"{model_type}: a {w}x{h} condition image resized to an area of {area} pixels is "
+                             f"{new_w}x{new_h}; give images of a less extreme aspect ratio")
+    return resized
+
+
 class QwenImageEditPlusAdapter(QwenImageAdapter):
     model_type = "qwen-image-edit-plus"
     pipeline_class = QwenImageEditPlusPipeline
@@ -104,12 +116,7 @@ class QwenImageEditPlusAdapter(QwenImageAdapter):
         """Each image's (width, height) at ``condition_size``'s area (default the pipeline's ``VAE_IMAGE_SIZE``) and
         its own aspect ratio, in multiples of 32 (``calculate_dimensions``)."""
         area = condition_size[0] * condition_size[1] if condition_size else edit_plus.VAE_IMAGE_SIZE
-        resized = tuple(edit_plus.calculate_dimensions(area, w / h) for w, h in sizes)
-        for (w, h), (new_w, new_h) in zip(sizes, resized):
-            if not (new_w and new_h):
-                raise ValueError(f"{cls.model_type}: a {w}x{h} condition image resized to an area of {area} pixels is "
-                                 f"{new_w}x{new_h}; give images of a less extreme aspect ratio")
-        return resized
+        return sizes_at_area(cls.model_type, sizes, area, edit_plus.calculate_dimensions)
 
     def prepare_conditions(self, images, videos, height, width, num_frames, condition_size) -> ConditionMedia:
         """Each image at its ``call_shape``, as the pipeline resizes it; one sample's images stack when they agree."""
