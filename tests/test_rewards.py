@@ -351,3 +351,36 @@ def test_shapebench_rewards_resolve_by_name_in_a_fresh_process():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["ShapeBenchReward", "ShapeBenchStrictReward"]
+
+
+def test_an_eval_reward_that_is_a_training_reward_shares_its_model():
+    """A run's eval rewards and training rewards are two sets, held for the whole run: an eval entry naming the same
+    model with the same options (its name, weight and routing aside) shares the training set's instance instead of
+    loading it again (a PickScore twice is 1.8 GiB more on the GPU). One that differs by its batch size alone (as in
+    Flow-Factory's examples: 16 to train, 32 to evaluate) is a copy sharing its weights, scoring its own batches;
+    another dtype, a model of its own."""
+    entry = {"reward_model": f"{__name__}.PromptLength", "batch_size": 8}
+    built = {}
+    train = RewardSet.from_configs([{**entry, "name": "a"}], built=built)
+    weights = train.models["a"].weights = object()  # what a copy must share
+    evaluation = RewardSet.from_configs([{**entry, "name": "e", "weight": 2.0}, {**entry, "name": "f", "batch_size": 32},
+                                         {**entry, "name": "g", "dtype": "bf16"}], built=built)
+    a, e, f, g = train.models["a"], evaluation.models["e"], evaluation.models["f"], evaluation.models["g"]
+    assert e is a and f is not a and f.weights is weights and (a.batch_size, f.batch_size) == (8, 32)
+    assert not hasattr(g, "weights")
+    assert not hasattr(RewardSet.from_configs([{**entry, "name": "e"}]).models["e"], "weights")  # no built: its own
+    assert evaluation(["xy", "z"])["f"].tolist() == [2.0, 1.0]
+
+
+def test_the_trainer_builds_its_eval_rewards_beside_its_training_rewards_once(tmp_path):
+    """``Trainer._setup_rewards``, the wiring of the test above."""
+    from types import SimpleNamespace
+
+    from flow_factory.config import parse_config
+    from flow_factory.trainer import Trainer
+    from helpers_runs import tiny_run_config
+
+    config = tiny_run_config(tmp_path, "sd3-5", tmp_path / "model")
+    config["eval_rewards"] = [{"name": "jpeg_eval", "reward_model": "jpeg_compressibility", "weight": 2.0}]
+    rewards, eval_rewards = Trainer._setup_rewards(SimpleNamespace(cfg=parse_config(config), accelerator=None))
+    assert eval_rewards is not rewards and eval_rewards.models["jpeg_eval"] is rewards.models["jpeg"]

@@ -126,6 +126,28 @@ class Precision:
         return line
 
 
+def cast_as_loaded(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``module`` (in place) in ``dtype``, but for the parts its ``from_pretrained`` keeps in float32 at that dtype
+    (``kept_in_float32``). Not diffusers' ``to(dtype)``, which ignores them and warns about them, even when a class
+    keeps none."""
+    keep = kept_in_float32(module, dtype)
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.is_floating_point():  # on its own device: .data may change dtype, not device
+            tensor.data = tensor.data.to(torch.float32 if any(part in keep for part in name.split(".")) else dtype)
+    return module
+
+
+def kept_in_float32(module: torch.nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
+    """The submodule names ``from_pretrained`` loads in float32 when asked for ``dtype``: diffusers keeps its class's
+    ``_keep_in_fp32_modules`` (Wan's norms and time embedder) at any dtype; transformers keeps those at fp16 only,
+    and its ``_keep_in_fp32_modules_strict`` at fp16 and bf16 (T5's ``wo``: at fp16)."""
+    keep, strict = getattr(module, "_keep_in_fp32_modules", None), getattr(module, "_keep_in_fp32_modules_strict", ())
+    if not hasattr(module, "_keep_in_fp32_modules_strict"):  # a diffusers model
+        return tuple(keep or ())
+    return (*((keep or ()) if dtype == torch.float16 else ()),
+            *((strict or ()) if dtype in (torch.float16, torch.bfloat16) else ()))
+
+
 def enable_cpu_fp16(accelerator) -> None:
     """fp16 autocast and a gradient scaler on CPU, as accelerate gives a GPU run (it gives a CPU run neither).
     Only ``FF_CPU_MIXED_PRECISION`` gets here; it must run before ``accelerator.prepare`` (the prepared

@@ -134,27 +134,32 @@ def weight_copies(cfg, trained_bytes: int, reference_bytes: int) -> tuple[dict[s
     return copies, tuple(copies)
 
 
-def reward_models(cfg, notes: list[str], part: str = "rewards") -> tuple[int, list]:
+def reward_models(cfg, notes: list[str], part: str = "rewards", counted: set | None = None) -> tuple[int, list]:
     """Bytes of the reward models (``part``: rewards or eval_rewards) on the device, and (name, meta model) of each
     that was built; a reward this version does not have (a config of Flow-Factory's naming one of its rewards:
-    LTX-2's ``imagebind``) is a note."""
+    LTX-2's ``imagebind``) is a note. ``counted``: the ``reward_key`` of the models counted already, which the run
+    shares (the training rewards', for its eval rewards); the ones counted here are added to it."""
     from ..precision import dtype_of
     from ..rewards.registry import resolve_reward_class
+    from ..rewards.reward_set import reward_key
 
-    total, built = 0, []
+    total, built, counted = 0, [], set() if counted is None else counted
     for i, entry in enumerate(getattr(cfg, part) or []):
         try:
             cls = resolve_reward_class(entry.reward_model)
         except (ValueError, ImportError, TypeError) as err:  # the plan of the rest still answers; the run would stop
             notes.append(f"{part}[{i}].reward_model: {str(err).split('. ')[0]}; a run stops there (not counted)")
             continue
+        key = reward_key(entry)
+        shared = key in counted
+        counted.add(key)
         sources = cls.models_to_load(entry.constructor_options())
         model = build_model(sources[0], dtype_of(entry.dtype)) if sources else None
         if model is None:
             if sources:
                 notes.append(f"reward {entry.name}: {sources[0]}'s size is not known here (not counted)")
             continue
-        if entry.device != "cpu":
+        if entry.device != "cpu" and not shared:
             total += sum(p.numel() * p.element_size() for p in model.parameters())
         built.append((entry.name, model))
     return total, built
@@ -204,10 +209,11 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
     trained_bytes = sum(net.trained * net.master_bytes for net in networks)
     reference = sum(net.params * net.load_bytes for net in networks if net.trained)
     copies, sharded = weight_copies(cfg, trained_bytes, reference)
-    reward_bytes, rewards = reward_models(cfg, notes)
+    counted = set()  # an eval reward that is a training reward's model shares it (Trainer._setup_rewards)
+    reward_bytes, rewards = reward_models(cfg, notes, counted=counted)
     eval_rewards = rewards
     if cfg.eval_rewards:  # a reward set of their own, loaded beside the training one for the whole run
-        eval_bytes, eval_rewards = reward_models(cfg, notes, "eval_rewards")
+        eval_bytes, eval_rewards = reward_models(cfg, notes, "eval_rewards", counted)
         reward_bytes += eval_bytes
     cond_bytes = sum(v[0].numel() * precision.load.itemsize for v in
                      conditioning(adapter, 1, train.guidance_scale, height, width, frames, condition_size,

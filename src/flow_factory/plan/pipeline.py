@@ -19,6 +19,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..models.registry import get_adapter_class
+from ..precision import cast_as_loaded
 from .public_configs import PUBLIC_MODELS, PUBLIC_PIPELINES
 
 # what each component is, by the name the pipelines give it (for the memory phases)
@@ -104,7 +105,7 @@ def build_module(library: str, class_name: str, config: dict | None, dtype: torc
             module = cls(cls.config_class(**config))
         else:
             module = cls.from_config(config)
-    return module.to(dtype).eval().requires_grad_(False)
+    return cast_as_loaded(module, dtype).eval().requires_grad_(False)
 
 
 def role_of(name: str, adapter_cls) -> str:

@@ -13,6 +13,7 @@ sampler is still producing samples (``rewards/async_pool.py``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
@@ -50,6 +51,24 @@ def build_reward(config: RewardConfig, accelerator=None) -> BaseRewardModel:
         raise TypeError(f"reward {config.name!r} ({config.reward_model}) could not be built with {given}: {e}") from e
 
 
+def reward_key(config: RewardConfig) -> tuple:
+    """What makes two reward entries the same model: its class and the options it is built with, but its name,
+    weight, routing, workers and ``batch_size`` (how many samples a call scores, not what the model is). Equal keys
+    are loaded once (``RewardSet.from_configs``) and counted once (the plan)."""
+    options = {k: v for k, v in config.constructor_options().items() if k != "batch_size"}
+    return resolve_reward_class(config.reward_model), repr(sorted(options.items()))
+
+
+def _at_batch_size(model, batch_size: int):
+    """``model`` scoring ``batch_size`` samples a call: itself, or a shallow copy sharing its weights (an entry that
+    differs from another only by its batch size: Flow-Factory's examples score eval samples 32 at a time)."""
+    if not isinstance(model, BaseRewardModel) or getattr(model, "batch_size", batch_size) == batch_size:
+        return model
+    model = copy.copy(model)
+    model.batch_size = batch_size
+    return model
+
+
 class RewardSet:
     def __init__(self, models: Mapping[str, BaseRewardModel], weights: Mapping[str, float | Mapping[str, float]],
                  async_workers: Mapping[str, int] | None = None,
@@ -76,19 +95,20 @@ class RewardSet:
 
     @classmethod
     def from_configs(cls, entries: Sequence[RewardConfig | Mapping] | RewardConfig | Mapping,
-                     accelerator=None) -> "RewardSet":
+                     accelerator=None, built: dict | None = None) -> "RewardSet":
         """From ``RewardConfig`` entries (``cfg.rewards``); a mapping, or one entry alone, is read by
         ``RewardConfig`` first, as the YAML's ``rewards`` would be (ConfigError for a bad entry).
-        ``accelerator``: the run's, handed to rewards written to Flow-Factory's guide (``build_reward``)."""
+        ``accelerator``: the run's, handed to rewards written to Flow-Factory's guide (``build_reward``).
+        ``built``: models built already, by ``reward_key`` (a run's training rewards, for its eval rewards): one
+        the entries ask for again is shared, not loaded a second time; the ones built here are added to it."""
         configs = parse_reward_entries(entries)
-        built: dict[tuple, BaseRewardModel] = {}
+        built = {} if built is None else built
         models = {}
         for config in configs:
-            # equal keys: the same model would be built twice; build it once
-            key = (resolve_reward_class(config.reward_model), repr(sorted(config.constructor_options().items())))
+            key = reward_key(config)
             if key not in built:
                 built[key] = build_reward(config, accelerator)
-            models[config.name] = built[key]
+            models[config.name] = _at_batch_size(built[key], config.batch_size)
         return cls(models, {c.name: c.weight for c in configs},
                    {c.name: c.num_workers for c in configs if c.async_reward},
                    {c.name: c.applicable_datasets for c in configs})

@@ -24,6 +24,7 @@ from torch import Tensor
 from ..models.base import FlowAdapter
 from ..models.conditioning import Conditioning
 from ..models.lora import lora_disabled
+from ..precision import cast_as_loaded
 
 
 @dataclass
@@ -137,9 +138,4 @@ def frozen_reference(adapter: FlowAdapter, components: list[str], ref_param_devi
 def frozen_copy(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """A frozen copy of ``module`` on ``device`` in ``dtype``, but for the parts its class keeps in float32
     (diffusers' ``_keep_in_fp32_modules``: Wan's norms and time embedder), as ``from_pretrained`` loads them."""
-    keep = getattr(module, "_keep_in_fp32_modules", None) or ()
-    frozen = copy.deepcopy(module).requires_grad_(False).eval()
-    for name, tensor in [*frozen.named_parameters(), *frozen.named_buffers()]:
-        if tensor.is_floating_point():  # on its own device: .data may change dtype, not device
-            tensor.data = tensor.data.to(torch.float32 if any(part in keep for part in name.split(".")) else dtype)
-    return frozen.to(device)
+    return cast_as_loaded(copy.deepcopy(module).requires_grad_(False).eval(), dtype).to(device)

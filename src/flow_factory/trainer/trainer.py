@@ -121,8 +121,9 @@ class Trainer:
 
     def _setup_rewards(self) -> tuple[RewardSet, RewardSet]:
         cfg, model_type = self.cfg, self.cfg.model.model_type
-        rewards = RewardSet.from_configs(cfg.rewards, accelerator=self.accelerator)
-        eval_rewards = RewardSet.from_configs(cfg.eval_rewards, accelerator=self.accelerator) \
+        built = {}  # an eval reward that is a training reward's model shares it (not loaded twice)
+        rewards = RewardSet.from_configs(cfg.rewards, accelerator=self.accelerator, built=built)
+        eval_rewards = RewardSet.from_configs(cfg.eval_rewards, accelerator=self.accelerator, built=built) \
             if cfg.eval_rewards else rewards
         check_reward_inputs(rewards, model_type, "rewards")
         check_reward_inputs(eval_rewards, model_type, "eval_rewards")
