@@ -67,6 +67,7 @@ def problem_of(data=None, overrides=()) -> str:
     ("flux1_kontext_grpo_lora.yaml", 96, 96, 48),
     ("qwen_image_edit_plus_grpo_lora.yaml", 96, 96, 48),
     ("z_image_omni_grpo_lora.yaml", 96, 96, 48),
+    ("qwen_image21_grpo_lora.yaml", 96, 96, 48),
 ])
 def test_examples_load_with_the_batch_arithmetic_their_comments_state(name, batches, micro, accumulation):
     cfg = load_config(EXAMPLES / name)
