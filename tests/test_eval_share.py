@@ -27,6 +27,7 @@ from flow_factory.data import process_share, share_slice
 from flow_factory.evaluate import main as ff_eval
 from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput
 from flow_factory.trainer import Trainer
+from flow_factory.trainer.backends import end_process_group
 
 PROMPTS = ["a red circle", "a blue square", "a green triangle", "two yellow stars", "a purple cube",
            "a dog in the snow", "a cat on a mat", "a lake at dawn", "three cyan dots", "a house on a hill"]
@@ -103,7 +104,10 @@ def _process(rank: int, port: int, folder: str) -> None:
         assert ff_eval([str(config), f"eval.num_samples={n}", "--out", str(Path(folder) / f"ff-eval{n}.json")]) == 0
     torch.save(result, Path(folder) / f"rank{rank}.pt")
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    # the trainer (its DDP reducer holds the group) goes before the group, as in ff-train: left as the group's last
+    # holder, it would free the group holding the GIL, a rare deadlock (docs/experiments/collectives.md)
+    del trainer
+    end_process_group()
 
 
 def test_three_processes_score_every_test_prompt_once_as_one_process_does(tmp_path, tiny_sd3_path):
