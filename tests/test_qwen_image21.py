@@ -143,18 +143,18 @@ def _sources(seed=0):
     return [[_image((83, 50), seed)], [_image((70, 90), seed + 1), _image((64, 64), seed + 2)]]
 
 
-def _conditioning(adapter, prompts, sources, guidance=GUIDANCE):
-    media = adapter.prepare_conditions(sources, None, 64, 64, None, (CONDITION_SIZE, CONDITION_SIZE))
+def _conditioning(adapter, prompts, sources, guidance=GUIDANCE, side=CONDITION_SIZE):
+    media = adapter.prepare_conditions(sources, None, 64, 64, None, (side, side))
     return {**adapter.encode(prompts, None, guidance, conditions=media),
             **adapter.encode_conditions(media, 64, 64, None)}
 
 
-def _pipeline_with_images(pipe, prompt, images, noise, guidance=GUIDANCE):
+def _pipeline_with_images(pipe, prompt, images, noise, guidance=GUIDANCE, side=CONDITION_SIZE):
     """One sample: the pipeline takes one set of images for its whole batch."""
     pack, unpack = type(pipe)._pack_latents, type(pipe)._unpack_latents
     out = pipe(prompt=prompt, image=images, negative_prompt="", true_cfg_scale=guidance, height=64, width=64,
                num_inference_steps=3, latents=pack(noise.clone(), 1, *noise.shape[1:]), output_type="latent",
-               output_resolution=CONDITION_SIZE, use_kv_cache=False).images
+               output_resolution=side, use_kv_cache=False).images
     return unpack(out, 64, 64, pipe.vae_scale_factor).squeeze(2)
 
 
@@ -206,6 +206,22 @@ def test_rows_with_and_without_images_concatenate_and_keep_their_own_velocity(ad
         text = adapter.velocity(x[2:], sigma[2], adapter.encode(PROMPTS[:1], None, GUIDANCE), GUIDANCE)
     torch.testing.assert_close(together, torch.cat(alone), rtol=0, atol=1e-6)
     assert torch.equal(alone[2], text)
+
+
+def test_a_prompt_longer_than_max_sequence_length_with_its_image(adapter):
+    """A 768^2 condition image is 576 image slots: the prompt with it is over max_sequence_length. Both CFG branches
+    are padded to its length, it concatenates with a text-only row, and the rollout is still the pipeline's."""
+    sources = [[_image((700, 700), 9)]]
+    long = _conditioning(adapter, PROMPTS[:1], sources, side=768)
+    length = long["prompt_embeds"].shape[1]
+    assert int(long["prompt_image_slots"].sum()) == 576 and length > adapter.max_sequence_length
+    assert long["negative_prompt_embeds"].shape[1] == length
+    noise = adapter.initial_noise(2, 64, 64, torch.Generator().manual_seed(4))
+    both = cat_cond([long, _conditioning(adapter, PROMPTS[1:], [[]])])
+    final = _rollout(adapter, both, noise)
+    expected = _pipeline_with_images(adapter.pipeline, PROMPTS[0], sources[0], noise[:1], side=768)
+    torch.testing.assert_close(final[:1], expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(final[1:], _rollout(adapter, index_cond(both, [1]), noise[1:]), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("dynamics_name", ["Flow-SDE", "Dance-SDE", "CPS"])

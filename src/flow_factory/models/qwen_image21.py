@@ -88,24 +88,28 @@ class QwenImage21Adapter(QwenImageAdapter):
     def encode(self, prompts: list[str], negative_prompts: list[str] | None = None, guidance_scale: float = 4.0,
                conditions: ConditionMedia | None = None) -> Conditioning:
         images = conditions.originals if conditions is not None else None
-        images = images if images is not None else [[] for _ in prompts]
-        cond = self._encode_text(prompts, images)
+        branches = {"": self._encode_rows(prompts, images if images is not None else [[] for _ in prompts])}
         if self.uses_cfg(guidance_scale):  # the pipeline encodes the negative prompt with the same images
             negatives = negative_prompts if negative_prompts is not None else [""] * len(prompts)
-            cond.update({f"negative_{k}": v for k, v in self._encode_text(negatives, images).items()})
+            branches["negative_"] = self._encode_rows(negatives, images if images is not None else [[]] * len(prompts))
+        # max_sequence_length, or the longest with its images: both branches one length, for cfg_inputs
+        length = max(self.max_sequence_length, *(len(e) for rows in branches.values() for e, _ in rows))
+        cond = {}
+        for prefix, rows in branches.items():
+            embeds, mask = pad_text([e for e, _ in rows], length)
+            slots, _ = pad_text([s[:, None] for _, s in rows], length)
+            cond.update({f"{prefix}prompt_embeds": embeds, f"{prefix}prompt_embeds_mask": mask,
+                         f"{prefix}prompt_image_slots": slots[..., 0]})
         return cond
 
-    def _encode_text(self, prompts: list[str], images: list[list]) -> Conditioning:
-        """Each prompt read with its sample's images, one call each (the pipeline's layout for that sample alone),
-        padded to ``max_sequence_length`` (or the longest, with images); which positions are image slots."""
+    def _encode_rows(self, prompts: list[str], images: list[list]) -> list[tuple[Tensor, Tensor]]:
+        """Each prompt read with its sample's images, one call each (the pipeline's layout for that sample alone):
+        its embedding and which of its positions are image slots."""
         rows = []
         for prompt, seen in zip(prompts, images):
             embeds, _, slots = self.pipeline.encode_prompt(prompt=[prompt], image=seen or None, device=self.device)
             rows.append((embeds[0], slots[0]))
-        length = max(self.max_sequence_length, *(len(e) for e, _ in rows))
-        embeds, mask = pad_text([e for e, _ in rows], length)
-        slots, _ = pad_text([s[:, None] for _, s in rows], length)
-        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask, "prompt_image_slots": slots[..., 0]}
+        return rows
 
     # --- the conditions -------------------------------------------------------------------------
     @classmethod

@@ -381,7 +381,7 @@ def _build_qwen_image21():
         latents_mean=[0.1 * (i - 8) for i in range(16)], latents_std=[0.5 + 0.1 * i for i in range(16)],
     )
     image_processor = Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2,
-                                            size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256})
+                                            size={"shortest_edge": 32 * 32, "longest_edge": 1024 * 1024})
     # Qwen-Image's scheduler config: a resolution-dependent exponential shift, stretched to end at 0.02
     scheduler = FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=8192, base_shift=0.5,
