@@ -106,3 +106,35 @@ def test_the_group_destroyed_under_its_last_holder_deadlocks(tmp_path):
     if 0 in ended:
         pytest.fail("no deadlock: this torch no longer needs the GIL to free a gloo collective's tensors in its "
                     "worker (or no longer destroys the group holding the GIL); the first test's scenario is moot")
+
+
+def test_a_crashed_runs_trainer_is_gone_before_its_process_group_ends(monkeypatch, tmp_path):
+    """ff-train's ``train``: a crash on its way to the report holds the Trainer in its traceback (its frames' ``self``);
+    left so, its DDP reducer would end the group later, holding the GIL: the deadlock above, a crashed process that
+    never exits. The traceback's frames are cleared first (their lines stay, for the report)."""
+    import traceback
+    import weakref
+
+    import flow_factory.trainer
+    from flow_factory import train
+    from flow_factory.config import parse_config
+    from flow_factory.trainer import backends
+    from helpers_runs import tiny_run_config
+
+    made, alive_at_the_end = [], []
+
+    class Crashing:
+        def train(self):
+            raise RuntimeError("boom")
+
+    def build(cfg):
+        run = Crashing()
+        made.append(weakref.ref(run))
+        return run
+    monkeypatch.setattr(flow_factory.trainer, "Trainer", build)
+    monkeypatch.setattr(backends, "end_process_group", lambda: alive_at_the_end.append(made[0]() is not None))
+    cfg = parse_config(tiny_run_config(tmp_path, "sd3-5", tmp_path / "model"))
+    with pytest.raises(RuntimeError, match="boom") as crash:
+        train.train(cfg, "config.yaml")
+    assert alive_at_the_end == [False]
+    assert 'raise RuntimeError("boom")' in "".join(traceback.format_exception(crash.value))

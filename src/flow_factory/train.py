@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from . import launcher, own_process
@@ -150,6 +151,9 @@ def train(cfg, config_path: str) -> int:
                                f"model.resume_path={run_dir} log.run_name={cfg.log.run_name}", 128 + stop.signum)
     finally:
         trainer = None  # the run's objects go before the process group they hold
+        crash = sys.exc_info()[1]  # on its way to main's report: its frames hold the Trainer too
+        if crash is not None:
+            traceback.clear_frames(crash.__traceback__)  # the lines stay, for the report; the locals go
         end_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         print(finished(config_path, run_dir, history), file=sys.stderr, flush=True)
