@@ -224,6 +224,15 @@ def test_a_prompt_longer_than_max_sequence_length_with_its_image(adapter):
     torch.testing.assert_close(final[1:], _rollout(adapter, index_cond(both, [1]), noise[1:]), rtol=0, atol=1e-6)
 
 
+def test_the_condition_cache_fingerprint_covers_the_vision_language_image_processor(adapter):
+    """Qwen3-VL reads the resized images through its own image processor: another one is another cache."""
+    from flow_factory.prompt_cache import condition_fingerprint
+
+    before = condition_fingerprint(adapter)
+    adapter.pipeline.processor.image_processor.max_pixels = 512 * 512
+    assert condition_fingerprint(adapter) != before
+
+
 @pytest.mark.parametrize("dynamics_name", ["Flow-SDE", "Dance-SDE", "CPS"])
 def test_on_policy_ratio_is_one_with_condition_images(adapter, dynamics_name):
     apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)

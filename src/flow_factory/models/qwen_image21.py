@@ -79,6 +79,12 @@ class QwenImage21Adapter(QwenImageAdapter):
             return None
         return 2 ** len(vae["temperal_downsample"]) * _SLOT * transformer.get("patch_size", 1)
 
+    def condition_encoders(self) -> dict:
+        # the condition cache's fingerprint covers Qwen3-VL's image processor too: it reads the resized images
+        processor = getattr(self.pipeline, "processor", None)
+        found = super().condition_encoders()
+        return {**found, "vl_image_processor": processor.image_processor} if processor is not None else found
+
     def tokenizers(self) -> dict:
         # the pipeline has no tokenizer slot: its processor holds the tokenizer the prompt cache fingerprints
         processor = getattr(self.pipeline, "processor", None)
