@@ -242,6 +242,7 @@ def test_ff_train_sft_fits_its_images_and_resumes_exactly(tmp_path, tiny_sd3_pat
     ("wan2_i2v", "tiny_wan_i2v_path", "sft", "demonstration", True),  # Wan2.1 I2V: videos from a first frame
     ("z-image-omni", "tiny_z_image_omni_path", "sft", "demonstration", True),  # images from a condition image
     ("z-image-omni", "tiny_z_image_omni_path", "offline-dpo", "preference", False),  # and from text alone
+    ("qwen-image-2.1", "tiny_qwen_image21_path", "sft", "demonstration", True),  # edits of a source image
 ])
 def test_ff_train_offline_runs_two_epochs(request, tmp_path, model_type, fixture, trainer_type, kind, conditioned):
     path = request.getfixturevalue(fixture)
@@ -285,7 +286,7 @@ def test_a_video_model_trains_offline_from_video_files(tmp_path, tiny_wan_path, 
 
 
 @pytest.mark.parametrize("model_type, fixture", [(m, TINY_MODELS[m][0]) for m in (
-    "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15")] + [
+    "wan2_t2v", "qwen-image", "z-image", "flux2", "flux2-klein", "hunyuanvideo15", "qwen-image-2.1")] + [
     ("wan2_t2v", "tiny_wan22_ti2v_path")])  # Wan2.2 TI2V-5B: its 48-channel x16 VAE
 def test_every_family_encodes_its_outputs_to_its_latents(request, model_type, fixture):
     """encode_media gives a sample's latent shape from images or (B, F, 3, H, W) videos; FLUX.2's equals its
@@ -300,6 +301,10 @@ def test_every_family_encodes_its_outputs_to_its_latents(request, model_type, fi
     assert latents.shape == (2, *adapter.latent_shape(size, size, frames)) and latents.dtype == torch.float32
     if model_type.startswith("flux2"):
         torch.testing.assert_close(latents, adapter.pipeline._encode_vae_image(media * 2 - 1, None).float())
+    if model_type == "qwen-image-2.1":  # opaque RGBA, as its pipeline encodes a condition image
+        rgba = torch.cat([media, torch.ones_like(media[:, :1])], 1)[:, :, None] * 2 - 1
+        theirs = adapter.pipeline._encode_vae_image(rgba, None)[:, :, 0]
+        torch.testing.assert_close(latents, theirs.float(), rtol=0, atol=1e-5)
 
 
 def _with_soundtracks(folder, seconds=0.5, rate=16000):
