@@ -1,6 +1,7 @@
-"""Qwen-Image-2.1 (``QwenImage21Pipeline``), model_type ``qwen-image-2.1``: text to image.
+"""Qwen-Image-2.1 (``QwenImage21Pipeline``), model_type ``qwen-image-2.1``: images from text, or from condition
+images a row names.
 
-What it shares with Qwen-Image (``QwenImageAdapter``, whose ``encode`` it keeps): ``guidance_scale`` is the
+What it shares with Qwen-Image (``QwenImageAdapter``, its base class): ``guidance_scale`` is the
 pipeline's ``true_cfg_scale`` (a second branch from the negative prompt, "" when none is given, above 1; the
 released model is meant to be sampled at 1), each prompt keeps its own length (padded to
 ``max_sequence_length`` with its mask in the conditioning), and the schedule shifts with the number of image
@@ -185,8 +186,8 @@ class QwenImage21Adapter(QwenImageAdapter):
         elif cfg:  # both branches see the same images
             images, shapes = images.repeat(2, 1, 1), shapes.repeat(2, 1, 1)
         # the rows of one text length and one set of condition grids: one call, each as alone
-        keys = [(int(n), tuple((int(a), int(b)) for a, b in grid.tolist() if a))
-                for n, grid in zip(mask.sum(1), shapes)]
+        keys = [(int(length), tuple((int(a), int(b)) for a, b in grid.tolist() if a))
+                for length, grid in zip(mask.sum(1), shapes)]
         out = torch.empty(x.shape, dtype=torch.float32, device=self.device)
         for length, grids in sorted(set(keys)):
             rows = torch.tensor([i for i, k in enumerate(keys) if k == (length, grids)], device=self.device)
