@@ -247,3 +247,15 @@ def test_ff_eval_takes_overrides_after_the_flags(tmp_path, run_checkpoint, capsy
     out = tmp_path / "e.json"
     assert ff_eval([config, "--checkpoint", ckpt, "eval.num_samples=1", "--out", str(out), "eval.seed=6"]) == 0
     assert [s["prompt"] for s in json.loads(out.read_text())["samples"]] == PROMPTS[:1]
+
+
+def test_ff_sample_takes_every_spelling_the_config_takes_for_the_model_type():
+    """``--model-type qwenimage`` names the family as ``model.model_type: qwenimage`` does (case, ``_``, ``.``
+    and the table's other spellings); a dotted path of a user's adapter stays as given."""
+    from flow_factory.sample import fill_settings, parse_args
+
+    for spelling, model_type in (("SD3_5", "sd3-5"), ("qwenimage", "qwen-image"), ("wan2.1", "wan2_t2v"),
+                                 ("my_package.adapters.MyAdapter", "my_package.adapters.MyAdapter")):
+        args = parse_args(["a-model", "--model-type", spelling, "--prompts", "a", "--out", "out"])
+        fill_settings(args)
+        assert args.model_type == model_type, spelling

@@ -100,6 +100,8 @@ def fill_settings(args: argparse.Namespace) -> str:
     load or no model is named."""
     from .checkpoint import run_config_file
     from .config import ConfigError, load_config
+    from .config.base import canonical_choice
+    from .config.families import model_type_aliases
 
     path = run_config_file(args.checkpoint) if args.checkpoint else None
     if path is None:
@@ -117,6 +119,7 @@ def fill_settings(args: argparse.Namespace) -> str:
     for key, value in settings.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.model_type = canonical_choice(args.model_type, model_type_aliases())  # a spelling the config accepts
     if args.model is None:
         raise ValueError("MODEL: name a diffusers pipeline folder or hub id, or give --checkpoint of a run "
                          "(RUN/checkpoints/epoch_N) whose config names it")
