@@ -228,7 +228,7 @@ def test_each_dataset_is_evaluated_with_its_own_steps_and_guidance(tmp_path, mon
     """c's test prompts are sampled at its eval_num_inference_steps and eval_guidance_scale, a's and b's at the
     eval section's; each sample keeps its index in the test prompts as its noise seed, so the scores come back in
     the test prompts' order; the prompt cache encodes c's prompts at c's guidance."""
-    from flow_factory import sampling
+    from flow_factory import eval_sampling, sampling
     from flow_factory.data import load_sources
 
     cfg = parse_config(_eval_only_config(tmp_path, eval_num_inference_steps=2, eval_guidance_scale=1.0))
@@ -241,18 +241,18 @@ def test_each_dataset_is_evaluated_with_its_own_steps_and_guidance(tmp_path, mon
         return sampling.Rollouts(prompts=[it.prompt for it in part], group_ids=empty, latents=empty,
                                  log_probs=empty, sigmas=empty, sde_steps=[], cond={}, media=empty,
                                  rewards={"r": torch.tensor([float(i) for i in sample_ids])})
-    monkeypatch.setattr(sampling, "sample_prompts", sample_prompts)
-    scores, _ = sampling.sample_eval(None, items, sampling.eval_parts(cfg, items), lambda n: slice(0, n))
+    monkeypatch.setattr(eval_sampling, "sample_prompts", sample_prompts)
+    scores, _ = eval_sampling.sample_eval(None, items, eval_sampling.eval_parts(cfg, items), lambda n: slice(0, n))
     assert calls == [(["a", "b"], 5, 4.5, [0, 1]), (["c", "c"], 2, 1.0, [2, 3])]
     assert scores["r"].tolist() == [0.0, 1.0, 2.0, 3.0]
-    assert [sampling.eval_guidance(cfg, it.dataset) for it in items] == [4.5, 4.5, 1.0, 1.0]
+    assert [eval_sampling.eval_guidance(cfg, it.dataset) for it in items] == [4.5, 4.5, 1.0, 1.0]
 
 
 def test_eval_num_samples_is_split_evenly_over_the_evaluated_datasets(tmp_path):
     """a, b and c hold 2, 2 and 4 test prompts (a's, b's, c's first ones): 3 evaluates one of each, 7 takes
     what a and b lack from c; one dataset's cap takes its first prompts, as before."""
     from flow_factory.data import load_sources
-    from flow_factory.sampling import eval_items
+    from flow_factory.eval_sampling import eval_items
 
     config = _eval_only_config(tmp_path)
     (tmp_path / "c" / "test.txt").write_text("".join(f"c test {i}\n" for i in range(4)))
@@ -273,7 +273,7 @@ def test_the_eval_grid_shows_each_datasets_samples_labelled(tmp_path, monkeypatc
     """a and b share the eval section's settings (one part), c has its own (a second part): the grid's 16 split
     over the three, each its first test prompts, each led by its dataset's name; with 2 the grid still shows one
     of each dataset (before, the grid showed the first part's samples alone)."""
-    from flow_factory import sampling
+    from flow_factory import eval_sampling, sampling
     from flow_factory.data import load_sources
 
     config = _eval_only_config(tmp_path, eval_guidance_scale=1.0)
@@ -286,17 +286,17 @@ def test_the_eval_grid_shows_each_datasets_samples_labelled(tmp_path, monkeypatc
                                  latents=torch.empty(0), log_probs=torch.empty(0), sigmas=torch.empty(0),
                                  sde_steps=[], cond={}, media=torch.tensor(sample_ids).float().reshape(-1, 1, 1, 1),
                                  rewards={"r": torch.tensor([float(i) for i in sample_ids])})
-    monkeypatch.setattr(sampling, "sample_prompts", sample_prompts)
-    parts = sampling.eval_parts(cfg, items)
-    _, rollouts = sampling.sample_eval(None, items, parts, lambda n: slice(0, n))
+    monkeypatch.setattr(eval_sampling, "sample_prompts", sample_prompts)
+    parts = eval_sampling.eval_parts(cfg, items)
+    _, rollouts = eval_sampling.sample_eval(None, items, parts, lambda n: slice(0, n))
     assert len(rollouts) == 2 and len(rollouts[0].prompts) == 21  # a's 20 and b's 1; c's 2
-    shown = sampling.grid_samples(rollouts, [it.dataset for it in items])
+    shown = eval_sampling.grid_samples(rollouts, [it.dataset for it in items])
     prompts = [prompt for prompt, *_ in shown]
     assert prompts == [f"[a] a test {i}" for i in range(13)] + ["[b] a b test", "[c] a c test one",
                                                                  "[c] a c test two"], prompts
     assert [float(media) for _, media, *_ in shown] == [float(it) for it in [*range(13), 20, 21, 22]]
     assert [rewards for *_, rewards, _ in shown][-1] == {"r": 22.0}
-    two = sampling.grid_samples(rollouts, [it.dataset for it in items], shown=2)
+    two = eval_sampling.grid_samples(rollouts, [it.dataset for it in items], shown=2)
     assert [prompt.split("]")[0] for prompt, *_ in two] == ["[a", "[b", "[c"]
 
 
@@ -383,7 +383,7 @@ def test_flow_factorys_per_dataset_eval_resolution_is_each_datasets_own():
     int or [height, width], null inheriting the eval section's; ``get_merged_eval_kwargs`` samples the dataset at
     it): each dataset's ``eval_resolution`` here, the eval section's left as it is (before: refused unless the
     datasets agreed)."""
-    from flow_factory.sampling import eval_resolution
+    from flow_factory.eval_sampling import eval_resolution
 
     upstream = minimal(eval={"resolution": 256})
     upstream["data"] = {"datasets": [
@@ -407,8 +407,9 @@ def test_each_test_prompt_is_prepared_at_its_datasets_eval_size(tmp_path, monkey
     from types import SimpleNamespace
 
     from flow_factory.data import load_sources
+    from flow_factory.eval_sampling import eval_parts
     from flow_factory.models import get_adapter_class
-    from flow_factory.sampling import SamplingSettings, eval_parts
+    from flow_factory.sampling import SamplingSettings
     from flow_factory.trainer import caches
     from flow_factory.trainer.run_data import load_run_data
 

@@ -11,7 +11,7 @@ from flow_factory.models.conditioning import cat_cond
 from flow_factory.models.lora import make_trainable
 from flow_factory.plan import make_plan
 from flow_factory.plan.report import as_json, as_text
-from flow_factory.sampling import eval_items, eval_parts, eval_sizes, sample_eval
+from flow_factory.eval_sampling import eval_items, eval_parts, eval_sizes, sample_eval
 
 from helpers_runs import TEST_PROMPTS, tiny_run_config
 

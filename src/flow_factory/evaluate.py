@@ -57,7 +57,7 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
 
 
 def evaluate_config(cfg, checkpoint=None):
-    """(summary over every test prompt, this process's rollouts of each part: ``sampling.eval_parts``, each test
+    """(summary over every test prompt, this process's rollouts of each part: ``eval_sampling.eval_parts``, each test
     prompt's dataset) of ``cfg``'s eval rewards on its test prompts, each dataset's sampled at its own eval steps,
     guidance and resolution; on several processes each samples its share of each part (``data.share_slice``)."""
     import torch
@@ -69,7 +69,8 @@ def evaluate_config(cfg, checkpoint=None):
     from .precision import Precision, avoid_cudnn_attention, run_mixed_precision
     from .prompt_cache import ConditionCache, PromptCache
     from .rewards import RewardSet
-    from .sampling import eval_items, eval_parts, eval_sizes, load_split, sample_eval
+    from .eval_sampling import eval_items, eval_parts, eval_sizes, sample_eval
+    from .sampling import load_split
     from .sharding import accelerator_kwargs
 
     own_process.imports_done()
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     from accelerate import PartialState
     from accelerate.utils import gather_object
 
-    from .sampling import grid_samples
+    from .eval_sampling import grid_samples
 
     # every process's samples, in prompt order (shares may differ in size); the main process writes them
     # a reward routed to other datasets did not score a sample (NaN): the sample has no entry for it

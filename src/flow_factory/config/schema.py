@@ -201,8 +201,8 @@ class Config(Section):
         return out + self._eval_only_problems() + self._eval_cap_problems()
 
     def _eval_cap_problems(self) -> list[str]:
-        """eval.num_samples is split evenly over the evaluated datasets (``sampling.eval_items``): a cap below their
-        number would leave some out of the evaluation."""
+        """eval.num_samples is split evenly over the evaluated datasets (``eval_sampling.eval_items``): a cap below
+        their number would leave some out of the evaluation."""
         evaluated = [s.name for s in self.data.sources if s.eval] if self.data.datasets is not None else []
         cap = self.eval.num_samples
         if cap is None or cap >= len(evaluated):

@@ -122,7 +122,7 @@ def caption(prompt: str, rewards: dict[str, float]) -> str:
 
 def eval_grid(samples: list[tuple]) -> Image.Image | list[Image.Image]:
     """The grid of an eval's ``samples`` (prompt, media, rewards, condition media), each captioned with its rewards
-    (``sampling.grid_samples`` picks them); each dataset's samples may have a size of their own."""
+    (``eval_sampling.grid_samples`` picks them); each dataset's samples may have a size of their own."""
     conditions = [cond for *_, cond in samples]
     return sample_grid([media for _, media, _, _ in samples],
                        [caption(prompt, rewards) for prompt, _, rewards, _ in samples],

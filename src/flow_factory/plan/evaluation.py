@@ -1,5 +1,5 @@
 """What a run's evaluation adds to its plan: every ``eval.eval_freq`` epochs (and the final weights) the trainer
-samples each evaluated dataset's test prompts (``sampling.eval_parts``: each dataset at its own size, steps and
+samples each evaluated dataset's test prompts (``eval_sampling.eval_parts``: each dataset at its own size, steps and
 guidance, ``eval.per_device_batch_size`` prompts a call, ODE without gradients), decodes and scores them.
 
 Memory: the eval's largest transformer call or decode (measured as the rollout's are, at each distinct size and
@@ -49,7 +49,7 @@ class EvalCall:
 
 @dataclass(frozen=True)
 class EvalPart:
-    """One evaluated dataset's test prompts, as ``sampling.eval_parts`` samples them."""
+    """One evaluated dataset's test prompts, as ``eval_sampling.eval_parts`` samples them."""
 
     dataset: str | None
     call: EvalCall
@@ -94,7 +94,7 @@ def evaluated_prompts(cfg, notes: list[str]) -> list | None:
     note where the test split cannot be read here."""
     from ..data import load_sources
     from ..data.prompts import PromptFileError
-    from ..sampling import eval_items
+    from ..eval_sampling import eval_items
 
     try:
         return eval_items(load_sources(cfg.data.split_sources("test"), "test"), cfg.eval.num_samples)
@@ -106,7 +106,7 @@ def evaluated_prompts(cfg, notes: list[str]) -> list | None:
 
 def eval_plan(cfg, adapter_cls, num_processes: int, notes: list[str]) -> EvalPlan | None:
     """The eval of ``cfg`` on ``num_processes`` processes, each part at its size and batch; None without one."""
-    from ..sampling import eval_parts, eval_settings, eval_sizes
+    from ..eval_sampling import eval_parts, eval_settings, eval_sizes
 
     if not evaluates(cfg):
         return None

@@ -5,7 +5,8 @@ conditioned model's condition files encoded once for the sizes train and eval pr
 from __future__ import annotations
 
 from ..prompt_cache import ConditionCache, PromptCache
-from ..sampling import SamplingSettings, eval_guidance, eval_settings
+from ..eval_sampling import eval_guidance, eval_settings
+from ..sampling import SamplingSettings
 
 
 def cache_share(cfg, accelerator) -> dict:

@@ -73,7 +73,7 @@ def eval_means(every: dict[str, torch.Tensor], items: list, reward_set, source_n
 
 
 def save_eval_grid(samples: list[tuple], path: Path, video_format: str, fps: int):
-    """The eval's ``samples`` (``sampling.grid_samples``: each dataset's), captioned with their rewards and beside
+    """The eval's ``samples`` (``eval_sampling.grid_samples``: each dataset's), captioned with their rewards and beside
     their conditions: a PNG, or for a video model an mp4 or an animated GIF (``log.video_format``); returns (the
     grid, its file)."""
     grid = eval_grid(samples)

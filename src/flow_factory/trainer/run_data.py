@@ -15,7 +15,8 @@ from ..config.algorithms import OFFLINE_TRAINER_TYPES
 from ..data import MissingPromptFile, epoch_sampler
 from ..data.offline import OFFLINE_KINDS, load_offline_sources, offline_video
 from ..data.sources import source_indices
-from ..sampling import eval_sizes, load_split, split_size
+from ..eval_sampling import eval_sizes
+from ..sampling import load_split, split_size
 from ..start_checks import check_prompt_counts
 
 logger = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from ..models import get_adapter_class
 from ..models.preflight import check_before_loading, check_reward_inputs
 from ..rewards import RewardSet
 from ..rollout_cache import RolloutCache
-from ..sampling import (Rollouts, SamplingServices, SamplingSettings, collect_rollouts, condition_size, eval_items,
-                        eval_parts, grid_samples, sample_eval)
+from ..eval_sampling import eval_items, eval_parts, grid_samples, sample_eval
+from ..sampling import Rollouts, SamplingServices, SamplingSettings, collect_rollouts, condition_size
 from ..seeding import generator
 from ..timer import PhaseTimer
 from .backends import Backend, make_accelerator
