@@ -177,48 +177,19 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
     meta = build_pipeline(cfg.model.model_type, cfg.model.model_name_or_path, precision.load)
     adapter, train, notes = meta.adapter, cfg.train, []
     trained = make_trainable(adapter, cfg, precision.master)
-    (height, width), frames = train.height_width, train.num_frames
-    condition_size = None if train.condition_image_size is None else resolution_pair(train.condition_image_size)
-    latent = adapter.latent_shape(height, width, frames)
-
-    def call(rows: int, scale: float, grad: bool, at: EvalCall | None = None) -> Measured:
-        """A transformer call at the training size, or at an eval call's (``at``)."""
-        h, w, f, c = (height, width, frames, condition_size) if at is None else \
-            (at.height, at.width, at.num_frames, at.condition_size)
-        shape, cond = adapter.latent_shape(h, w, f), conditioning(adapter, rows, scale, h, w, f, c, text_tokens)
-        return unless_values_read(lambda: measure_scaled(
-            lambda: measure_velocity(adapter, torch.zeros(rows, *shape), 0.9 if grad else 1.0, cond, scale, grad,
-                                     precision.autocast_dtype), adapter.transformers),
-            f"{'training' if grad else 'sampling' if at is None else at.key} call", notes)
-
-    b = train.per_device_batch_size
-    per_call = cfg.trained_steps_per_sample if train.steps_per_call == "all" else train.steps_per_call
-    loss_scale = getattr(train, "loss_guidance_scale", train.guidance_scale)
-    rows = b * 2 if ALGORITHM_SPECS[train.trainer_type].pairs_per_group else b  # dpo: a micro-batch of b pairs
-    calls = {**offline_calls(cfg, notes), **(calls or {})}
-    for name, measure in (("rollout", lambda: call(b, train.guidance_scale, False)),
-                          ("training", lambda: call(rows * per_call, loss_scale, True)),
-                          ("decode", lambda: decode(adapter, b, latent, precision, notes))):
-        calls[name] = calls[name] if name in calls else measure()
-    add_phase_calls(cfg, adapter, call, calls, Call(rows * per_call, float(loss_scale), True))  # distillation
-    evaluation = eval_plan(cfg, type(adapter), n, notes)
-    add_eval_calls(evaluation, calls, call, lambda at: decode(adapter, at.rows, adapter.latent_shape(
-        at.height, at.width, at.num_frames), precision, notes))
+    size = TrainingSize.of(train, adapter)
+    calls, evaluation = measure_calls(cfg, adapter, precision, text_tokens, n, notes, calls)
 
     networks = denoisers(adapter, trained, precision, calls["training"])
     trained_bytes = sum(net.trained * net.master_bytes for net in networks)
     reference = sum(net.params * net.load_bytes for net in networks if net.trained)
     copies, sharded = weight_copies(cfg, trained_bytes, reference)
-    counted = set()  # an eval reward that is a training reward's model shares it (Trainer._setup_rewards)
-    reward_bytes, rewards = reward_models(cfg, notes, counted=counted)
-    eval_rewards = rewards
-    if cfg.eval_rewards:  # a reward set of their own, loaded beside the training one for the whole run
-        eval_bytes, eval_rewards = reward_models(cfg, notes, "eval_rewards", counted)
-        reward_bytes += eval_bytes
+    reward_bytes, rewards, eval_rewards = run_reward_models(cfg, notes)
     cond_bytes = sum(v[0].numel() * precision.load.itemsize for v in
-                     conditioning(adapter, 1, train.guidance_scale, height, width, frames, condition_size,
-                                  text_tokens).values())
-    epoch, batch = trajectory_bytes(cfg, adapter, int(torch.Size(latent).numel()), precision.storage, cond_bytes)
+                     conditioning(adapter, 1, train.guidance_scale, size.height, size.width, size.frames,
+                                  size.condition_size, text_tokens).values())
+    epoch, batch = trajectory_bytes(cfg, adapter, int(torch.Size(size.latent).numel()), precision.storage,
+                                    cond_bytes)
     roles = meta.of_role
     sizes = memory.Sizes(
         networks=networks,
@@ -235,11 +206,77 @@ def make_plan(cfg, gpu: str = "h100", num_processes: int | None = None, device: 
                 {name: {"class": c.class_name, "params": c.params, "bytes": c.bytes, "role": c.role}
                  for name, c in meta.components.items()}, trained, sizes, calls, notes=notes + meta.notes,
                 utilisation=utilisation, evaluation=evaluation)
-    plan.flops = epoch_flops(cfg, n, calls, rewards, per_call)
+    plan.flops = epoch_flops(cfg, n, calls, rewards, steps_per_call(cfg))
     if evaluation and evaluation.counted:  # every eval_freq epochs: its share of each epoch
         evaluation.reward_flops_per_sample = reward_flops(cfg, eval_rewards, 1, cfg.eval.num_frames)
         plan.flops["eval"] = plan.eval_flops / evaluation.eval_freq
     return plan
+
+
+@dataclass(frozen=True)
+class TrainingSize:
+    """What a training sample is generated at: its size, frames, condition images' size and latent shape."""
+
+    height: int
+    width: int
+    frames: int | None
+    condition_size: tuple[int, int] | None
+    latent: tuple
+
+    @staticmethod
+    def of(train, adapter) -> "TrainingSize":
+        (height, width), frames = train.height_width, train.num_frames
+        condition_size = None if train.condition_image_size is None else resolution_pair(train.condition_image_size)
+        return TrainingSize(height, width, frames, condition_size, tuple(adapter.latent_shape(height, width, frames)))
+
+
+def steps_per_call(cfg) -> int:
+    """The trained steps of a sample one training call takes (``train.steps_per_call``, "all": every one)."""
+    return cfg.trained_steps_per_sample if cfg.train.steps_per_call == "all" else cfg.train.steps_per_call
+
+
+def measure_calls(cfg, adapter, precision: Precision, text_tokens, n: int, notes: list[str],
+                  calls: dict[str, Measured] | None) -> tuple[dict[str, Measured], EvalPlan | None]:
+    """Each call the plan counts, measured on the meta device unless ``calls`` holds it (another plan's): the
+    rollout's, the training micro-batch's and the decode's at the training size, the distillation phases', and the
+    eval's at each of its sizes; with the eval's plan on ``n`` processes (None: the run does not evaluate)."""
+    train, size = cfg.train, TrainingSize.of(cfg.train, adapter)
+
+    def call(rows: int, scale: float, grad: bool, at: EvalCall | None = None) -> Measured:
+        """A transformer call at the training size, or at an eval call's (``at``)."""
+        h, w, f, c = (size.height, size.width, size.frames, size.condition_size) if at is None else \
+            (at.height, at.width, at.num_frames, at.condition_size)
+        shape, cond = adapter.latent_shape(h, w, f), conditioning(adapter, rows, scale, h, w, f, c, text_tokens)
+        return unless_values_read(lambda: measure_scaled(
+            lambda: measure_velocity(adapter, torch.zeros(rows, *shape), 0.9 if grad else 1.0, cond, scale, grad,
+                                     precision.autocast_dtype), adapter.transformers),
+            f"{'training' if grad else 'sampling' if at is None else at.key} call", notes)
+
+    b, per_call = train.per_device_batch_size, steps_per_call(cfg)
+    loss_scale = getattr(train, "loss_guidance_scale", train.guidance_scale)
+    rows = b * 2 if ALGORITHM_SPECS[train.trainer_type].pairs_per_group else b  # dpo: a micro-batch of b pairs
+    calls = {**offline_calls(cfg, notes), **(calls or {})}
+    for name, measure in (("rollout", lambda: call(b, train.guidance_scale, False)),
+                          ("training", lambda: call(rows * per_call, loss_scale, True)),
+                          ("decode", lambda: decode(adapter, b, size.latent, precision, notes))):
+        calls[name] = calls[name] if name in calls else measure()
+    add_phase_calls(cfg, adapter, call, calls, Call(rows * per_call, float(loss_scale), True))  # distillation
+    evaluation = eval_plan(cfg, type(adapter), n, notes)
+    add_eval_calls(evaluation, calls, call, lambda at: decode(adapter, at.rows, adapter.latent_shape(
+        at.height, at.width, at.num_frames), precision, notes))
+    return calls, evaluation
+
+
+def run_reward_models(cfg, notes: list[str]) -> tuple[int, list, list]:
+    """Bytes of every reward model a run holds, and (name, meta model) of each of its ``rewards`` and of its
+    ``eval_rewards`` (a set of their own, beside the training one for the whole run; a model the two share,
+    ``Trainer._setup_rewards``, counted once)."""
+    counted = set()
+    total, rewards = reward_models(cfg, notes, counted=counted)
+    if not cfg.eval_rewards:
+        return total, rewards, rewards
+    eval_bytes, eval_rewards = reward_models(cfg, notes, "eval_rewards", counted)
+    return total + eval_bytes, rewards, eval_rewards
 
 
 def add_eval_calls(evaluation: EvalPlan | None, calls: dict[str, Measured], call, decode_at) -> None:
