@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from flow_factory.algorithms import make_algorithm
 from flow_factory.config import parse_config

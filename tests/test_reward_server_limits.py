@@ -9,7 +9,6 @@ Requests are made to merge without timing: the first compute_reward call is held
 
 import base64
 import http.server
-import io
 import json
 import struct
 import threading

@@ -3,7 +3,6 @@ restart survival, timeouts, payload validation, auth, a served built-in, torch-f
 and against Flow-Factory's reward server template, started as its users start it."""
 
 import base64
-import io
 import os
 import re
 import socket

@@ -1,7 +1,6 @@
 """Training timesteps, EMA schedules and weight copies, DPM-Solver++2M, and the config
 rules of the decoupled algorithms."""
 
-import math
 
 import pytest
 import torch
