@@ -545,6 +545,26 @@ def test_the_condition_cache_holds_what_encode_conditions_gives(tmp_path, tiny_f
     assert condition_fingerprint(adapter) != cache.folder.name
 
 
+def test_the_condition_cache_folder_is_the_same_in_every_process(tiny_flux_kontext_path):
+    """diffusers lists the config keys left at their defaults (``_use_default_values``) from a set, in an order
+    each interpreter's hash seed decides: the fingerprint, which names the folder every process of a launch writes
+    to, must not read it (a 2-process run crashed writing into a folder process 0 never made)."""
+    from diffusers.configuration_utils import FrozenDict
+
+    from flow_factory.prompt_cache import condition_fingerprint
+
+    adapter = load_adapter("flux1-kontext", tiny_flux_kontext_path)
+    before = condition_fingerprint(adapter)
+    reordered = 0
+    for part in adapter.condition_encoders().values():  # as another process would list them
+        defaulted = list(getattr(part, "config", {}).get("_use_default_values", []))
+        if len(defaulted) > 1:
+            part._internal_dict = FrozenDict({**part.config, "_use_default_values": defaulted[::-1]})
+            reordered += 1
+    assert reordered, "no condition encoder lists defaulted keys: the test checks nothing"
+    assert condition_fingerprint(adapter) == before
+
+
 def test_a_run_with_the_condition_cache_ends_with_the_weights_of_a_run_without(tmp_path, tiny_flux_kontext_path,
                                                                                monkeypatch):
     """The same encoder calls give the same run: the cache encodes one row at a time, as the rollouts do

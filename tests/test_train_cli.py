@@ -235,21 +235,34 @@ TERMS = EPOCHS * SAMPLES * STEPS * 2 * (77 + 256)
 # is a fixed multiple of that sum (linear step), so the two runs' LoRAs may differ by 2 n u = 3.8e-3 of
 # how far the weights moved. Measured here: 0.6e-5 to 4.6e-5 (5 seeds, ATEN_CPU_CAPABILITY avx2 and
 # default); an update that really differs, by 2 % in the wrong variant below, shows as 2e-2.
+# Qwen-Image-2.1's sums have fewer terms (no CFG, one sequence of at most 54 text and 16 image tokens): for it the
+# bound is looser.
 TOLERANCE = 2 * TERMS * U
 
+# Each model's run (SAMPLES samples an epoch). SD3: 2 prompts x 4 samples, so each process samples one
+# prompt. Qwen-Image-2.1 calls its transformer once per text length (``velocity``): 4 prompts of 4 text
+# lengths x 2 samples in micro-batches of 4, so every micro-batch holds two lengths or more, and each
+# backward follows several forwards of the DDP-wrapped transformer.
+SAME_UPDATE_RUNS = {"sd3-5": {"group_size": 4},
+                    "qwen-image-2.1": {"group_size": 2, "unique_sample_num_per_epoch": 4, "per_device_batch_size": 4}}
+PROMPTS_OF_FOUR_LENGTHS = ["a cat", "a red circle", "a cat on a mat", "two yellow stars in a dark blue sky"]
 
-def _train_in_subprocess(folder: Path, model_path, processes: int, **train) -> dict:
+
+def _train_in_subprocess(folder: Path, model_path, processes: int, model_type: str = "sd3-5", **train) -> dict:
     """The real CLI in its own process (``accelerate launch`` for 2, gloo on CPU) with a deadline:
     a distributed hang fails, it does not stall CI. Returns the final LoRA."""
-    return _start_training(folder, model_path, processes, **train)()
+    return _start_training(folder, model_path, processes, model_type, **train)()
 
 
-def _start_training(folder: Path, model_path, processes: int, **train):
+def _start_training(folder: Path, model_path, processes: int, model_type: str = "sd3-5", **train):
     """``_train_in_subprocess`` started, not awaited: call the result for the final LoRA. A one-process run
     (the reference) runs in this process, to its end, before this returns."""
     from safetensors.torch import load_file
 
-    config = tiny_run_config(folder, "sd3-5", model_path, max_epochs=EPOCHS, group_size=4, **{**LINEAR_STEP, **train})
+    config = tiny_run_config(folder, model_type, model_path, max_epochs=EPOCHS,
+                             **{**SAME_UPDATE_RUNS[model_type], **LINEAR_STEP, **train})
+    if model_type == "qwen-image-2.1":
+        Path(config["data"]["dataset_dir"], "train.txt").write_text("\n".join(PROMPTS_OF_FOUR_LENGTHS) + "\n")
     config["eval"]["eval_freq"] = 0
     config["rewards"] = [{"name": "brightness", "reward_model": "helpers_rewards.MeanBrightness"}]
     # one thread in every process of both runs: no thread-count-dependent kernel splits
@@ -289,16 +302,29 @@ def _difference_over_movement(reference: dict, other: dict) -> tuple[float, floa
     return difference / moved, moved
 
 
-def test_two_processes_make_the_same_update_as_one(tmp_path, tiny_sd3_path):
+def _text_lengths(model_type: str, model_path, prompts: list[str]) -> list[int]:
+    """The prompts' text lengths (unpadded tokens), as the model encodes them."""
+    adapter = get_adapter_class(model_type).from_pretrained(str(model_path))
+    return adapter.encode(prompts, guidance_scale=1.0)["prompt_embeds_mask"].sum(1).tolist()
+
+@pytest.mark.parametrize("model_type", SAME_UPDATE_RUNS)
+def test_two_processes_make_the_same_update_as_one(tmp_path, model_type, request):
     """DESIGN invariant 4: the same global batch on 1 and on 2 processes gives the same LoRA after 2
     epochs (the same advantages, the same averaged gradient, the same second-epoch prompts), up to
-    float32 rounding (TOLERANCE, derived above); and a run that really makes a different update is
-    rejected (one process suffices for that: it checks the comparison, not the launch)."""
+    float32 rounding (TOLERANCE, derived above), also where a micro-batch's loss comes from several
+    forwards of the DDP-wrapped transformer (Qwen-Image-2.1, SAME_UPDATE_RUNS); and a run that really
+    makes a different update is rejected (one process suffices for that: it checks the comparison, not
+    the launch)."""
+    model_path = request.getfixturevalue(TINY_MODELS[model_type][0])
+    if model_type == "qwen-image-2.1":  # four text lengths: velocity calls the transformer once per length
+        lengths = _text_lengths(model_type, model_path, PROMPTS_OF_FOUR_LENGTHS)
+        assert len(set(lengths)) == len(PROMPTS_OF_FOUR_LENGTHS), lengths
     # the deliberately wrong variant: an update 2 % larger, which the comparison must reject
-    runs = [_start_training(tmp_path / "p1", tiny_sd3_path, 1),
-            _start_training(tmp_path / "wrong", tiny_sd3_path, 1, learning_rate=1.02 * LINEAR_STEP["learning_rate"])]
+    runs = [_start_training(tmp_path / "p1", model_path, 1, model_type),
+            _start_training(tmp_path / "wrong", model_path, 1, model_type,
+                            learning_rate=1.02 * LINEAR_STEP["learning_rate"])]
     one, wrong = (finish() for finish in runs)
-    two = _train_in_subprocess(tmp_path / "p2", tiny_sd3_path, 2)
+    two = _train_in_subprocess(tmp_path / "p2", model_path, 2, model_type)
     # each process encoded its share of the prompt cache (shards are named by the rank that wrote them)
     assert {p.name[:3] for p in (tmp_path / "p2" / "prompt_cache").rglob("*.safetensors")} == {"000", "001"}
     relative, moved = _difference_over_movement(one, two)

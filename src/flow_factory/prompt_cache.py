@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -44,6 +45,15 @@ SAMPLED_VALUES = 4096  # values of each weight tensor that enter the fingerprint
 # file system (NFS, data.preprocess_parallelism: global) may list a file written on another machine
 # only after its directory cache expires (NFS's acdirmax is 60 s by default)
 VISIBLE_WITHIN_S = 90.0
+# a config's entries about itself, which no encoding depends on: names, versions, and diffusers' list of the keys
+# left at their defaults (their values are hashed; the list is built from a set, in an order each interpreter's
+# hash seed decides, so the processes of one launch would name different folders)
+NOT_HASHED = ("_name_or_path", "transformers_version", "_diffusers_version", "_use_default_values")
+
+
+def hashed_config(config: Mapping) -> str:
+    """A config's entries that an encoding depends on, as the fingerprints hash them."""
+    return json.dumps({k: v for k, v in config.items() if k not in NOT_HASHED}, sort_keys=True, default=str)
 
 
 def encoder_fingerprint(adapter) -> str:
@@ -52,9 +62,7 @@ def encoder_fingerprint(adapter) -> str:
     for name, module in sorted(adapter.text_encoders().items()):
         # a transformers config, or a diffusers one (a FrozenDict: LTX-2's text connectors)
         config = module.config.to_dict() if hasattr(module.config, "to_dict") else dict(module.config)
-        config = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version",
-                                                                "_diffusers_version")}
-        h.update(f"{name} {type(module).__name__} {json.dumps(config, sort_keys=True, default=str)}".encode())
+        h.update(f"{name} {type(module).__name__} {hashed_config(config)}".encode())
         for key, tensor in module.state_dict().items():
             h.update(f"{key} {tuple(tensor.shape)} {tensor.dtype} {weight_checksum(tensor)}".encode())
     for name, tokenizer in sorted(adapter.tokenizers().items()):
@@ -240,9 +248,7 @@ def condition_fingerprint(adapter) -> str:
         config = getattr(part, "config", None)  # diffusers' and transformers' models and diffusers' processors
         config = (config.to_dict() if hasattr(config, "to_dict") else dict(config) if config is not None
                   else part.to_dict())  # transformers' image processors
-        config = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version",
-                                                               "_diffusers_version")}
-        h.update(f"{name} {type(part).__name__} {json.dumps(config, sort_keys=True, default=str)}".encode())
+        h.update(f"{name} {type(part).__name__} {hashed_config(config)}".encode())
         if isinstance(part, torch.nn.Module):
             for key, tensor in part.state_dict().items():
                 h.update(f"{key} {tuple(tensor.shape)} {tensor.dtype} {weight_checksum(tensor)}".encode())
