@@ -219,7 +219,7 @@ U = 2.0 ** -24  # float32 unit roundoff
 # it turns a rounding-level difference of a small gradient entry into a full-size difference of a
 # weight. lr / eps = 10 moves the LoRA about as far as Adam at lr 1e-3; no weight decay (it scales with lr).
 LINEAR_STEP = {"learning_rate": 1e9, "adam_epsilon": 1e8, "adam_weight_decay": 0.0}
-EPOCHS, SAMPLES, STEPS = 2, 8, 3  # 2 epochs of 2 prompts x 4 samples, 3 steps each, every step trained
+EPOCHS, SAMPLES, STEPS = 2, 8, 1  # 2 epochs of 2 prompts x 4 samples, each trained at its one SDE step of 3
 # The longest float32 sum behind one LoRA gradient entry runs over rows: every sample, at every
 # trained step, in both halves of CFG, at every token of the text stream (77 CLIP + 256 T5; the image
 # stream has 4 x 4 = 16); the linear step then adds the epochs' gradients.
@@ -232,7 +232,7 @@ TERMS = EPOCHS * SAMPLES * STEPS * 2 * (77 + 256)
 # at most 2 (n - 1) u sum|t|: 2 n u of the sum when the terms do not cancel. GRPO's terms have random
 # signs (advantages are +-, SDE noise is +-), so sum|t| ~ sqrt(n) |sum t|, but then the rounding errors
 # have random signs too and add up to ~sqrt(2 n) u sum|t|, again ~2 n u of the sum. The weights' change
-# is a fixed multiple of that sum (linear step), so the two runs' LoRAs may differ by 2 n u = 3.8e-3 of
+# is a fixed multiple of that sum (linear step), so the two runs' LoRAs may differ by 2 n u = 1.3e-3 of
 # how far the weights moved. Measured here: 0.6e-5 to 4.6e-5 (5 seeds, ATEN_CPU_CAPABILITY avx2 and
 # default); an update that really differs, by 2 % in the wrong variant below, shows as 2e-2.
 # Qwen-Image-2.1's sums have fewer terms (no CFG, one sequence of at most 54 text and 16 image tokens): for it the
