@@ -270,3 +270,31 @@ def test_ff_eval_reads_the_runs_cache_and_matches_its_evaluation(tmp_path, tiny_
     final = trainer.eval_history[-1]
     assert final["epoch"] == 1
     assert summary["jpeg"]["mean"] == pytest.approx(final["eval/reward/jpeg"], abs=1e-6)
+
+
+# what a process of a launch prints about the tiny model it loads: the cache folders it names and the order of the
+# LoRA parameters its optimizer steps
+_CROSS_PROCESS = """
+import sys
+from flow_factory.models import load_adapter
+from flow_factory.models.lora import apply_lora
+from flow_factory.prompt_cache import condition_fingerprint, encoder_fingerprint
+adapter = load_adapter("sd3-5", sys.argv[1])
+print(encoder_fingerprint(adapter), condition_fingerprint(adapter))
+apply_lora(adapter.transformer, 2, 2.0, "default", adapter.default_lora_targets)
+print(*(n for n, p in adapter.transformer.named_parameters() if p.requires_grad))
+"""
+
+
+def test_every_process_names_the_same_cache_folders_and_parameter_order(tiny_sd3_path):
+    """The processes of a launch (and a run's resume) are fresh interpreters, each with its own hash seed: what they
+    must agree on may not follow set order or ``hash()`` (the condition fingerprint hashed diffusers' list of
+    defaulted keys, made from a set: process 1 named a folder process 0 never made)."""
+    import subprocess
+    import sys
+
+    said = [subprocess.run([sys.executable, "-c", _CROSS_PROCESS, str(tiny_sd3_path)], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout.splitlines()
+            for seed in ("1", "2")]
+    assert said[0][0].split()[1].startswith("conditions-") and len(said[0][1].split()) > 1, said[0]
+    assert said[0] == said[1]
