@@ -298,3 +298,17 @@ def test_every_process_names_the_same_cache_folders_and_parameter_order(tiny_sd3
             for seed in ("1", "2")]
     assert said[0][0].split()[1].startswith("conditions-") and len(said[0][1].split()) > 1, said[0]
     assert said[0] == said[1]
+
+
+def test_a_set_in_a_config_is_hashed_in_one_order():
+    """A set-valued config entry iterates in its interpreter's hash-seed order: the fingerprints hash it sorted, so
+    two processes of a launch (each its own seed) agree."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from flow_factory.prompt_cache import hashed_config; "
+            "print(hashed_config({'targets': {f'module_{i}' for i in range(20)}}))")
+    hashed = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                             capture_output=True, text=True, check=True).stdout for seed in ("1", "2")}
+    assert len(hashed) == 1 and "module_19" in hashed.pop()

@@ -52,8 +52,13 @@ NOT_HASHED = ("_name_or_path", "transformers_version", "_diffusers_version", "_u
 
 
 def hashed_config(config: Mapping) -> str:
-    """A config's entries that an encoding depends on, as the fingerprints hash them."""
-    return json.dumps({k: v for k, v in config.items() if k not in NOT_HASHED}, sort_keys=True, default=str)
+    """A config's entries that an encoding depends on, as the fingerprints hash them (a set's items sorted: its
+    own order is the hash seed's)."""
+    return json.dumps({k: v for k, v in config.items() if k not in NOT_HASHED}, sort_keys=True, default=_json_value)
+
+
+def _json_value(value) -> object:
+    return sorted(map(str, value)) if isinstance(value, (set, frozenset)) else str(value)
 
 
 def encoder_fingerprint(adapter) -> str:
