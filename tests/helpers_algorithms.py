@@ -46,6 +46,20 @@ def perturb_lora(transformer, scale: float = 0.05, which: str = "lora_B", seed: 
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
+def grpo_on_perturbed_lora(adapter, dynamics, guidance_scale: float):
+    """(GRPO's loss, the LoRA policy of ``adapter``) with LoRA put on its transformer and given weight
+    (``perturb_lora``), so the policy differs from the base model: what the on-policy check runs."""
+    from flow_factory.algorithms import make_algorithm
+    from flow_factory.config.train import TrainConfig
+    from flow_factory.models import apply_lora
+    from flow_factory.trainer.policy import AdapterPolicy
+
+    apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
+    perturb_lora(adapter.transformer, 0.05)
+    algorithm = make_algorithm("grpo", TrainConfig(kl_type="v-based"), dynamics)
+    return algorithm, AdapterPolicy(adapter, guidance_scale, "lora", keep_reference=False)
+
+
 def assert_on_policy(algorithm, policy, traj, cond, backward: bool = False, autocast=nullcontext) -> None:
     """At every stochastic step of ``traj``, the importance ratio of the policy that sampled it is 1
     (within 1e-6); ``backward``: each step's loss is backpropagated too; ``autocast``: the networks'

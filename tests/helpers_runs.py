@@ -86,6 +86,22 @@ def write_conditioned_dataset(folder: Path, videos: bool = False) -> Path:
     return folder
 
 
+def write_mixed_condition_dataset(folder: Path) -> Path:
+    """train.jsonl / test.jsonl of a model taking 0 or several condition images a row: rows with one image, with
+    two (of other sizes), and without any (text to image in the same run)."""
+    import json
+
+    images = {"a.png": ((100, 72), (200, 30, 30)), "b.png": ((64, 80), (30, 200, 30))}
+    for i, (name, (size, colour)) in enumerate(images.items()):
+        write_condition_image(folder / "images" / name, size, colour, seed=i)
+    rows = {"train": [{"prompt": "make it red", "image": "a.png"},
+                      {"prompt": "blend them", "images": ["a.png", "b.png"]}, {"prompt": "a lake at dawn"}],
+            "test": [{"prompt": "blend them", "images": ["b.png", "a.png"]}, {"prompt": "a red circle"}]}
+    for split, lines in rows.items():
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return folder
+
+
 def write_dataset(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "train.txt").write_text("\n".join(TRAIN_PROMPTS) + "\n")

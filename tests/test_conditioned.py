@@ -12,12 +12,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers_algorithms import assert_on_policy, perturb_lora
+from helpers_algorithms import assert_on_policy, grpo_on_perturbed_lora, perturb_lora
 from helpers_runs import CONDITION_IMAGES, CONDITIONED_MODELS, tiny_run_config, write_config
 from PIL import Image
 
-from flow_factory.algorithms import make_algorithm
-from flow_factory.config.train import TrainConfig
 from flow_factory.data import load_prompts, read_image, read_video
 from flow_factory.data.media import check_video
 from flow_factory.dynamics import make_dynamics
@@ -31,7 +29,6 @@ from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput, t
 from flow_factory.trajectory import sample_trajectory
 from flow_factory.sampling import SamplingServices, SamplingSettings, collect_rollouts
 from flow_factory.train import main as ff_train
-from flow_factory.trainer.policy import AdapterPolicy
 
 PROMPTS = ["make the sky red", "add a cat"]
 STEPS = 3
@@ -273,11 +270,8 @@ def test_wan2_v2v_keeps_the_last_strength_part_of_the_schedule(tmp_path, tiny_wa
 def test_on_policy_ratio_is_one(request, case, dynamics_name):
     adapter, size, condition_size, guidance = _load(request, case)
     height, width, frames = size
-    apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
-    perturb_lora(adapter.transformer, 0.05)
     dynamics = make_dynamics(dynamics_name, 0.7)
-    algorithm = make_algorithm("grpo", TrainConfig(kl_type="v-based"), dynamics)
-    policy = AdapterPolicy(adapter, guidance, "lora", keep_reference=False)
+    algorithm, policy = grpo_on_perturbed_lora(adapter, dynamics, guidance)
     cond = _conditioning(adapter, PROMPTS, _given(adapter, 2), size, condition_size, guidance)
     noise = adapter.initial_noise(2, height, width, torch.Generator().manual_seed(1), num_frames=frames)
     sigmas = adapter.sigmas(STEPS, height, width, frames)

@@ -13,18 +13,15 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers_algorithms import assert_on_policy, perturb_lora
+from helpers_algorithms import assert_on_policy, grpo_on_perturbed_lora
 from helpers_runs import ff_train_in_this_process, tiny_run_config, write_condition_image, write_config
 from PIL import Image
 
-from flow_factory.algorithms import make_algorithm
-from flow_factory.config.train import TrainConfig
 from flow_factory.data import load_prompts, read_image
 from flow_factory.dynamics import make_dynamics
 from flow_factory.dynamics.ode import ODE
-from flow_factory.models import apply_lora, get_adapter_class, load_adapter
+from flow_factory.models import get_adapter_class, load_adapter
 from flow_factory.trajectory import sample_trajectory
-from flow_factory.trainer.policy import AdapterPolicy
 
 STEPS, SIZE = 3, 64
 PROMPTS = ["make the sky red", "add a cat"]
@@ -137,11 +134,8 @@ def test_samples_of_other_reference_sizes_need_a_call_each(tiny_flux2_path):
 @pytest.mark.parametrize("dynamics_name", ["Flow-SDE", "Dance-SDE", "CPS"])
 def test_on_policy_ratio_is_one(case, dynamics_name):
     adapter, guidance = case
-    apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
-    perturb_lora(adapter.transformer, 0.05)
     dynamics = make_dynamics(dynamics_name, 0.7)
-    algorithm = make_algorithm("grpo", TrainConfig(kl_type="v-based"), dynamics)
-    policy = AdapterPolicy(adapter, guidance, "lora", keep_reference=False)
+    algorithm, policy = grpo_on_perturbed_lora(adapter, dynamics, guidance)
     cond = _conditioning(adapter, PROMPTS, _sources(2, seed=5), guidance)
     noise = adapter.initial_noise(2, SIZE, SIZE, torch.Generator().manual_seed(1))
     traj = sample_trajectory(adapter, dynamics, cond, noise, adapter.sigmas(STEPS, SIZE, SIZE), guidance,

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers_algorithms import assert_on_policy, perturb_lora
+from helpers_algorithms import assert_on_policy, grpo_on_perturbed_lora
 from helpers_runs import CONDITION_IMAGES, ff_train_in_this_process, tiny_run_config, write_config
 from PIL import Image
 
@@ -21,7 +21,7 @@ from flow_factory.algorithms import make_algorithm
 from flow_factory.config.train import TrainConfig
 from flow_factory.dynamics import make_dynamics
 from flow_factory.dynamics.ode import ODE
-from flow_factory.models import apply_lora, load_adapter
+from flow_factory.models import load_adapter
 from flow_factory.sampling import Rollouts
 from flow_factory.trajectory import sample_trajectory
 from flow_factory.trainer.policy import AdapterPolicy
@@ -98,11 +98,8 @@ def test_ode_rollout_reproduces_the_pipeline_with_a_condition_image(adapter):
 
 @pytest.mark.parametrize("dynamics_name", ["Flow-SDE", "Dance-SDE", "CPS"])
 def test_on_policy_ratio_is_one_and_the_noise_misses_the_first_frame(adapter, dynamics_name):
-    apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
-    perturb_lora(adapter.transformer, 0.05)
     dynamics = adapter.sampling_dynamics(make_dynamics(dynamics_name, 0.7))
-    algorithm = make_algorithm("grpo", TrainConfig(kl_type="v-based"), dynamics)
-    policy = AdapterPolicy(adapter, GUIDANCE, "lora", keep_reference=False)
+    algorithm, policy = grpo_on_perturbed_lora(adapter, dynamics, GUIDANCE)
     cond = _conditioning(adapter, PROMPTS, [_image(4), _image(5)], GUIDANCE)
     noise = adapter.initial_noise(2, SIZE, SIZE, torch.Generator().manual_seed(1), num_frames=FRAMES)
     start = adapter.start_latents(noise, None, cond)

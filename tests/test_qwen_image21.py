@@ -10,19 +10,16 @@ import numpy as np
 import pytest
 import torch
 from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
-from helpers_algorithms import assert_on_policy, perturb_lora
-from helpers_runs import ff_train_in_this_process, tiny_run_config, write_condition_image, write_config
+from helpers_algorithms import assert_on_policy, grpo_on_perturbed_lora, perturb_lora
+from helpers_runs import ff_train_in_this_process, tiny_run_config, write_config, write_mixed_condition_dataset
 from PIL import Image
 
-from flow_factory.algorithms import make_algorithm
 from flow_factory.config import ConfigError, parse_config
-from flow_factory.config.train import TrainConfig
 from flow_factory.data import load_prompts, read_image
 from flow_factory.dynamics import make_dynamics
 from flow_factory.dynamics.ode import ODE
 from flow_factory.models import apply_lora, cat_cond, index_cond, load_adapter, save_lora
 from flow_factory.trajectory import sample_trajectory
-from flow_factory.trainer.policy import AdapterPolicy
 
 PROMPTS = ["a red cube on a table", "two cats"]  # of different token lengths
 
@@ -235,11 +232,8 @@ def test_the_condition_cache_fingerprint_covers_the_vision_language_image_proces
 
 @pytest.mark.parametrize("dynamics_name", ["Flow-SDE", "Dance-SDE", "CPS"])
 def test_on_policy_ratio_is_one_with_condition_images(adapter, dynamics_name):
-    apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
-    perturb_lora(adapter.transformer, 0.05)
     dynamics = make_dynamics(dynamics_name, 0.7)
-    algorithm = make_algorithm("grpo", TrainConfig(kl_type="v-based"), dynamics)
-    policy = AdapterPolicy(adapter, GUIDANCE, "lora", keep_reference=False)
+    algorithm, policy = grpo_on_perturbed_lora(adapter, dynamics, GUIDANCE)
     cond = _conditioning(adapter, PROMPTS, _sources(seed=5))
     noise = adapter.initial_noise(2, 64, 64, torch.Generator().manual_seed(1))
     traj = sample_trajectory(adapter, dynamics, cond, noise, adapter.sigmas(3, 64, 64), GUIDANCE,
@@ -264,26 +258,13 @@ def test_lora_with_condition_images_loads_with_the_pipelines_load_lora_weights(a
     assert (reloaded - base).abs().max() > 1e-3
 
 
-def _condition_dataset(folder):
-    """Rows with one or two condition images, and one without (text to image in the same run)."""
-    images = {"a.png": ((100, 72), (200, 30, 30)), "b.png": ((64, 80), (30, 200, 30))}
-    for i, (name, (size, colour)) in enumerate(images.items()):
-        write_condition_image(folder / "images" / name, size, colour, seed=i)
-    rows = {"train": [{"prompt": "make it red", "image": "a.png"},
-                      {"prompt": "blend them", "images": ["a.png", "b.png"]}, {"prompt": "a lake at dawn"}],
-            "test": [{"prompt": "blend them", "images": ["b.png", "a.png"]}, {"prompt": "a red circle"}]}
-    for split, lines in rows.items():
-        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    return folder
-
-
 def test_ff_train_runs_from_rows_with_and_without_images(tiny_qwen_image21_path, tmp_path, gpu_precision):
     """In a GPU's precision: grpo for 2 epochs from an editing dataset (condition_image_size as upstream's example
     sets it, scaled down), rows with and without images in one batch; the saved LoRA loads with the pipeline's
     load_lora_weights and changes its output with images."""
     config = tiny_run_config(tmp_path, "qwen-image-2.1", tiny_qwen_image21_path, max_epochs=2,
                              condition_image_size=[CONDITION_SIZE, CONDITION_SIZE])
-    config["data"]["dataset_dir"] = str(_condition_dataset(tmp_path / "refs"))
+    config["data"]["dataset_dir"] = str(write_mixed_condition_dataset(tmp_path / "refs"))
     (_out, err), code = ff_train_in_this_process([write_config(tmp_path, config)])
     assert code == 0, err
     run_dir = tmp_path / "saves" / "run"

@@ -13,12 +13,10 @@ import numpy as np
 import pytest
 import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
-from helpers_algorithms import assert_on_policy, perturb_lora
+from helpers_algorithms import assert_on_policy, grpo_on_perturbed_lora, perturb_lora
 from helpers_runs import tiny_run_config, write_config
 from PIL import Image
 
-from flow_factory.algorithms import make_algorithm
-from flow_factory.config.train import TrainConfig
 from flow_factory.data import load_prompts
 from flow_factory.dynamics import make_dynamics
 from flow_factory.dynamics.ode import ODE
@@ -27,7 +25,6 @@ from flow_factory.rewards.base import PointwiseRewardModel, RewardModelOutput
 from flow_factory.models.qwen_image_edit import load_pipeline
 from flow_factory.trajectory import sample_trajectory
 from flow_factory.sampling import SamplingServices, SamplingSettings, collect_rollouts
-from flow_factory.trainer.policy import AdapterPolicy
 
 STEPS, GUIDANCE, SIZE = 3, 2.5, 64
 PROMPTS = ["make the sky red", "add a cat"]
@@ -154,11 +151,8 @@ def test_rows_of_other_image_counts_and_sizes_sample_store_and_score(adapter, tm
 
 @pytest.mark.parametrize("dynamics_name", ["Flow-SDE", "Dance-SDE", "CPS"])
 def test_on_policy_ratio_is_one(adapter, dynamics_name):
-    apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
-    perturb_lora(adapter.transformer, 0.05)
     dynamics = make_dynamics(dynamics_name, 0.7)
-    algorithm = make_algorithm("grpo", TrainConfig(kl_type="v-based"), dynamics)
-    policy = AdapterPolicy(adapter, GUIDANCE, "lora", keep_reference=False)
+    algorithm, policy = grpo_on_perturbed_lora(adapter, dynamics, GUIDANCE)
     _, cond = _conditioning(adapter, PROMPTS, [[_image((83, 50), 0)], [_image((83, 50), 1)]])
     noise = adapter.initial_noise(2, SIZE, SIZE, torch.Generator().manual_seed(1))
     traj = sample_trajectory(adapter, dynamics, cond, noise, adapter.sigmas(STEPS, SIZE, SIZE), GUIDANCE,

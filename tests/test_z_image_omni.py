@@ -14,18 +14,15 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers_algorithms import assert_on_policy, perturb_lora
-from helpers_runs import ff_train_in_this_process, tiny_run_config, write_condition_image, write_config
+from helpers_algorithms import assert_on_policy, grpo_on_perturbed_lora, perturb_lora
+from helpers_runs import ff_train_in_this_process, tiny_run_config, write_config, write_mixed_condition_dataset
 from PIL import Image
 
-from flow_factory.algorithms import make_algorithm
-from flow_factory.config.train import TrainConfig
 from flow_factory.data import load_prompts, read_image
 from flow_factory.dynamics import make_dynamics
 from flow_factory.dynamics.ode import ODE
 from flow_factory.models import apply_lora, cat_cond, index_cond, load_adapter, save_lora
 from flow_factory.trajectory import sample_trajectory
-from flow_factory.trainer.policy import AdapterPolicy
 
 STEPS, SIZE, GUIDANCE = 3, 64, 2.0
 PROMPTS = ["make the sky red", "add a cat"]
@@ -140,11 +137,8 @@ def test_samples_concatenate_and_a_call_takes_images_for_all_or_none(adapter):
 
 @pytest.mark.parametrize("dynamics_name", ["Flow-SDE", "Dance-SDE", "CPS"])
 def test_on_policy_ratio_is_one(adapter, dynamics_name):
-    apply_lora(adapter.transformer, 4, 4, "default", adapter.default_lora_targets)
-    perturb_lora(adapter.transformer, 0.05)
     dynamics = make_dynamics(dynamics_name, 0.7)
-    algorithm = make_algorithm("grpo", TrainConfig(kl_type="v-based"), dynamics)
-    policy = AdapterPolicy(adapter, GUIDANCE, "lora", keep_reference=False)
+    algorithm, policy = grpo_on_perturbed_lora(adapter, dynamics, GUIDANCE)
     cond = _conditioning(adapter, PROMPTS, _sources(2, seed=5))
     noise = adapter.initial_noise(2, SIZE, SIZE, torch.Generator().manual_seed(1))
     traj = sample_trajectory(adapter, dynamics, cond, noise, adapter.sigmas(STEPS, SIZE, SIZE), GUIDANCE,
@@ -172,25 +166,12 @@ def test_lora_loads_with_the_pipelines_load_lora_weights(adapter, tiny_z_image_o
     assert (reloaded - base).abs().max() > 1e-3
 
 
-def _condition_dataset(folder):
-    """Rows with one or two condition images, and one without (text-to-image in the same run)."""
-    images = {"a.png": ((100, 72), (200, 30, 30)), "b.png": ((64, 80), (30, 200, 30))}
-    for i, (name, (size, colour)) in enumerate(images.items()):
-        write_condition_image(folder / "images" / name, size, colour, seed=i)
-    rows = {"train": [{"prompt": "make it red", "image": "a.png"},
-                      {"prompt": "blend them", "images": ["a.png", "b.png"]}, {"prompt": "a lake at dawn"}],
-            "test": [{"prompt": "blend them", "images": ["b.png", "a.png"]}, {"prompt": "a red circle"}]}
-    for split, lines in rows.items():
-        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    return folder
-
-
 def test_ff_train_runs_from_rows_with_and_without_images(tiny_z_image_omni_path, tmp_path, gpu_precision):
     """In a GPU's precision (bf16 autocast, fp16 trajectories): grpo for 2 epochs (CFG), a sample a call (rows with
     and without images), the conditions encoded once into the condition cache; the saved LoRA loads with the
     pipeline's load_lora_weights and changes its output."""
     config = tiny_run_config(tmp_path, "z-image-omni", tiny_z_image_omni_path, max_epochs=2, per_device_batch_size=1)
-    config["data"]["dataset_dir"] = str(_condition_dataset(tmp_path / "refs"))
+    config["data"]["dataset_dir"] = str(write_mixed_condition_dataset(tmp_path / "refs"))
     config["eval"].update(per_device_batch_size=1)
     (_out, err), code = ff_train_in_this_process([write_config(tmp_path, config)])
     assert code == 0, err

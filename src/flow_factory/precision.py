@@ -141,11 +141,11 @@ def kept_in_float32(module: torch.nn.Module, dtype: torch.dtype) -> tuple[str, .
     """The submodule names ``from_pretrained`` loads in float32 when asked for ``dtype``: diffusers keeps its class's
     ``_keep_in_fp32_modules`` (Wan's norms and time embedder) at any dtype; transformers keeps those at fp16 only,
     and its ``_keep_in_fp32_modules_strict`` at fp16 and bf16 (T5's ``wo``: at fp16)."""
-    keep, strict = getattr(module, "_keep_in_fp32_modules", None), getattr(module, "_keep_in_fp32_modules_strict", ())
+    keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
     if not hasattr(module, "_keep_in_fp32_modules_strict"):  # a diffusers model
-        return tuple(keep or ())
-    return (*((keep or ()) if dtype == torch.float16 else ()),
-            *((strict or ()) if dtype in (torch.float16, torch.bfloat16) else ()))
+        return keep
+    strict = tuple(module._keep_in_fp32_modules_strict or ())
+    return (keep if dtype == torch.float16 else ()) + (strict if dtype in (torch.float16, torch.bfloat16) else ())
 
 
 def enable_cpu_fp16(accelerator) -> None:
